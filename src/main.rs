@@ -1,0 +1,4 @@
+fn main() {
+    eprintln!("outboxd: the daemon's command line arrives with the relay");
+    std::process::exit(2);
+}

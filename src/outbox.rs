@@ -1,0 +1,276 @@
+//! Outbox rows as they arrive from pgoutput.
+//!
+//! A `Relation` message tells which column sits where; [`OutboxColumns`]
+//! remembers the positions of the columns outboxd needs, by name, so that a
+//! table with extra columns or another column order still works. An `Insert`
+//! tuple then becomes an [`OutboxRow`]. Values arrive in text form (the
+//! replication connection fixes `DateStyle=ISO` and `TimeZone=UTC`).
+//! `payload` and `headers` are kept as the JSON text PostgreSQL produced, so
+//! the payload can be forwarded byte for byte.
+
+use chrono::{DateTime, NaiveDateTime, Utc};
+use uuid::Uuid;
+
+use crate::pg::pgoutput::{Relation, Tuple, TupleValue};
+
+/// Column names of the outbox table (migrations/0001_outbox.sql).
+pub mod column {
+    pub const ID: &str = "id";
+    pub const AGGREGATE_TYPE: &str = "aggregate_type";
+    pub const AGGREGATE_ID: &str = "aggregate_id";
+    pub const TYPE: &str = "type";
+    pub const PAYLOAD: &str = "payload";
+    pub const HEADERS: &str = "headers";
+    pub const CREATED_AT: &str = "created_at";
+}
+
+/// One row inserted into the outbox table.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OutboxRow {
+    pub id: Uuid,
+    pub aggregate_type: String,
+    pub aggregate_id: String,
+    pub event_type: String,
+    /// The payload as JSON text, exactly as PostgreSQL rendered the jsonb.
+    pub payload: String,
+    /// The headers object as JSON text (`{}` when the table has no headers column).
+    pub headers: String,
+    pub created_at: DateTime<Utc>,
+}
+
+/// A row could not be read as an outbox event.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum RowError {
+    #[error("outbox table {table} has no column {column:?}: it must follow migrations/0001_outbox.sql")]
+    MissingColumn { table: String, column: &'static str },
+    #[error("outbox row has {got} columns but its relation announced {want}")]
+    ColumnCount { got: usize, want: usize },
+    #[error("outbox column {column:?} is NULL or not sent as text")]
+    NotText { column: &'static str },
+    #[error("outbox column {column:?} has an invalid value {value:?}: {reason}")]
+    Invalid {
+        column: &'static str,
+        value: String,
+        reason: String,
+    },
+}
+
+/// Where the outbox columns are in a relation's tuples.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OutboxColumns {
+    width: usize,
+    id: usize,
+    aggregate_type: usize,
+    aggregate_id: usize,
+    event_type: usize,
+    payload: usize,
+    headers: Option<usize>,
+    created_at: Option<usize>,
+}
+
+impl OutboxColumns {
+    /// Finds the outbox columns in a `Relation` message.
+    pub fn from_relation(rel: &Relation) -> Result<Self, RowError> {
+        let find = |name: &'static str| rel.columns.iter().position(|c| c.name == name);
+        let need = |name: &'static str| {
+            find(name).ok_or_else(|| RowError::MissingColumn {
+                table: format!("{}.{}", rel.namespace, rel.name),
+                column: name,
+            })
+        };
+        Ok(OutboxColumns {
+            width: rel.columns.len(),
+            id: need(column::ID)?,
+            aggregate_type: need(column::AGGREGATE_TYPE)?,
+            aggregate_id: need(column::AGGREGATE_ID)?,
+            event_type: need(column::TYPE)?,
+            payload: need(column::PAYLOAD)?,
+            headers: find(column::HEADERS),
+            created_at: find(column::CREATED_AT),
+        })
+    }
+
+    /// Reads an inserted tuple.
+    pub fn row(&self, tuple: &Tuple) -> Result<OutboxRow, RowError> {
+        if tuple.len() != self.width {
+            return Err(RowError::ColumnCount {
+                got: tuple.len(),
+                want: self.width,
+            });
+        }
+        let text = |idx: usize, column: &'static str| -> Result<&str, RowError> {
+            match &tuple[idx] {
+                TupleValue::Text(_) => tuple[idx].as_text().ok_or(RowError::Invalid {
+                    column,
+                    value: String::new(),
+                    reason: "not UTF-8".into(),
+                }),
+                _ => Err(RowError::NotText { column }),
+            }
+        };
+        let id_text = text(self.id, column::ID)?;
+        let id = Uuid::parse_str(id_text).map_err(|e| RowError::Invalid {
+            column: column::ID,
+            value: id_text.to_owned(),
+            reason: e.to_string(),
+        })?;
+        let headers = match self.headers {
+            Some(i) => text(i, column::HEADERS)?.to_owned(),
+            None => "{}".to_owned(),
+        };
+        let created_at = match self.created_at {
+            Some(i) => parse_timestamptz(text(i, column::CREATED_AT)?)?,
+            None => Utc::now(),
+        };
+        Ok(OutboxRow {
+            id,
+            aggregate_type: text(self.aggregate_type, column::AGGREGATE_TYPE)?.to_owned(),
+            aggregate_id: text(self.aggregate_id, column::AGGREGATE_ID)?.to_owned(),
+            event_type: text(self.event_type, column::TYPE)?.to_owned(),
+            payload: text(self.payload, column::PAYLOAD)?.to_owned(),
+            headers,
+            created_at,
+        })
+    }
+}
+
+/// Parses a `timestamptz` in ISO DateStyle, e.g. `2026-11-30 11:50:36.123456+00`.
+pub fn parse_timestamptz(s: &str) -> Result<DateTime<Utc>, RowError> {
+    let invalid = |reason: String| RowError::Invalid {
+        column: column::CREATED_AT,
+        value: s.to_owned(),
+        reason,
+    };
+    // The offset is the trailing [+-]HH[:MM[:SS]]; find its sign after the time.
+    let split = s
+        .rfind(['+', '-'])
+        .filter(|&i| i > 10)
+        .ok_or_else(|| invalid("no UTC offset".into()))?;
+    let (local, offset) = s.split_at(split);
+    let naive =
+        NaiveDateTime::parse_from_str(local, "%Y-%m-%d %H:%M:%S%.f").map_err(|e| invalid(e.to_string()))?;
+    let sign: i64 = if offset.starts_with('-') { -1 } else { 1 };
+    let mut parts = offset[1..].split(':');
+    let mut secs = 0i64;
+    for unit in [3600i64, 60, 1] {
+        if let Some(p) = parts.next() {
+            let v: i64 = p.parse().map_err(|_| invalid("bad UTC offset".into()))?;
+            secs += v * unit;
+        }
+    }
+    Ok(DateTime::<Utc>::from_naive_utc_and_offset(naive, Utc) - chrono::Duration::seconds(sign * secs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pg::pgoutput::RelationColumn;
+    use bytes::Bytes;
+
+    fn relation(names: &[&str]) -> Relation {
+        Relation {
+            xid: None,
+            id: 1,
+            namespace: "public".into(),
+            name: "outbox".into(),
+            replica_identity: b'd',
+            columns: names
+                .iter()
+                .map(|n| RelationColumn {
+                    flags: 0,
+                    name: (*n).into(),
+                    type_oid: 25,
+                    type_modifier: -1,
+                })
+                .collect(),
+        }
+    }
+
+    fn t(s: &str) -> TupleValue {
+        TupleValue::Text(Bytes::copy_from_slice(s.as_bytes()))
+    }
+
+    #[test]
+    fn reads_a_row_in_any_column_order() {
+        let rel = relation(&[
+            "payload",
+            "extra",
+            "id",
+            "type",
+            "aggregate_id",
+            "aggregate_type",
+            "created_at",
+            "headers",
+        ]);
+        let cols = OutboxColumns::from_relation(&rel).unwrap();
+        let row = cols
+            .row(&vec![
+                t(r#"{"a": 1}"#),
+                TupleValue::Null,
+                t("0190a5a4-8c1e-7000-8000-000000000001"),
+                t("ordering.order-placed.v1"),
+                t("1001"),
+                t("Order"),
+                t("2026-11-30 11:50:36.123456+09"),
+                t(r#"{"correlationId": "c-1"}"#),
+            ])
+            .unwrap();
+        assert_eq!(row.aggregate_type, "Order");
+        assert_eq!(row.event_type, "ordering.order-placed.v1");
+        assert_eq!(row.payload, r#"{"a": 1}"#);
+        assert_eq!(row.created_at.to_rfc3339(), "2026-11-30T02:50:36.123456+00:00");
+    }
+
+    #[test]
+    fn missing_column_and_nulls_are_errors() {
+        let err = OutboxColumns::from_relation(&relation(&["id", "type"])).unwrap_err();
+        assert!(err.to_string().contains("aggregate_type"), "{err}");
+        let cols = OutboxColumns::from_relation(&relation(&[
+            "id",
+            "aggregate_type",
+            "aggregate_id",
+            "type",
+            "payload",
+        ]))
+        .unwrap();
+        let err = cols
+            .row(&vec![t("x"), t("A"), t("1"), t("t"), t("{}")])
+            .unwrap_err();
+        assert!(matches!(err, RowError::Invalid { column: "id", .. }));
+        let err = cols
+            .row(&vec![
+                t("0190a5a4-8c1e-7000-8000-000000000001"),
+                TupleValue::Null,
+                t("1"),
+                t("t"),
+                t("{}"),
+            ])
+            .unwrap_err();
+        assert_eq!(
+            err,
+            RowError::NotText {
+                column: "aggregate_type"
+            }
+        );
+        assert!(matches!(
+            cols.row(&vec![t("x")]),
+            Err(RowError::ColumnCount { .. })
+        ));
+    }
+
+    #[test]
+    fn timestamptz_offsets() {
+        assert_eq!(
+            parse_timestamptz("2026-01-02 03:04:05+00").unwrap().to_rfc3339(),
+            "2026-01-02T03:04:05+00:00"
+        );
+        assert_eq!(
+            parse_timestamptz("2026-01-02 03:04:05.5-05:30")
+                .unwrap()
+                .to_rfc3339(),
+            "2026-01-02T08:34:05.500+00:00"
+        );
+        assert!(parse_timestamptz("infinity").is_err());
+        assert!(parse_timestamptz("2026-01-02 03:04:05").is_err());
+    }
+}

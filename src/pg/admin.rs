@@ -1,0 +1,254 @@
+//! Slot and publication management on an ordinary SQL connection.
+//!
+//! The publication must contain the outbox table and publish INSERTs. When
+//! it is missing outboxd creates it (`FOR TABLE … WITH (publish = 'insert')`).
+//! When it exists but is wrong, outboxd does not alter it behind the
+//! operator's back: it stops and prints the exact SQL to run.
+//!
+//! The slot is created on the replication connection (only there can a
+//! logical slot be created without holding a snapshot), after checking here
+//! whether it exists and belongs to this database and plugin.
+
+use tokio_postgres::{Client, NoTls};
+
+use crate::lsn::Lsn;
+use crate::pg::connection::ReplicationConnection;
+use crate::pg::conninfo::PgConnectConfig;
+use crate::pg::error::PgError;
+use crate::pg::ident::{PublicationName, SlotName, TableName};
+use crate::pg::tls;
+
+/// Setting up the publication or slot failed.
+#[derive(Debug, thiserror::Error)]
+pub enum AdminError {
+    #[error("cannot connect to PostgreSQL at {target}: {source}")]
+    Connect {
+        target: String,
+        source: tokio_postgres::Error,
+    },
+    #[error(transparent)]
+    Tls(#[from] tls::TlsConfigError),
+    #[error("PostgreSQL query failed: {0}")]
+    Query(#[from] tokio_postgres::Error),
+    #[error(transparent)]
+    Replication(#[from] PgError),
+    #[error(
+        "outbox table {table} does not exist: run `outboxd migrate` or apply migrations/0001_outbox.sql"
+    )]
+    NoTable { table: String },
+    #[error("publication {publication} exists but does not include {table}; run: ALTER PUBLICATION {publication_sql} ADD TABLE {table_sql};")]
+    TableNotPublished {
+        publication: String,
+        table: String,
+        publication_sql: String,
+        table_sql: String,
+    },
+    #[error("publication {publication} does not publish INSERTs; run: ALTER PUBLICATION {publication_sql} SET (publish = 'insert');")]
+    InsertsNotPublished {
+        publication: String,
+        publication_sql: String,
+    },
+    #[error("replication slot {slot} exists but {problem}; drop it with SELECT pg_drop_replication_slot('{slot}') or configure another slot name")]
+    ForeignSlot { slot: String, problem: String },
+}
+
+/// Connects an ordinary client with the same settings (and TLS rules) as
+/// the replication connection. The connection task runs in the background.
+pub async fn connect(cfg: &PgConnectConfig) -> Result<Client, AdminError> {
+    let pg = cfg.to_tokio_postgres();
+    let target = cfg.target();
+    let client = match tls::client_config(cfg)? {
+        Some(tls_cfg) => {
+            let tls = tokio_postgres_rustls::MakeRustlsConnect::new((*tls_cfg).clone());
+            let (client, conn) = pg
+                .connect(tls)
+                .await
+                .map_err(|source| AdminError::Connect { target, source })?;
+            tokio::spawn(async move {
+                if let Err(e) = conn.await {
+                    tracing::debug!(error = %e, "admin connection closed");
+                }
+            });
+            client
+        }
+        None => {
+            let (client, conn) = pg
+                .connect(NoTls)
+                .await
+                .map_err(|source| AdminError::Connect { target, source })?;
+            tokio::spawn(async move {
+                if let Err(e) = conn.await {
+                    tracing::debug!(error = %e, "admin connection closed");
+                }
+            });
+            client
+        }
+    };
+    Ok(client)
+}
+
+/// Whether the outbox table exists.
+pub async fn table_exists(client: &Client, table: &TableName) -> Result<bool, AdminError> {
+    let row = client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_tables WHERE schemaname = $1 AND tablename = $2)",
+            &[&table.schema, &table.name],
+        )
+        .await?;
+    Ok(row.get(0))
+}
+
+/// What [`ensure_publication`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PublicationState {
+    Created,
+    AlreadyCorrect,
+}
+
+/// Creates the publication if missing; checks it if present.
+pub async fn ensure_publication(
+    client: &Client,
+    publication: &PublicationName,
+    table: &TableName,
+) -> Result<PublicationState, AdminError> {
+    if !table_exists(client, table).await? {
+        return Err(AdminError::NoTable {
+            table: table.to_string(),
+        });
+    }
+    let existing = client
+        .query_opt(
+            "SELECT pubinsert FROM pg_catalog.pg_publication WHERE pubname = $1",
+            &[&publication.as_str()],
+        )
+        .await?;
+    let Some(row) = existing else {
+        let sql = format!(
+            "CREATE PUBLICATION {} FOR TABLE {} WITH (publish = 'insert')",
+            publication.quoted(),
+            table.quoted()
+        );
+        match client.batch_execute(&sql).await {
+            Ok(()) => return Ok(PublicationState::Created),
+            // Another process created it first: fall through to the checks.
+            Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::DUPLICATE_OBJECT) => {}
+            Err(e) => return Err(e.into()),
+        }
+        return Box::pin(ensure_publication(client, publication, table)).await;
+    };
+    let publishes_inserts: bool = row.get(0);
+    if !publishes_inserts {
+        return Err(AdminError::InsertsNotPublished {
+            publication: publication.as_str().to_owned(),
+            publication_sql: publication.quoted().to_string(),
+        });
+    }
+    let included = client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_publication_tables
+                             WHERE pubname = $1 AND schemaname = $2 AND tablename = $3)",
+            &[&publication.as_str(), &table.schema, &table.name],
+        )
+        .await?;
+    if !included.get::<_, bool>(0) {
+        return Err(AdminError::TableNotPublished {
+            publication: publication.as_str().to_owned(),
+            table: table.to_string(),
+            publication_sql: publication.quoted().to_string(),
+            table_sql: table.quoted().to_string(),
+        });
+    }
+    Ok(PublicationState::AlreadyCorrect)
+}
+
+/// A row of `pg_replication_slots`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SlotInfo {
+    pub plugin: Option<String>,
+    pub slot_type: String,
+    pub database: Option<String>,
+    pub active: bool,
+    pub active_pid: Option<i32>,
+    pub restart_lsn: Option<Lsn>,
+    pub confirmed_flush_lsn: Option<Lsn>,
+    /// `reserved`, `extended`, `unreserved` or `lost`.
+    pub wal_status: Option<String>,
+}
+
+fn lsn_col(row: &tokio_postgres::Row, idx: usize) -> Option<Lsn> {
+    row.get::<_, Option<String>>(idx).and_then(|s| s.parse().ok())
+}
+
+/// Reads the slot's row, if it exists.
+pub async fn slot_info(client: &Client, slot: &SlotName) -> Result<Option<SlotInfo>, AdminError> {
+    let row = client
+        .query_opt(
+            "SELECT plugin::text, slot_type, database::text, active, active_pid,
+                    restart_lsn::text, confirmed_flush_lsn::text, wal_status
+               FROM pg_catalog.pg_replication_slots WHERE slot_name = $1",
+            &[&slot.as_str()],
+        )
+        .await?;
+    Ok(row.map(|r| SlotInfo {
+        plugin: r.get(0),
+        slot_type: r.get(1),
+        database: r.get(2),
+        active: r.get(3),
+        active_pid: r.get(4),
+        restart_lsn: lsn_col(&r, 5),
+        confirmed_flush_lsn: lsn_col(&r, 6),
+        wal_status: r.get(7),
+    }))
+}
+
+/// What [`ensure_slot`] found or did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SlotState {
+    /// The slot was created; streaming starts at its consistent point.
+    Created { consistent_point: Lsn },
+    /// The slot exists and fits.
+    Existing(SlotInfo),
+}
+
+/// Creates the logical slot if it is missing; refuses a slot that belongs to
+/// another database or plugin.
+pub async fn ensure_slot(
+    client: &Client,
+    repl: &mut ReplicationConnection,
+    slot: &SlotName,
+    dbname: &str,
+) -> Result<SlotState, AdminError> {
+    if let Some(info) = slot_info(client, slot).await? {
+        let problem = if info.slot_type != "logical" {
+            Some(format!("is a {} slot, not a logical one", info.slot_type))
+        } else if info.plugin.as_deref() != Some("pgoutput") {
+            Some(format!(
+                "uses plugin {:?}, not pgoutput",
+                info.plugin.as_deref().unwrap_or("")
+            ))
+        } else if info.database.as_deref() != Some(dbname) {
+            Some(format!(
+                "belongs to database {:?}, not {dbname:?}",
+                info.database.as_deref().unwrap_or("")
+            ))
+        } else {
+            None
+        };
+        if let Some(problem) = problem {
+            return Err(AdminError::ForeignSlot {
+                slot: slot.as_str().to_owned(),
+                problem,
+            });
+        }
+        return Ok(SlotState::Existing(info));
+    }
+    match repl.create_logical_slot(slot).await {
+        Ok(consistent_point) => Ok(SlotState::Created { consistent_point }),
+        // Created concurrently by another process: use it.
+        Err(e) if e.sqlstate() == Some("42710") => match slot_info(client, slot).await? {
+            Some(info) => Ok(SlotState::Existing(info)),
+            None => Err(e.into()),
+        },
+        Err(e) => Err(e.into()),
+    }
+}

@@ -1,0 +1,195 @@
+//! The replication stream seen as outbox transactions.
+//!
+//! [`OutboxStream`] wraps a [`ReplicationStream`]: it decodes each XLogData
+//! with the pgoutput decoder, keeps the relation cache (relation id → column
+//! positions of the outbox table), and yields only what the relay needs:
+//!
+//! * `Begin` / `Commit` of every transaction, with its commit LSNs;
+//! * one `Insert` per row inserted into the outbox table;
+//! * keepalives, with the server's WAL end.
+//!
+//! Everything else (UPDATE, DELETE, TRUNCATE, rows of other published
+//! tables, origins, types, logical decoding messages) is consumed here and
+//! never surfaces as an outbox insert. A transaction that touches no outbox
+//! row still yields Begin and Commit, which lets the relay confirm past it.
+
+use std::collections::HashMap;
+
+use crate::lsn::Lsn;
+use crate::outbox::{OutboxColumns, OutboxRow, RowError};
+use crate::pg::connection::ReplicationStream;
+use crate::pg::copy_both::{ReplicationMessage, StandbyStatusUpdate};
+use crate::pg::error::PgError;
+use crate::pg::ident::TableName;
+use crate::pg::pgoutput::{LogicalMessage, PgOutputDecoder, PgTimestamp};
+
+/// One step of the outbox stream.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StreamEvent {
+    Begin {
+        xid: u32,
+        /// LSN of the transaction's commit record.
+        final_lsn: Lsn,
+        commit_time: PgTimestamp,
+    },
+    Insert {
+        row: OutboxRow,
+        /// WAL position of the INSERT.
+        lsn: Lsn,
+    },
+    Commit {
+        commit_lsn: Lsn,
+        /// The position to confirm once every event of this and earlier
+        /// transactions is acknowledged.
+        end_lsn: Lsn,
+        commit_time: PgTimestamp,
+    },
+    Keepalive {
+        wal_end: Lsn,
+        reply_requested: bool,
+    },
+}
+
+/// A row of the outbox table could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum StreamError {
+    #[error(transparent)]
+    Pg(#[from] PgError),
+    #[error("outbox row at {lsn} is unreadable: {source}")]
+    Row { lsn: Lsn, source: RowError },
+    #[error("INSERT at {lsn} refers to relation {relation_id}, which was never described; the stream is out of sync")]
+    UnknownRelation { lsn: Lsn, relation_id: u32 },
+}
+
+impl StreamError {
+    /// Transient failures are worth a reconnect.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            StreamError::Pg(e) => e.is_transient(),
+            StreamError::UnknownRelation { .. } => true,
+            StreamError::Row { .. } => false,
+        }
+    }
+}
+
+/// Decoded outbox transactions from a replication stream.
+#[derive(Debug)]
+pub struct OutboxStream {
+    stream: ReplicationStream,
+    decoder: PgOutputDecoder,
+    table: TableName,
+    /// Relation id → outbox column positions; `None` for other tables.
+    relations: HashMap<u32, Option<OutboxColumns>>,
+}
+
+impl OutboxStream {
+    pub fn new(stream: ReplicationStream, table: TableName) -> Self {
+        OutboxStream {
+            stream,
+            decoder: PgOutputDecoder::new(),
+            table,
+            relations: HashMap::new(),
+        }
+    }
+
+    /// The next event; `None` when the server ended the stream. Cancel-safe.
+    pub async fn next_event(&mut self) -> Result<Option<StreamEvent>, StreamError> {
+        loop {
+            let Some(msg) = self.stream.next_message().await? else {
+                return Ok(None);
+            };
+            let xlog = match msg {
+                ReplicationMessage::PrimaryKeepalive(k) => {
+                    return Ok(Some(StreamEvent::Keepalive {
+                        wal_end: k.wal_end,
+                        reply_requested: k.reply_requested,
+                    }))
+                }
+                ReplicationMessage::XLogData(x) => x,
+            };
+            let lsn = xlog.wal_start;
+            let decoded = self
+                .decoder
+                .decode(xlog.data)
+                .map_err(|source| PgError::Decode { lsn, source })?;
+            if let Some(event) = self.handle(decoded, lsn)? {
+                return Ok(Some(event));
+            }
+        }
+    }
+
+    fn handle(&mut self, msg: LogicalMessage, lsn: Lsn) -> Result<Option<StreamEvent>, StreamError> {
+        Ok(match msg {
+            LogicalMessage::Begin(b) => Some(StreamEvent::Begin {
+                xid: b.xid,
+                final_lsn: b.final_lsn,
+                commit_time: b.commit_time,
+            }),
+            LogicalMessage::Commit(c) => Some(StreamEvent::Commit {
+                commit_lsn: c.commit_lsn,
+                end_lsn: c.end_lsn,
+                commit_time: c.commit_time,
+            }),
+            LogicalMessage::Relation(rel) => {
+                let is_outbox = rel.namespace == self.table.schema && rel.name == self.table.name;
+                let columns = if is_outbox {
+                    Some(
+                        OutboxColumns::from_relation(&rel)
+                            .map_err(|source| StreamError::Row { lsn, source })?,
+                    )
+                } else {
+                    None
+                };
+                self.relations.insert(rel.id, columns);
+                None
+            }
+            LogicalMessage::Insert(ins) => match self.relations.get(&ins.relation_id) {
+                Some(Some(columns)) => {
+                    let row = columns
+                        .row(&ins.new)
+                        .map_err(|source| StreamError::Row { lsn, source })?;
+                    Some(StreamEvent::Insert { row, lsn })
+                }
+                Some(None) => None,
+                None => {
+                    return Err(StreamError::UnknownRelation {
+                        lsn,
+                        relation_id: ins.relation_id,
+                    })
+                }
+            },
+            LogicalMessage::Origin(_)
+            | LogicalMessage::Type(_)
+            | LogicalMessage::Update(_)
+            | LogicalMessage::Delete(_)
+            | LogicalMessage::Truncate(_)
+            | LogicalMessage::Message(_)
+            | LogicalMessage::StreamStart(_)
+            | LogicalMessage::StreamStop
+            | LogicalMessage::StreamCommit(_)
+            | LogicalMessage::StreamAbort(_) => None,
+        })
+    }
+
+    /// Reports progress to the server.
+    pub async fn send_status(
+        &mut self,
+        received: Lsn,
+        flushed: Lsn,
+        reply_requested: bool,
+    ) -> Result<(), PgError> {
+        let mut update = StandbyStatusUpdate::now(received, flushed);
+        update.reply_requested = reply_requested;
+        self.stream.send_status(&update).await
+    }
+
+    /// The walsender's PID.
+    pub fn backend_pid(&self) -> i32 {
+        self.stream.backend_pid()
+    }
+
+    /// Ends streaming cleanly.
+    pub async fn stop(self, wait: std::time::Duration) -> Result<(), PgError> {
+        self.stream.stop(wait).await
+    }
+}

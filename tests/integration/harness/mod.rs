@@ -1,0 +1,76 @@
+//! Shared test fixtures: the PostgreSQL server, a database per test, and
+//! waiting on conditions instead of sleeping.
+
+pub mod postgres;
+
+use std::future::Future;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+pub use postgres::server;
+
+static NEXT_DB: AtomicU32 = AtomicU32::new(0);
+
+/// The outbox table's migration, as shipped.
+pub const OUTBOX_MIGRATION: &str = include_str!("../../../migrations/0001_outbox.sql");
+
+/// A fresh database on the shared server, with the outbox table.
+#[derive(Debug)]
+pub struct TestDb {
+    pub name: String,
+}
+
+impl TestDb {
+    /// Creates `<hint>_<n>` and applies the outbox migration.
+    pub async fn new(hint: &str) -> TestDb {
+        let server = server();
+        let n = NEXT_DB.fetch_add(1, Ordering::SeqCst);
+        let name = format!("{hint}_{}_{n}", std::process::id());
+        let admin = server.client("postgres").await;
+        admin
+            .batch_execute(&format!("CREATE DATABASE {name}"))
+            .await
+            .unwrap_or_else(|e| panic!("CREATE DATABASE {name}: {e}"));
+        let db = TestDb { name };
+        db.client()
+            .await
+            .batch_execute(OUTBOX_MIGRATION)
+            .await
+            .expect("apply migrations/0001_outbox.sql");
+        db
+    }
+
+    /// A superuser SQL client on this database.
+    pub async fn client(&self) -> tokio_postgres::Client {
+        server().client(&self.name).await
+    }
+
+    /// A TCP URL for `user` on this database.
+    pub fn url(&self, user: &str, password: Option<&str>) -> String {
+        server().url(user, password, &self.name)
+    }
+
+    /// The superuser URL over TCP.
+    pub fn superuser_url(&self) -> String {
+        self.url("postgres", None)
+    }
+}
+
+/// Polls `check` until it returns `Some`, or panics after `timeout` with `what`.
+pub async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

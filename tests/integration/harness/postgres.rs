@@ -1,0 +1,397 @@
+//! A throwaway PostgreSQL server for the test run.
+//!
+//! Started once per test process on first use: `initdb` into a temporary
+//! directory, `wal_level=logical`, a free TCP port on 127.0.0.1 and a Unix
+//! socket in the temporary directory, TLS with a certificate from a test CA,
+//! and a `pg_hba.conf` with trust, cleartext, md5 and scram-sha-256 users.
+//! When the tests run as root the server runs as the `postgres` OS user.
+//!
+//! A watchdog shell process stops the server and deletes the directory as
+//! soon as the test process exits, however it exits (normal end, a panic
+//! escaping the harness, SIGKILL). If the server cannot start, every test
+//! that needs it fails with the reason and the server log; none skip.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use tokio_postgres::NoTls;
+
+/// Users the tests can log in as, with the authentication method
+/// `pg_hba.conf` applies to them over TCP.
+pub const TRUST_USER: &str = "trust_user";
+pub const CLEARTEXT_USER: (&str, &str) = ("clear_user", "clear-pass");
+pub const MD5_USER: (&str, &str) = ("md5_user", "md5-pass");
+pub const SCRAM_USER: (&str, &str) = ("scram_user", "scram-pass ü");
+
+#[derive(Debug)]
+pub struct PgServer {
+    pub port: u16,
+    pub socket_dir: PathBuf,
+    pub data_dir: PathBuf,
+    pub bin_dir: PathBuf,
+    /// CA certificate that signed the server certificate (SAN: localhost only).
+    pub ca_cert: PathBuf,
+    /// A CA that signed nothing, for negative TLS tests.
+    pub other_ca_cert: PathBuf,
+    pub log_file: PathBuf,
+    run_as_postgres: bool,
+}
+
+static SERVER: OnceLock<Result<PgServer, String>> = OnceLock::new();
+
+/// The shared server, started on first use. Panics (failing the test) with
+/// the reason when it cannot start.
+pub fn server() -> &'static PgServer {
+    match SERVER.get_or_init(start) {
+        Ok(s) => s,
+        Err(e) => panic!("the test PostgreSQL server could not start: {e}"),
+    }
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false)
+}
+
+fn find_bin_dir() -> Result<PathBuf, String> {
+    if let Some(dir) = std::env::var_os("OUTBOXD_PG_BIN") {
+        return Ok(PathBuf::from(dir));
+    }
+    for v in ["15", "16", "17"] {
+        let dir = PathBuf::from(format!("/usr/lib/postgresql/{v}/bin"));
+        if dir.join("postgres").exists() {
+            return Ok(dir);
+        }
+    }
+    Err("no PostgreSQL server binaries: install the `postgresql` package (scripts/setup.sh does) or set OUTBOXD_PG_BIN".into())
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("no free TCP port on 127.0.0.1")
+}
+
+impl PgServer {
+    /// Runs a server binary (initdb, pg_ctl, ...) as the server's OS user.
+    pub fn command(&self, tool: &str) -> Command {
+        command_as(self.run_as_postgres, &self.bin_dir.join(tool))
+    }
+
+    /// `pg_ctl` with the data directory filled in; waits for it to finish.
+    pub fn pg_ctl(&self, args: &[&str]) -> Result<(), String> {
+        let out = self
+            .command("pg_ctl")
+            .arg("-D")
+            .arg(&self.data_dir)
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| format!("cannot run pg_ctl: {e}"))?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(format!(
+                "pg_ctl {args:?} failed: {}{}\n{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr),
+                self.log_tail()
+            ))
+        }
+    }
+
+    /// The last lines of the server log, for failure messages.
+    pub fn log_tail(&self) -> String {
+        let log = std::fs::read_to_string(&self.log_file).unwrap_or_default();
+        let lines: Vec<&str> = log.lines().collect();
+        let start = lines.len().saturating_sub(30);
+        format!(
+            "--- server log ({}) ---\n{}",
+            self.log_file.display(),
+            lines[start..].join("\n")
+        )
+    }
+
+    /// A postgres:// URL over TCP for `user` (with `password`) and `db`.
+    pub fn url(&self, user: &str, password: Option<&str>, db: &str) -> String {
+        let auth = match password {
+            Some(p) => format!("{user}:{}", urlencode(p)),
+            None => user.to_owned(),
+        };
+        format!("postgres://{auth}@127.0.0.1:{}/{db}?sslmode=disable", self.port)
+    }
+
+    /// A postgres:// URL over the Unix socket, as the superuser.
+    pub fn socket_url(&self, db: &str) -> String {
+        format!(
+            "postgres://postgres@{}:{}/{db}",
+            urlencode(&self.socket_dir.display().to_string()),
+            self.port
+        )
+    }
+
+    /// A superuser SQL client on `db`.
+    pub async fn client(&self, db: &str) -> tokio_postgres::Client {
+        let (client, conn) = tokio_postgres::Config::new()
+            .host("127.0.0.1")
+            .port(self.port)
+            .user("postgres")
+            .dbname(db)
+            .connect(NoTls)
+            .await
+            .unwrap_or_else(|e| panic!("cannot connect to the test server: {e}\n{}", self.log_tail()));
+        tokio::spawn(conn);
+        client
+    }
+}
+
+pub fn urlencode(s: &str) -> String {
+    url::form_urlencoded::byte_serialize(s.as_bytes())
+        .collect::<String>()
+        .replace('+', "%20")
+}
+
+fn command_as(run_as_postgres: bool, program: &Path) -> Command {
+    if run_as_postgres {
+        let mut c = Command::new("runuser");
+        c.args(["-u", "postgres", "--"]).arg(program);
+        c
+    } else {
+        Command::new(program)
+    }
+}
+
+fn run(mut cmd: Command, what: &str) -> Result<(), String> {
+    let out = cmd
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run {what}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{what} failed ({}): {}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    Ok(())
+}
+
+fn write_certs(dir: &Path) -> Result<(PathBuf, PathBuf), String> {
+    use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
+    let e = |e: rcgen::Error| format!("cannot make test certificates: {e}");
+    let ca = |name: &str| -> Result<CertifiedIssuer<'static, KeyPair>, String> {
+        let mut params = CertificateParams::new(Vec::<String>::new()).map_err(e)?;
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.distinguished_name.push(DnType::CommonName, name);
+        CertifiedIssuer::self_signed(params, KeyPair::generate().map_err(e)?).map_err(e)
+    };
+    let test_ca = ca("outboxd test CA")?;
+    let other_ca = ca("outboxd unrelated CA")?;
+    let key = KeyPair::generate().map_err(e)?;
+    let mut params = CertificateParams::new(vec!["localhost".to_owned()]).map_err(e)?;
+    params.distinguished_name.push(DnType::CommonName, "localhost");
+    let cert = params.signed_by(&key, &test_ca).map_err(e)?;
+    let write = |name: &str, body: String| -> Result<PathBuf, String> {
+        let p = dir.join(name);
+        std::fs::write(&p, body).map_err(|err| format!("cannot write {}: {err}", p.display()))?;
+        Ok(p)
+    };
+    write("server.crt", cert.pem())?;
+    write("server.key", key.serialize_pem())?;
+    Ok((
+        write("ca.pem", test_ca.pem())?,
+        write("other-ca.pem", other_ca.pem())?,
+    ))
+}
+
+const HBA: &str = "\
+# TYPE  DATABASE  USER         ADDRESS        METHOD
+local   all       all                         trust
+host    all       postgres     127.0.0.1/32   trust
+host    all       trust_user   127.0.0.1/32   trust
+host    all       clear_user   127.0.0.1/32   password
+host    all       md5_user     127.0.0.1/32   md5
+host    all       scram_user   127.0.0.1/32   scram-sha-256
+host    all       all          127.0.0.1/32   scram-sha-256
+";
+
+fn start() -> Result<PgServer, String> {
+    let bin_dir = find_bin_dir()?;
+    let run_as_postgres = is_root();
+    let root = tempfile::Builder::new()
+        .prefix("outboxd-pg-")
+        .tempdir()
+        .map_err(|e| format!("cannot create a temporary directory: {e}"))?
+        .keep();
+    let data_dir = root.join("data");
+    let socket_dir = root.join("sock");
+    std::fs::create_dir_all(&socket_dir).map_err(|e| e.to_string())?;
+    let (ca_cert, other_ca_cert) = write_certs(&root)?;
+    if run_as_postgres {
+        let mut chown = Command::new("chown");
+        chown.args(["-R", "postgres:postgres"]).arg(&root);
+        run(chown, "chown of the test directory to the postgres user")?;
+    }
+    let mut initdb = command_as(run_as_postgres, &bin_dir.join("initdb"));
+    initdb.arg("-D").arg(&data_dir).args([
+        "-U",
+        "postgres",
+        "--auth=trust",
+        "-E",
+        "UTF8",
+        "--locale=C",
+        "--no-sync",
+    ]);
+    run(initdb, "initdb")?;
+    std::fs::write(data_dir.join("pg_hba.conf"), HBA).map_err(|e| e.to_string())?;
+    let key = root.join("server.key");
+    let mut chmod = Command::new("chmod");
+    chmod.arg("0600").arg(&key);
+    run(chmod, "chmod of the server key")?;
+
+    let port = free_port();
+    let conf = format!(
+        "port = {port}\n\
+         listen_addresses = '127.0.0.1'\n\
+         unix_socket_directories = '{sock}'\n\
+         wal_level = logical\n\
+         max_replication_slots = 200\n\
+         max_wal_senders = 200\n\
+         max_connections = 400\n\
+         wal_sender_timeout = '60s'\n\
+         fsync = off\n\
+         full_page_writes = off\n\
+         shared_buffers = '128MB'\n\
+         max_wal_size = '2GB'\n\
+         ssl = on\n\
+         ssl_cert_file = '{cert}'\n\
+         ssl_key_file = '{key}'\n\
+         track_commit_timestamp = on\n\
+         log_min_messages = warning\n",
+        sock = socket_dir.display(),
+        cert = root.join("server.crt").display(),
+        key = key.display(),
+    );
+    let mut auto = std::fs::OpenOptions::new()
+        .append(true)
+        .open(data_dir.join("postgresql.auto.conf"))
+        .map_err(|e| e.to_string())?;
+    std::io::Write::write_all(&mut auto, conf.as_bytes()).map_err(|e| e.to_string())?;
+    drop(auto);
+
+    let log_file = root.join("server.log");
+    let server = PgServer {
+        port,
+        socket_dir,
+        data_dir,
+        bin_dir,
+        ca_cert,
+        other_ca_cert,
+        log_file,
+        run_as_postgres,
+    };
+    spawn_watchdog(&server, &root);
+    server.pg_ctl(&[
+        "start",
+        "-w",
+        "-t",
+        "60",
+        "-l",
+        &server.log_file.display().to_string(),
+    ])?;
+    wait_accepting(&server)?;
+    create_roles(&server)?;
+    Ok(server)
+}
+
+/// Stops the server and removes its directory when this process is gone.
+fn spawn_watchdog(server: &PgServer, root: &Path) {
+    let stop = format!(
+        "{} -D '{}' stop -m immediate",
+        server.bin_dir.join("pg_ctl").display(),
+        server.data_dir.display()
+    );
+    let stop = if server.run_as_postgres {
+        format!("runuser -u postgres -- {stop}")
+    } else {
+        stop
+    };
+    let script = format!(
+        "while kill -0 {pid} 2>/dev/null; do sleep 0.5; done; {stop} >/dev/null 2>&1; rm -rf '{root}'",
+        pid = std::process::id(),
+        root = root.display()
+    );
+    let _ = Command::new("sh")
+        .arg("-c")
+        .arg(script)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn();
+}
+
+fn wait_accepting(server: &PgServer) -> Result<(), String> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let ok = Command::new(server.bin_dir.join("pg_isready"))
+            .args(["-h", "127.0.0.1", "-p", &server.port.to_string(), "-q"])
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false);
+        if ok {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(format!(
+                "server did not accept connections within 30s\n{}",
+                server.log_tail()
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Runs SQL as the superuser through psql on the Unix socket.
+pub fn psql(server: &PgServer, db: &str, sql: &str) -> Result<String, String> {
+    let out = Command::new(server.bin_dir.join("psql"))
+        .args(["-X", "-q", "-A", "-t", "-v", "ON_ERROR_STOP=1"])
+        .arg("-h")
+        .arg(&server.socket_dir)
+        .args([
+            "-p",
+            &server.port.to_string(),
+            "-U",
+            "postgres",
+            "-d",
+            db,
+            "-c",
+            sql,
+        ])
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run psql: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("psql failed: {}", String::from_utf8_lossy(&out.stderr)));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+}
+
+fn create_roles(server: &PgServer) -> Result<(), String> {
+    let sql = format!(
+        "CREATE ROLE {TRUST_USER} LOGIN REPLICATION;
+         CREATE ROLE {} LOGIN REPLICATION PASSWORD '{}';
+         SET password_encryption = 'md5';
+         CREATE ROLE {} LOGIN REPLICATION PASSWORD '{}';
+         SET password_encryption = 'scram-sha-256';
+         CREATE ROLE {} LOGIN REPLICATION PASSWORD '{}';",
+        CLEARTEXT_USER.0, CLEARTEXT_USER.1, MD5_USER.0, MD5_USER.1, SCRAM_USER.0, SCRAM_USER.1
+    );
+    psql(server, "postgres", &sql).map(|_| ())
+}
