@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs what the tests, the demo and the benchmarks need on a fresh
-# Debian/Ubuntu machine: the PostgreSQL 15 server binaries and the Rust
-# toolchain components. Safe to run again: it installs only what is missing.
+# Debian/Ubuntu machine: the PostgreSQL 15 server binaries, the C build
+# dependencies of librdkafka, the Rust toolchain components, and tansu (a
+# Kafka-protocol broker used as the local test broker). Safe to run again:
+# it installs only what is missing.
 set -euo pipefail
 
 log() { printf 'setup: %s\n' "$*" >&2; }
@@ -29,6 +31,15 @@ if [ -z "$pg_bin" ]; then
 fi
 log "PostgreSQL binaries: $pg_bin"
 
+missing=()
+for pkg in libssl-dev pkg-config make g++; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  log "installing build dependencies: ${missing[*]}"
+  apt_install "${missing[@]}"
+fi
+
 for tool in runuser psql; do
   command -v "$tool" >/dev/null || { log "missing $tool"; exit 1; }
 done
@@ -36,4 +47,16 @@ done
 if command -v rustup >/dev/null; then
   rustup component list --installed 2>/dev/null | grep -q '^rustfmt' || rustup component add rustfmt
   rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy
+fi
+
+# The local Kafka-protocol broker for the tests and the demo. A clean build
+# takes about 15 minutes on 2 cores, so it is installed once per machine.
+tansu_version=0.6.0
+if [ -z "${OUTBOXD_TEST_KAFKA_BROKERS:-}" ]; then
+  tansu="${OUTBOXD_TANSU:-$HOME/.cargo/bin/tansu}"
+  if [ ! -x "$tansu" ]; then
+    log "installing tansu $tansu_version (the local test broker; this takes a while)"
+    cargo install tansu --version "$tansu_version" --locked --features dynostore
+  fi
+  log "broker: $tansu"
 fi

@@ -4,10 +4,19 @@
 //! The data path, in the order an event travels:
 //! [`pg::connection`] streams WAL from a logical slot, [`pg::pgoutput`]
 //! decodes it, [`pg::outbox_stream`] reduces it to outbox transactions and
-//! [`outbox`] turns inserted rows into typed events.
+//! [`outbox`] turns inserted rows into typed events, [`routing`] into Kafka
+//! records, [`kafka`] sends them, and [`progress`] decides which LSN
+//! [`pipeline`] may confirm.
 
+pub mod check;
+pub mod config;
+pub mod kafka;
 pub mod lsn;
 pub mod outbox;
 pub mod pg;
+pub mod pipeline;
+pub mod progress;
+pub mod routing;
+pub mod telemetry;
 
 pub use lsn::Lsn;

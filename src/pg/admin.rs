@@ -21,14 +21,14 @@ use crate::pg::tls;
 /// Setting up the publication or slot failed.
 #[derive(Debug, thiserror::Error)]
 pub enum AdminError {
-    #[error("cannot connect to PostgreSQL at {target}: {source}")]
+    #[error("cannot connect to PostgreSQL at {target}: {}", describe(.source))]
     Connect {
         target: String,
         source: tokio_postgres::Error,
     },
     #[error(transparent)]
     Tls(#[from] tls::TlsConfigError),
-    #[error("PostgreSQL query failed: {0}")]
+    #[error("PostgreSQL query failed: {}", describe(.0))]
     Query(#[from] tokio_postgres::Error),
     #[error(transparent)]
     Replication(#[from] PgError),
@@ -50,6 +50,23 @@ pub enum AdminError {
     },
     #[error("replication slot {slot} exists but {problem}; drop it with SELECT pg_drop_replication_slot('{slot}') or configure another slot name")]
     ForeignSlot { slot: String, problem: String },
+}
+
+/// tokio-postgres prints only "db error" for server errors: show the
+/// server's message and SQLSTATE, or the underlying cause.
+pub fn describe(e: &tokio_postgres::Error) -> String {
+    if let Some(db) = e.as_db_error() {
+        return format!(
+            "{}: {} (SQLSTATE {})",
+            db.severity(),
+            db.message(),
+            db.code().code()
+        );
+    }
+    match std::error::Error::source(e) {
+        Some(cause) => format!("{e}: {cause}"),
+        None => e.to_string(),
+    }
 }
 
 /// Connects an ordinary client with the same settings (and TLS rules) as

@@ -1,7 +1,9 @@
 //! The single integration-test binary: end-to-end tests against a real
-//! PostgreSQL that the harness starts (see `harness`).
+//! PostgreSQL and a real Kafka-protocol broker that the harness starts (see
+//! `harness`).
 
 #![allow(clippy::unwrap_used)]
 
 mod harness;
+mod relay;
 mod replication;

@@ -1,6 +1,7 @@
 //! Shared test fixtures: the PostgreSQL server, a database per test, and
 //! waiting on conditions instead of sleeping.
 
+pub mod broker;
 pub mod postgres;
 
 use std::future::Future;

@@ -44,10 +44,16 @@ static SERVER: OnceLock<Result<PgServer, String>> = OnceLock::new();
 /// The shared server, started on first use. Panics (failing the test) with
 /// the reason when it cannot start.
 pub fn server() -> &'static PgServer {
-    match SERVER.get_or_init(start) {
+    match SERVER.get_or_init(|| start("")) {
         Ok(s) => s,
         Err(e) => panic!("the test PostgreSQL server could not start: {e}"),
     }
+}
+
+/// A server of its own, with `extra_conf` appended to postgresql.auto.conf
+/// (later settings win). Stopped when the test process exits.
+pub fn dedicated(extra_conf: &str) -> PgServer {
+    start(extra_conf).unwrap_or_else(|e| panic!("a dedicated PostgreSQL server could not start: {e}"))
 }
 
 fn is_root() -> bool {
@@ -222,7 +228,7 @@ host    all       scram_user   127.0.0.1/32   scram-sha-256
 host    all       all          127.0.0.1/32   scram-sha-256
 ";
 
-fn start() -> Result<PgServer, String> {
+fn start(extra_conf: &str) -> Result<PgServer, String> {
     let bin_dir = find_bin_dir()?;
     let run_as_postgres = is_root();
     let root = tempfile::Builder::new()
@@ -274,7 +280,8 @@ fn start() -> Result<PgServer, String> {
          ssl_cert_file = '{cert}'\n\
          ssl_key_file = '{key}'\n\
          track_commit_timestamp = on\n\
-         log_min_messages = warning\n",
+         log_min_messages = warning\n\
+         {extra_conf}\n",
         sock = socket_dir.display(),
         cert = root.join("server.crt").display(),
         key = key.display(),

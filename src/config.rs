@@ -1,0 +1,513 @@
+//! The TOML configuration file.
+//!
+//! Every key is documented in `config/outboxd.toml`. Loading goes:
+//!
+//! 1. read the file;
+//! 2. replace `${VAR}` and `${VAR:-default}` from the environment (`$$`
+//!    writes a literal `$`); an unset variable without a default is an error;
+//!    comment lines are left alone;
+//! 3. deserialize with `deny_unknown_fields`, so a misspelt key fails;
+//! 4. [`Config::validate`] checks values that types cannot (URLs, names,
+//!    templates, ranges).
+//!
+//! Every error names the key by its dotted path (`kafka.max_inflight`) and
+//! says what is wrong.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use serde::{Deserialize, Deserializer};
+
+use crate::pg::conninfo::PgConnectConfig;
+use crate::pg::ident::{PublicationName, SlotName, TableName};
+use crate::routing::TopicTemplate;
+
+/// The configuration could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read { path: String, source: std::io::Error },
+    #[error(
+        "config: environment variable {var} is not set (line {line}); set it or write ${{{var}:-default}}"
+    )]
+    MissingEnv { var: String, line: usize },
+    #[error("config: unterminated ${{ on line {line}")]
+    Unterminated { line: usize },
+    #[error("config key {path}: {reason}")]
+    Invalid { path: String, reason: String },
+    #[error("config: {0}")]
+    Syntax(String),
+}
+
+fn invalid(path: &str, reason: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        path: path.to_owned(),
+        reason: reason.into(),
+    }
+}
+
+/// A duration written with a unit: `500ms`, `10s`, `2m`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HumanDuration(pub Duration);
+
+impl<'de> Deserialize<'de> for HumanDuration {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        humantime::parse_duration(&s).map(HumanDuration).map_err(|e| {
+            serde::de::Error::custom(format!(
+                "{s:?} is not a duration such as \"500ms\" or \"10s\": {e}"
+            ))
+        })
+    }
+}
+
+fn secs(n: u64) -> HumanDuration {
+    HumanDuration(Duration::from_secs(n))
+}
+
+/// The whole file.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Where the outbox lives.
+    pub postgres: PostgresConfig,
+    /// Where events go.
+    pub kafka: KafkaConfig,
+    /// How rows become Kafka records.
+    #[serde(default)]
+    pub routing: RoutingConfig,
+    /// Metrics and health endpoints.
+    #[serde(default)]
+    pub http: HttpConfig,
+    /// Stopping.
+    #[serde(default)]
+    pub shutdown: ShutdownConfig,
+    /// Logs.
+    #[serde(default)]
+    pub log: LogConfig,
+}
+
+/// `[postgres]`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PostgresConfig {
+    /// libpq-style URL; the role needs REPLICATION.
+    pub url: String,
+    /// The outbox table, `schema.table`.
+    #[serde(default = "default_table")]
+    pub table: String,
+    /// The logical replication slot.
+    #[serde(default = "default_name")]
+    pub slot: String,
+    /// The publication.
+    #[serde(default = "default_name")]
+    pub publication: String,
+    /// Create the publication when it is missing.
+    #[serde(default = "yes")]
+    pub create_publication: bool,
+    /// How often to report progress to the server.
+    #[serde(default = "default_status_interval")]
+    pub status_interval: HumanDuration,
+    /// Longest wait between reconnection attempts.
+    #[serde(default = "default_backoff_max")]
+    pub reconnect_backoff_max: HumanDuration,
+}
+
+/// `[kafka]`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KafkaConfig {
+    /// `host:port,host:port`.
+    pub brokers: String,
+    /// Create missing topics through the admin API.
+    #[serde(default = "yes")]
+    pub create_topics: bool,
+    /// Partitions of created topics.
+    #[serde(default = "default_partitions")]
+    pub topic_partitions: i32,
+    /// Replication factor of created topics; -1 uses the broker default.
+    #[serde(default = "default_replication_factor")]
+    pub topic_replication_factor: i32,
+    /// Most events sent but not yet acknowledged; reading pauses above it.
+    #[serde(default = "default_max_inflight")]
+    pub max_inflight: usize,
+    /// Timeout of metadata and admin requests.
+    #[serde(default = "default_admin_timeout")]
+    pub admin_timeout: HumanDuration,
+    /// librdkafka settings, passed as they are.
+    #[serde(default)]
+    pub options: BTreeMap<String, String>,
+}
+
+/// How a record's value is built.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum ValueFormat {
+    /// `{"eventId","type","occurredAt","aggregateType","aggregateId","data"}`.
+    #[default]
+    Envelope,
+    /// The payload JSON as stored.
+    Payload,
+}
+
+/// `[routing]`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RoutingConfig {
+    /// Topic name template with `{aggregate_type}` and `{type}`.
+    #[serde(default = "default_topic")]
+    pub topic: String,
+    /// Lowercase the aggregate type in the topic name (`Order` → `order.events`).
+    #[serde(default = "yes")]
+    pub lowercase_aggregate_type: bool,
+    /// `envelope` or `payload`.
+    #[serde(default)]
+    pub value: ValueFormat,
+}
+
+impl Default for RoutingConfig {
+    fn default() -> Self {
+        RoutingConfig {
+            topic: default_topic(),
+            lowercase_aggregate_type: true,
+            value: ValueFormat::Envelope,
+        }
+    }
+}
+
+/// `[http]`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HttpConfig {
+    /// Address of /metrics, /healthz and /readyz.
+    #[serde(default = "default_listen")]
+    pub listen: String,
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        HttpConfig {
+            listen: default_listen(),
+        }
+    }
+}
+
+/// `[shutdown]`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShutdownConfig {
+    /// On SIGTERM, how long to wait for in-flight events to be acknowledged.
+    #[serde(default = "default_drain")]
+    pub drain_timeout: HumanDuration,
+}
+
+impl Default for ShutdownConfig {
+    fn default() -> Self {
+        ShutdownConfig {
+            drain_timeout: default_drain(),
+        }
+    }
+}
+
+/// Log output format.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+/// `[log]`
+#[derive(Clone, Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct LogConfig {
+    /// `text` or `json`.
+    #[serde(default)]
+    pub format: LogFormat,
+    /// A tracing filter such as `info` or `outboxd=debug`; `RUST_LOG` wins.
+    #[serde(default)]
+    pub level: Option<String>,
+}
+
+fn yes() -> bool {
+    true
+}
+fn default_table() -> String {
+    "public.outbox".into()
+}
+fn default_name() -> String {
+    "outboxd".into()
+}
+fn default_status_interval() -> HumanDuration {
+    secs(1)
+}
+fn default_backoff_max() -> HumanDuration {
+    secs(30)
+}
+fn default_partitions() -> i32 {
+    3
+}
+fn default_replication_factor() -> i32 {
+    -1
+}
+fn default_max_inflight() -> usize {
+    20_000
+}
+fn default_admin_timeout() -> HumanDuration {
+    secs(10)
+}
+fn default_topic() -> String {
+    "{aggregate_type}.events".into()
+}
+fn default_listen() -> String {
+    "127.0.0.1:9187".into()
+}
+fn default_drain() -> HumanDuration {
+    secs(30)
+}
+
+/// Values checked and converted once, at start.
+#[derive(Clone, Debug)]
+pub struct Validated {
+    pub pg: PgConnectConfig,
+    pub table: TableName,
+    pub slot: SlotName,
+    pub publication: PublicationName,
+    pub topic: TopicTemplate,
+    pub listen: SocketAddr,
+}
+
+/// Replaces `${VAR}` and `${VAR:-default}`; `$$` is a literal `$`.
+pub fn interpolate(text: &str, env: impl Fn(&str) -> Option<String>) -> Result<String, ConfigError> {
+    let mut out = String::with_capacity(text.len());
+    for (i, line) in text.split_inclusive('\n').enumerate() {
+        let line_no = i + 1;
+        if line.trim_start().starts_with('#') {
+            out.push_str(line); // comments are not interpolated
+            continue;
+        }
+        let mut rest = line;
+        while let Some(pos) = rest.find('$') {
+            out.push_str(&rest[..pos]);
+            let after = &rest[pos + 1..];
+            if let Some(stripped) = after.strip_prefix('$') {
+                out.push('$');
+                rest = stripped;
+            } else if let Some(body) = after.strip_prefix('{') {
+                let end = body
+                    .find('}')
+                    .ok_or(ConfigError::Unterminated { line: line_no })?;
+                let expr = &body[..end];
+                let (var, default) = match expr.split_once(":-") {
+                    Some((v, d)) => (v, Some(d)),
+                    None => (expr, None),
+                };
+                match (env(var).filter(|v| !v.is_empty() || default.is_none()), default) {
+                    (Some(v), _) => out.push_str(&v),
+                    (None, Some(d)) => out.push_str(d),
+                    (None, None) => {
+                        return Err(ConfigError::MissingEnv {
+                            var: var.to_owned(),
+                            line: line_no,
+                        })
+                    }
+                }
+                rest = &body[end + 1..];
+            } else {
+                out.push('$');
+                rest = after;
+            }
+        }
+        out.push_str(rest);
+    }
+    Ok(out)
+}
+
+impl Config {
+    /// Reads, interpolates, parses and validates a config file.
+    pub fn load(path: &Path) -> Result<(Config, Validated), ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::from_toml(&text, |v| std::env::var(v).ok())
+    }
+
+    /// Parses and validates config text with the given environment.
+    pub fn from_toml(
+        text: &str,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<(Config, Validated), ConfigError> {
+        let text = interpolate(text, env)?;
+        let de = toml::Deserializer::parse(&text).map_err(|e| ConfigError::Syntax(e.to_string()))?;
+        let config: Config = serde_path_to_error::deserialize(de).map_err(|e| {
+            let path = e.path().to_string();
+            let reason = e.into_inner().message().to_owned();
+            if path == "." || path.is_empty() {
+                ConfigError::Syntax(reason)
+            } else {
+                invalid(&path, reason)
+            }
+        })?;
+        let validated = config.validate()?;
+        Ok((config, validated))
+    }
+
+    /// Checks what the types cannot.
+    pub fn validate(&self) -> Result<Validated, ConfigError> {
+        let pg: PgConnectConfig = self
+            .postgres
+            .url
+            .parse()
+            .map_err(|e: crate::pg::conninfo::ConnInfoError| invalid("postgres.url", e.to_string()))?;
+        let table =
+            TableName::new(&self.postgres.table).map_err(|e| invalid("postgres.table", e.to_string()))?;
+        let slot = SlotName::new(&self.postgres.slot).map_err(|e| invalid("postgres.slot", e.to_string()))?;
+        let publication = PublicationName::new(&self.postgres.publication)
+            .map_err(|e| invalid("postgres.publication", e.to_string()))?;
+        if self.postgres.status_interval.0 < Duration::from_millis(10) {
+            return Err(invalid("postgres.status_interval", "must be at least 10ms"));
+        }
+        if self.kafka.brokers.trim().is_empty() {
+            return Err(invalid("kafka.brokers", "must list at least one host:port"));
+        }
+        if self.kafka.max_inflight == 0 {
+            return Err(invalid("kafka.max_inflight", "must be at least 1"));
+        }
+        if self.kafka.topic_partitions < 1 {
+            return Err(invalid("kafka.topic_partitions", "must be at least 1"));
+        }
+        if self.kafka.topic_replication_factor == 0 || self.kafka.topic_replication_factor < -1 {
+            return Err(invalid(
+                "kafka.topic_replication_factor",
+                "must be -1 (broker default) or at least 1",
+            ));
+        }
+        if self.kafka.options.contains_key("bootstrap.servers") {
+            return Err(invalid(
+                "kafka.options.bootstrap.servers",
+                "set kafka.brokers instead",
+            ));
+        }
+        if self
+            .kafka
+            .options
+            .get("enable.idempotence")
+            .is_some_and(|v| v != "true")
+        {
+            return Err(invalid(
+                "kafka.options.enable.idempotence",
+                "must stay true: without it retries can reorder an aggregate's events",
+            ));
+        }
+        let topic = TopicTemplate::parse(&self.routing.topic, self.routing.lowercase_aggregate_type)
+            .map_err(|e| invalid("routing.topic", e))?;
+        let listen: SocketAddr = self.http.listen.parse().map_err(|_| {
+            invalid(
+                "http.listen",
+                format!("{:?} is not an address such as 0.0.0.0:9187", self.http.listen),
+            )
+        })?;
+        Ok(Validated {
+            pg,
+            table,
+            slot,
+            publication,
+            topic,
+            listen,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let vars: Vec<(String, String)> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        move |k| vars.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone())
+    }
+
+    const MINIMAL: &str = "[postgres]\nurl = \"postgres://u@h/db\"\n[kafka]\nbrokers = \"k:9092\"\n";
+
+    #[test]
+    fn interpolation() {
+        let e = env(&[("A", "x"), ("EMPTY", "")]);
+        assert_eq!(interpolate("${A}-${B:-d}-$$-$x", &e).unwrap(), "x-d-$-$x");
+        assert_eq!(interpolate("${EMPTY:-fallback}", &e).unwrap(), "fallback");
+        assert_eq!(interpolate("${EMPTY}", &e).unwrap(), "");
+        let err = interpolate("a\n${MISSING}", &e).unwrap_err().to_string();
+        assert!(err.contains("MISSING") && err.contains("line 2"), "{err}");
+        assert!(interpolate("${A", &e).is_err());
+        assert_eq!(
+            interpolate("  # ${UNSET} in a comment\n", &e).unwrap(),
+            "  # ${UNSET} in a comment\n"
+        );
+    }
+
+    #[test]
+    fn minimal_config_gets_defaults() {
+        let (c, v) = Config::from_toml(MINIMAL, env(&[])).unwrap();
+        assert_eq!(c.postgres.table, "public.outbox");
+        assert_eq!(v.slot.as_str(), "outboxd");
+        assert_eq!(c.routing.value, ValueFormat::Envelope);
+        assert_eq!(c.kafka.max_inflight, 20_000);
+        assert_eq!(c.shutdown.drain_timeout.0, Duration::from_secs(30));
+        assert_eq!(v.listen.port(), 9187);
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_values_name_the_field() {
+        let err = |extra: &str| {
+            Config::from_toml(&format!("{MINIMAL}{extra}"), env(&[]))
+                .unwrap_err()
+                .to_string()
+        };
+        let e = err("[routing]\nvalu = \"payload\"\n");
+        assert!(e.contains("routing") && e.contains("valu"), "{e}");
+        let e = err("[routing]\nvalue = \"xml\"\n");
+        assert!(e.contains("routing.value"), "{e}");
+        let e = err("[shutdown]\ndrain_timeout = \"soon\"\n");
+        assert!(
+            e.contains("shutdown.drain_timeout") && e.contains("duration"),
+            "{e}"
+        );
+        let e = Config::from_toml(
+            &MINIMAL
+                .replace("outbox", "x")
+                .replace("[kafka]", "slot = \"Bad-Slot\"\n[kafka]"),
+            env(&[]),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("postgres.slot"), "{e}");
+        let e = Config::from_toml(&MINIMAL.replace("u@h", "u@h?sslmode=nope"), env(&[]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("postgres.url") && e.contains("sslmode"), "{e}");
+        let e = err("[kafka.options]\n\"enable.idempotence\" = \"false\"\n");
+        assert!(
+            e.contains("duplicate key") || e.contains("enable.idempotence"),
+            "{e}"
+        );
+        let e = err("[http]\nlisten = \"nowhere\"\n");
+        assert!(e.contains("http.listen"), "{e}");
+        let e = err("[routing]\ntopic = \"{nope}.events\"\n");
+        assert!(e.contains("routing.topic"), "{e}");
+    }
+
+    #[test]
+    fn shipped_examples_parse() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("config");
+        for file in ["outboxd.toml", "minimal.toml"] {
+            let text = std::fs::read_to_string(root.join(file)).unwrap();
+            let e = env(&[("PGPASSWORD", "secret"), ("KAFKA_PASSWORD", "k")]);
+            if let Err(err) = Config::from_toml(&text, e) {
+                panic!("config/{file}: {err}");
+            }
+        }
+    }
+}

@@ -1,0 +1,274 @@
+//! The Kafka side: an idempotent producer, topic creation, broker checks.
+//!
+//! Records are enqueued with `send_result`, which never waits for the
+//! broker: it returns a delivery future at once. The relay keeps those
+//! futures and retires them as acknowledgements arrive, in any order.
+//! When librdkafka's queue is full, `send` says so and the caller first
+//! waits for an acknowledgement (backpressure), instead of blocking a thread.
+//!
+//! Defaults that protect ordering and durability, applied before the
+//! user's `kafka.options` (which may tune, but not turn off, idempotence):
+//! `enable.idempotence=true`, `acks=all`. With idempotence librdkafka
+//! retries without reordering a partition's messages.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::config::ClientConfig;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer, PurgeConfig};
+
+use crate::config::KafkaConfig;
+use crate::routing::KafkaRecord;
+
+/// Kafka could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum KafkaSinkError {
+    #[error("invalid Kafka client settings: {0}; check kafka.brokers and kafka.options")]
+    Config(KafkaError),
+    #[error("cannot reach the Kafka brokers {brokers}: {source}; check kafka.brokers and the network")]
+    Unreachable { brokers: String, source: KafkaError },
+    #[error("topic {topic:?} does not exist and kafka.create_topics is false: create it (for example kafka-topics.sh --create --topic {topic} --partitions N --replication-factor N) or set kafka.create_topics = true")]
+    TopicMissing { topic: String },
+    #[error("cannot create topic {topic:?}: {reason}; create it by hand or fix the broker's permissions")]
+    TopicCreate { topic: String, reason: String },
+    #[error("Kafka refused record for topic {topic:?}: {source}")]
+    Produce { topic: String, source: KafkaError },
+    #[error("Kafka did not acknowledge a record for topic {topic:?}: {source}")]
+    Delivery { topic: String, source: KafkaError },
+    #[error("the Kafka producer shut down with records in flight")]
+    Canceled,
+}
+
+impl KafkaSinkError {
+    /// Whether a restart (reconnect and replay from the slot) may help.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            KafkaSinkError::Unreachable { .. } | KafkaSinkError::Canceled => true,
+            KafkaSinkError::Delivery { source, .. } | KafkaSinkError::Produce { source, .. } => {
+                !matches!(source.rdkafka_error_code(), Some(code) if is_permanent(code))
+            }
+            KafkaSinkError::TopicCreate { .. } => true,
+            KafkaSinkError::Config(_) | KafkaSinkError::TopicMissing { .. } => false,
+        }
+    }
+
+    /// A short, bounded label for metrics.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            KafkaSinkError::Config(_) => "config",
+            KafkaSinkError::Unreachable { .. } => "unreachable",
+            KafkaSinkError::TopicMissing { .. } => "topic_missing",
+            KafkaSinkError::TopicCreate { .. } => "topic_create",
+            KafkaSinkError::Produce { .. } => "produce",
+            KafkaSinkError::Delivery { .. } => "delivery",
+            KafkaSinkError::Canceled => "canceled",
+        }
+    }
+}
+
+/// Errors no retry of the same record can fix.
+pub fn is_permanent(code: RDKafkaErrorCode) -> bool {
+    matches!(
+        code,
+        RDKafkaErrorCode::MessageSizeTooLarge
+            | RDKafkaErrorCode::InvalidTopic
+            | RDKafkaErrorCode::MessageBatchTooLarge
+            | RDKafkaErrorCode::InvalidRecord
+            | RDKafkaErrorCode::TopicAuthorizationFailed
+            | RDKafkaErrorCode::InvalidMessage
+            | RDKafkaErrorCode::InvalidMessageSize
+    )
+}
+
+/// The librdkafka settings for a config.
+pub fn client_config(cfg: &KafkaConfig) -> ClientConfig {
+    let mut c = ClientConfig::new();
+    c.set("bootstrap.servers", &cfg.brokers)
+        .set("client.id", "outboxd")
+        .set("enable.idempotence", "true")
+        .set("acks", "all")
+        .set("linger.ms", "5")
+        .set(
+            "queue.buffering.max.messages",
+            (cfg.max_inflight * 2).max(100_000).to_string(),
+        )
+        .set("message.timeout.ms", "120000");
+    for (k, v) in &cfg.options {
+        c.set(k, v);
+    }
+    c
+}
+
+/// Result of enqueueing a record.
+#[allow(missing_debug_implementations)]
+pub enum SendOutcome {
+    /// Enqueued; the future resolves on acknowledgement or failure.
+    Sent(DeliveryFuture),
+    /// librdkafka's queue is full: wait for an acknowledgement, then retry.
+    QueueFull,
+}
+
+/// Producer plus admin client, and the topics known to exist.
+pub struct KafkaSink {
+    producer: FutureProducer,
+    admin: AdminClient<DefaultClientContext>,
+    known_topics: HashSet<String>,
+    create_topics: bool,
+    partitions: i32,
+    replication_factor: i32,
+    timeout: Duration,
+    brokers: String,
+}
+
+impl std::fmt::Debug for KafkaSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaSink")
+            .field("brokers", &self.brokers)
+            .finish()
+    }
+}
+
+impl KafkaSink {
+    pub fn new(cfg: &KafkaConfig, timeout: Duration) -> Result<Self, KafkaSinkError> {
+        let client = client_config(cfg);
+        let producer: FutureProducer = client.create().map_err(KafkaSinkError::Config)?;
+        let admin: AdminClient<DefaultClientContext> =
+            client_config(cfg).create().map_err(KafkaSinkError::Config)?;
+        Ok(KafkaSink {
+            producer,
+            admin,
+            known_topics: HashSet::new(),
+            create_topics: cfg.create_topics,
+            partitions: cfg.topic_partitions,
+            replication_factor: cfg.topic_replication_factor,
+            timeout,
+            brokers: cfg.brokers.clone(),
+        })
+    }
+
+    /// Asks the cluster for metadata; returns the number of brokers.
+    pub async fn check_brokers(&self) -> Result<usize, KafkaSinkError> {
+        let producer = self.producer.clone();
+        let timeout = self.timeout;
+        let md = tokio::task::spawn_blocking(move || producer.client().fetch_metadata(None, timeout))
+            .await
+            .map_err(|_| KafkaSinkError::Canceled)?
+            .map_err(|source| KafkaSinkError::Unreachable {
+                brokers: self.brokers.clone(),
+                source,
+            })?;
+        Ok(md.brokers().len())
+    }
+
+    async fn topic_exists(&self, topic: &str) -> Result<bool, KafkaSinkError> {
+        let producer = self.producer.clone();
+        let timeout = self.timeout;
+        let name = topic.to_owned();
+        let md = tokio::task::spawn_blocking(move || producer.client().fetch_metadata(Some(&name), timeout))
+            .await
+            .map_err(|_| KafkaSinkError::Canceled)?
+            .map_err(|source| KafkaSinkError::Unreachable {
+                brokers: self.brokers.clone(),
+                source,
+            })?;
+        Ok(md
+            .topics()
+            .iter()
+            .any(|t| t.name() == topic && t.error().is_none() && !t.partitions().is_empty()))
+    }
+
+    /// Makes sure `topic` exists, creating it when allowed. Cached.
+    pub async fn ensure_topic(&mut self, topic: &str) -> Result<(), KafkaSinkError> {
+        if self.known_topics.contains(topic) {
+            return Ok(());
+        }
+        if !self.topic_exists(topic).await? {
+            if !self.create_topics {
+                return Err(KafkaSinkError::TopicMissing {
+                    topic: topic.to_owned(),
+                });
+            }
+            let new = NewTopic::new(
+                topic,
+                self.partitions,
+                TopicReplication::Fixed(self.replication_factor),
+            );
+            let opts = AdminOptions::new().operation_timeout(Some(self.timeout));
+            let results =
+                self.admin
+                    .create_topics([&new], &opts)
+                    .await
+                    .map_err(|e| KafkaSinkError::TopicCreate {
+                        topic: topic.to_owned(),
+                        reason: e.to_string(),
+                    })?;
+            for r in results {
+                match r {
+                    Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+                    Err((_, code)) => {
+                        return Err(KafkaSinkError::TopicCreate {
+                            topic: topic.to_owned(),
+                            reason: code.to_string(),
+                        })
+                    }
+                }
+            }
+            tracing::info!(topic, partitions = self.partitions, "created topic");
+            // Wait until metadata shows it, so the first record finds a leader.
+            let deadline = tokio::time::Instant::now() + self.timeout;
+            while !self.topic_exists(topic).await? {
+                if tokio::time::Instant::now() > deadline {
+                    return Err(KafkaSinkError::TopicCreate {
+                        topic: topic.to_owned(),
+                        reason: "created, but not visible in metadata in time".into(),
+                    });
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+        self.known_topics.insert(topic.to_owned());
+        Ok(())
+    }
+
+    /// Enqueues a record without waiting for the broker.
+    pub fn send(&self, rec: &KafkaRecord) -> Result<SendOutcome, KafkaSinkError> {
+        let mut headers = OwnedHeaders::new_with_capacity(rec.headers.len());
+        for (k, v) in &rec.headers {
+            headers = headers.insert(Header {
+                key: k,
+                value: Some(v.as_slice()),
+            });
+        }
+        let record = FutureRecord::to(&rec.topic)
+            .key(rec.key.as_bytes())
+            .payload(rec.value.as_slice())
+            .headers(headers)
+            .timestamp(rec.timestamp_ms);
+        match self.producer.send_result(record) {
+            Ok(f) => Ok(SendOutcome::Sent(f)),
+            Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => {
+                Ok(SendOutcome::QueueFull)
+            }
+            Err((source, _)) => Err(KafkaSinkError::Produce {
+                topic: rec.topic.clone(),
+                source,
+            }),
+        }
+    }
+
+    /// Drops records that librdkafka has not sent yet. Used after a failure,
+    /// before replaying from the slot, so that no stale record is delivered
+    /// after the replayed ones.
+    pub fn purge_queued(&self) {
+        self.producer.purge(PurgeConfig::default().queue());
+    }
+
+    /// Waits for queued records to be delivered.
+    pub fn flush(&self, timeout: Duration) {
+        let _ = self.producer.flush(timeout);
+    }
+}

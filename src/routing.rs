@@ -1,0 +1,363 @@
+//! From outbox row to Kafka record (seed 000's relay, made exact).
+//!
+//! * topic: a template over `{aggregate_type}` and `{type}`; the default
+//!   `{aggregate_type}.events` lowercases the aggregate type (`Order` →
+//!   `order.events`);
+//! * key: `aggregate_id`, so one aggregate's events share a partition and
+//!   keep their order;
+//! * value: the envelope `{"eventId","type","occurredAt","aggregateType",
+//!   "aggregateId","data"}`, or the stored payload JSON byte for byte;
+//! * headers: `id`, `type`, `aggregateType`, `aggregateId`, then one header
+//!   per key of the row's `headers` object (strings raw, other values as
+//!   JSON text; keys that collide with the four above are skipped);
+//! * timestamp: `created_at`.
+//!
+//! A row that can never become a valid record (an illegal topic name, an
+//! empty key, headers that are not an object) is a [`RecordError`]; the
+//! relay never drops it silently.
+
+use chrono::SecondsFormat;
+
+use crate::config::ValueFormat;
+use crate::outbox::OutboxRow;
+
+/// Kafka's limit on topic name length.
+const MAX_TOPIC_LEN: usize = 249;
+
+/// Header names outboxd sets on every record.
+pub mod header {
+    pub const ID: &str = "id";
+    pub const TYPE: &str = "type";
+    pub const AGGREGATE_TYPE: &str = "aggregateType";
+    pub const AGGREGATE_ID: &str = "aggregateId";
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Part {
+    Literal(String),
+    AggregateType,
+    EventType,
+}
+
+/// A parsed `routing.topic` template.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TopicTemplate {
+    parts: Vec<Part>,
+    lowercase_aggregate_type: bool,
+}
+
+fn topic_char(c: char) -> bool {
+    c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')
+}
+
+impl TopicTemplate {
+    /// Parses a template such as `{aggregate_type}.events`.
+    pub fn parse(template: &str, lowercase_aggregate_type: bool) -> Result<Self, String> {
+        let mut parts = Vec::new();
+        let mut rest = template;
+        while !rest.is_empty() {
+            match rest.find('{') {
+                Some(0) => {
+                    let end = rest
+                        .find('}')
+                        .ok_or_else(|| format!("unclosed {{ in {template:?}"))?;
+                    parts.push(match &rest[1..end] {
+                        "aggregate_type" => Part::AggregateType,
+                        "type" => Part::EventType,
+                        other => {
+                            return Err(format!(
+                                "unknown placeholder {{{other}}} in {template:?}; use {{aggregate_type}} or {{type}}"
+                            ))
+                        }
+                    });
+                    rest = &rest[end + 1..];
+                }
+                found => {
+                    let end = found.unwrap_or(rest.len());
+                    let lit = &rest[..end];
+                    if let Some(bad) = lit.chars().find(|&c| !topic_char(c)) {
+                        return Err(format!(
+                            "{bad:?} cannot appear in a topic name; use letters, digits, '.', '_' and '-'"
+                        ));
+                    }
+                    parts.push(Part::Literal(lit.to_owned()));
+                    rest = &rest[end..];
+                }
+            }
+        }
+        if parts.is_empty() {
+            return Err("the topic template is empty".into());
+        }
+        Ok(TopicTemplate {
+            parts,
+            lowercase_aggregate_type,
+        })
+    }
+
+    /// The topic for a row; checked against Kafka's naming rules.
+    pub fn render(&self, aggregate_type: &str, event_type: &str) -> Result<String, RecordError> {
+        let mut topic = String::with_capacity(32);
+        for p in &self.parts {
+            match p {
+                Part::Literal(l) => topic.push_str(l),
+                Part::AggregateType if self.lowercase_aggregate_type => {
+                    topic.extend(aggregate_type.chars().flat_map(char::to_lowercase))
+                }
+                Part::AggregateType => topic.push_str(aggregate_type),
+                Part::EventType => topic.push_str(event_type),
+            }
+        }
+        validate_topic(&topic)?;
+        Ok(topic)
+    }
+}
+
+/// Kafka's rules for topic names.
+pub fn validate_topic(topic: &str) -> Result<(), RecordError> {
+    let reason = if topic.is_empty() {
+        Some("it is empty")
+    } else if topic.len() > MAX_TOPIC_LEN {
+        Some("it is longer than 249 characters")
+    } else if topic == "." || topic == ".." {
+        Some("\".\" and \"..\" are reserved")
+    } else if !topic.chars().all(topic_char) {
+        Some("only letters, digits, '.', '_' and '-' are allowed")
+    } else {
+        None
+    };
+    match reason {
+        Some(reason) => Err(RecordError::IllegalTopic {
+            topic: topic.to_owned(),
+            reason,
+        }),
+        None => Ok(()),
+    }
+}
+
+/// A row that cannot become a Kafka record.
+#[derive(Clone, Debug, thiserror::Error, PartialEq, Eq)]
+pub enum RecordError {
+    #[error("topic name {topic:?} is illegal: {reason}")]
+    IllegalTopic { topic: String, reason: &'static str },
+    #[error("aggregate_id is empty; the Kafka key must identify the aggregate")]
+    EmptyKey,
+    #[error("headers must be a JSON object, found {0}")]
+    HeadersNotObject(String),
+}
+
+impl RecordError {
+    /// A short, bounded label for metrics.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            RecordError::IllegalTopic { .. } => "illegal_topic",
+            RecordError::EmptyKey => "empty_key",
+            RecordError::HeadersNotObject(_) => "bad_headers",
+        }
+    }
+}
+
+/// A record ready to produce.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KafkaRecord {
+    pub topic: String,
+    pub key: String,
+    pub value: Vec<u8>,
+    pub headers: Vec<(String, Vec<u8>)>,
+    pub timestamp_ms: i64,
+}
+
+/// Builds the record for a row.
+pub fn build_record(
+    row: &OutboxRow,
+    topic: &TopicTemplate,
+    format: ValueFormat,
+) -> Result<KafkaRecord, RecordError> {
+    if row.aggregate_id.is_empty() {
+        return Err(RecordError::EmptyKey);
+    }
+    let topic = topic.render(&row.aggregate_type, &row.event_type)?;
+    let user_headers: serde_json::Map<String, serde_json::Value> = match serde_json::from_str(&row.headers) {
+        Ok(serde_json::Value::Object(m)) => m,
+        Ok(other) => return Err(RecordError::HeadersNotObject(json_kind(&other).into())),
+        Err(_) => return Err(RecordError::HeadersNotObject("invalid JSON".into())),
+    };
+    let id = row.id.to_string();
+    let mut headers = Vec::with_capacity(4 + user_headers.len());
+    headers.push((header::ID.to_owned(), id.clone().into_bytes()));
+    headers.push((header::TYPE.to_owned(), row.event_type.as_bytes().to_vec()));
+    headers.push((
+        header::AGGREGATE_TYPE.to_owned(),
+        row.aggregate_type.as_bytes().to_vec(),
+    ));
+    headers.push((
+        header::AGGREGATE_ID.to_owned(),
+        row.aggregate_id.as_bytes().to_vec(),
+    ));
+    for (k, v) in user_headers {
+        if [
+            header::ID,
+            header::TYPE,
+            header::AGGREGATE_TYPE,
+            header::AGGREGATE_ID,
+        ]
+        .contains(&k.as_str())
+        {
+            continue;
+        }
+        let bytes = match v {
+            serde_json::Value::String(s) => s.into_bytes(),
+            other => other.to_string().into_bytes(),
+        };
+        headers.push((k, bytes));
+    }
+    let value = match format {
+        ValueFormat::Payload => row.payload.as_bytes().to_vec(),
+        ValueFormat::Envelope => envelope(row, &id),
+    };
+    Ok(KafkaRecord {
+        topic,
+        key: row.aggregate_id.clone(),
+        value,
+        headers,
+        timestamp_ms: row.created_at.timestamp_millis(),
+    })
+}
+
+fn json_kind(v: &serde_json::Value) -> &'static str {
+    match v {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
+    }
+}
+
+fn push_json_string(out: &mut Vec<u8>, s: &str) {
+    // Writing a &str to a Vec cannot fail.
+    let _ = serde_json::to_writer(&mut *out, s);
+}
+
+/// The seed relay's envelope, with the payload embedded without re-encoding.
+fn envelope(row: &OutboxRow, id: &str) -> Vec<u8> {
+    let mut out = Vec::with_capacity(row.payload.len() + 192);
+    out.extend_from_slice(b"{\"eventId\":\"");
+    out.extend_from_slice(id.as_bytes());
+    out.extend_from_slice(b"\",\"type\":");
+    push_json_string(&mut out, &row.event_type);
+    out.extend_from_slice(b",\"occurredAt\":\"");
+    out.extend_from_slice(
+        row.created_at
+            .to_rfc3339_opts(SecondsFormat::Micros, true)
+            .as_bytes(),
+    );
+    out.extend_from_slice(b"\",\"aggregateType\":");
+    push_json_string(&mut out, &row.aggregate_type);
+    out.extend_from_slice(b",\"aggregateId\":");
+    push_json_string(&mut out, &row.aggregate_id);
+    out.extend_from_slice(b",\"data\":");
+    out.extend_from_slice(row.payload.as_bytes());
+    out.push(b'}');
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chrono::TimeZone;
+    use uuid::Uuid;
+
+    fn row() -> OutboxRow {
+        OutboxRow {
+            id: Uuid::parse_str("0190a5a4-8c1e-7000-8000-000000000001").unwrap(),
+            aggregate_type: "Order".into(),
+            aggregate_id: "1001".into(),
+            event_type: "ordering.order-placed.v1".into(),
+            payload: r#"{"total": 12.5, "name": "김 \"q\""}"#.into(),
+            headers: r#"{"correlationId": "c-1", "attempt": 2, "id": "spoof"}"#.into(),
+            created_at: chrono::Utc.with_ymd_and_hms(2026, 11, 30, 1, 2, 3).unwrap(),
+        }
+    }
+
+    fn default_topic() -> TopicTemplate {
+        TopicTemplate::parse("{aggregate_type}.events", true).unwrap()
+    }
+
+    #[test]
+    fn envelope_record() {
+        let r = build_record(&row(), &default_topic(), ValueFormat::Envelope).unwrap();
+        assert_eq!(r.topic, "order.events");
+        assert_eq!(r.key, "1001");
+        assert_eq!(r.timestamp_ms, 1_796_000_523_000);
+        let v: serde_json::Value = serde_json::from_slice(&r.value).unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!({
+                "eventId": "0190a5a4-8c1e-7000-8000-000000000001",
+                "type": "ordering.order-placed.v1",
+                "occurredAt": "2026-11-30T01:02:03.000000Z",
+                "aggregateType": "Order",
+                "aggregateId": "1001",
+                "data": {"total": 12.5, "name": "김 \"q\""},
+            })
+        );
+        let h: Vec<(&str, &[u8])> = r
+            .headers
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_slice()))
+            .collect();
+        assert_eq!(
+            h,
+            vec![
+                ("id", b"0190a5a4-8c1e-7000-8000-000000000001".as_slice()),
+                ("type", b"ordering.order-placed.v1".as_slice()),
+                ("aggregateType", b"Order".as_slice()),
+                ("aggregateId", b"1001".as_slice()),
+                ("attempt", b"2".as_slice()),
+                ("correlationId", b"c-1".as_slice()),
+            ]
+        );
+    }
+
+    #[test]
+    fn payload_record_is_byte_for_byte() {
+        let r = build_record(&row(), &default_topic(), ValueFormat::Payload).unwrap();
+        assert_eq!(r.value, row().payload.as_bytes());
+    }
+
+    #[test]
+    fn templates() {
+        let t = TopicTemplate::parse("app.{aggregate_type}.{type}", false).unwrap();
+        assert_eq!(t.render("Order", "placed").unwrap(), "app.Order.placed");
+        assert!(TopicTemplate::parse("{nope}", true)
+            .unwrap_err()
+            .contains("unknown placeholder"));
+        assert!(TopicTemplate::parse("a b", true).is_err());
+        assert!(TopicTemplate::parse("{aggregate_type", true).is_err());
+        assert!(TopicTemplate::parse("", true).is_err());
+    }
+
+    #[test]
+    fn poison_rows_are_errors() {
+        let mut r = row();
+        r.aggregate_type = "Bad Type!".into();
+        let e = build_record(&r, &default_topic(), ValueFormat::Envelope).unwrap_err();
+        assert!(matches!(e, RecordError::IllegalTopic { .. }), "{e}");
+        assert_eq!(e.reason(), "illegal_topic");
+        let mut r = row();
+        r.aggregate_id = String::new();
+        assert_eq!(
+            build_record(&r, &default_topic(), ValueFormat::Envelope),
+            Err(RecordError::EmptyKey)
+        );
+        let mut r = row();
+        r.headers = "[1]".into();
+        assert_eq!(
+            build_record(&r, &default_topic(), ValueFormat::Envelope),
+            Err(RecordError::HeadersNotObject("an array".into()))
+        );
+        assert!(validate_topic(&"a".repeat(250)).is_err());
+        assert!(validate_topic("..").is_err());
+    }
+}
