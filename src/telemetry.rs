@@ -1,6 +1,8 @@
 //! Log output: human-readable text by default, JSON on request. The filter
 //! comes from `RUST_LOG`, else from `log.level`, else `info`.
 
+use std::io::IsTerminal;
+
 use tracing_subscriber::EnvFilter;
 
 use crate::config::{LogConfig, LogFormat};
@@ -12,6 +14,7 @@ pub fn init(cfg: &LogConfig) {
         .unwrap_or_else(|_| EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr);
     let _ = match cfg.format {
         LogFormat::Text => builder.try_init(),
