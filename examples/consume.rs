@@ -49,7 +49,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut seen = 0;
     let mut last = Instant::now();
     while seen < args.count && last.elapsed() < Duration::from_secs(args.idle_secs) {
-        let Some(m) = consumer.poll(Duration::from_millis(200)) else { continue };
+        let Some(m) = consumer.poll(Duration::from_millis(200)) else {
+            continue;
+        };
         let m = m?;
         last = Instant::now();
         seen += 1;
@@ -57,7 +59,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .headers()
             .map(|h| {
                 h.iter()
-                    .map(|h| format!("{}={}", h.key, String::from_utf8_lossy(h.value.unwrap_or_default())))
+                    .map(|h| {
+                        format!(
+                            "{}={}",
+                            h.key,
+                            String::from_utf8_lossy(h.value.unwrap_or_default())
+                        )
+                    })
                     .collect()
             })
             .unwrap_or_default();

@@ -35,6 +35,8 @@ pub enum KafkaSinkError {
     TopicMissing { topic: String },
     #[error("cannot create topic {topic:?}: {reason}; create it by hand or fix the broker's permissions")]
     TopicCreate { topic: String, reason: String },
+    #[error("topic {topic:?} was created but is not yet visible in the cluster metadata")]
+    TopicNotVisible { topic: String },
     #[error("Kafka refused record for topic {topic:?}: {source}")]
     Produce { topic: String, source: KafkaError },
     #[error("Kafka did not acknowledge a record for topic {topic:?}: {source}")]
@@ -51,8 +53,10 @@ impl KafkaSinkError {
             KafkaSinkError::Delivery { source, .. } | KafkaSinkError::Produce { source, .. } => {
                 !matches!(source.rdkafka_error_code(), Some(code) if is_permanent(code))
             }
-            KafkaSinkError::TopicCreate { .. } => true,
-            KafkaSinkError::Config(_) | KafkaSinkError::TopicMissing { .. } => false,
+            KafkaSinkError::TopicNotVisible { .. } => true,
+            KafkaSinkError::Config(_)
+            | KafkaSinkError::TopicMissing { .. }
+            | KafkaSinkError::TopicCreate { .. } => false,
         }
     }
 
@@ -62,7 +66,7 @@ impl KafkaSinkError {
             KafkaSinkError::Config(_) => "config",
             KafkaSinkError::Unreachable { .. } => "unreachable",
             KafkaSinkError::TopicMissing { .. } => "topic_missing",
-            KafkaSinkError::TopicCreate { .. } => "topic_create",
+            KafkaSinkError::TopicCreate { .. } | KafkaSinkError::TopicNotVisible { .. } => "topic_create",
             KafkaSinkError::Produce { .. } => "produce",
             KafkaSinkError::Delivery { .. } => "delivery",
             KafkaSinkError::Canceled => "canceled",
@@ -222,9 +226,8 @@ impl KafkaSink {
             let deadline = tokio::time::Instant::now() + self.timeout;
             while !self.topic_exists(topic).await? {
                 if tokio::time::Instant::now() > deadline {
-                    return Err(KafkaSinkError::TopicCreate {
+                    return Err(KafkaSinkError::TopicNotVisible {
                         topic: topic.to_owned(),
-                        reason: "created, but not visible in metadata in time".into(),
                     });
                 }
                 tokio::time::sleep(Duration::from_millis(100)).await;

@@ -507,6 +507,65 @@ async fn idle_outbox_does_not_pin_wal() {
     stop_relay(handle, stop).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missing_topic_without_creation_stops_and_holds_the_slot() {
+    let db = TestDb::new("relay_notopic").await;
+    let client = db.client().await;
+    let slot = "notopic";
+    let text = config_text(
+        &db.superuser_url(),
+        slot,
+        &broker().brokers,
+        "topic = \"never-created.{aggregate_type}\"",
+        "create_topics = false",
+    );
+    let (handle, _stop) = spawn_relay(&text);
+    let start = wait_for("the slot", Duration::from_secs(30), || async {
+        confirmed_flush(&client, slot).await
+    })
+    .await;
+    let (_, bounds) = write_events(&client, 1, 3, 1, &["Order"], 0).await;
+    let err = tokio::time::timeout(Duration::from_secs(30), handle)
+        .await
+        .expect("outboxd stops")
+        .unwrap()
+        .expect_err("a missing topic is a definite error");
+    let text = err.to_string();
+    assert!(
+        text.contains("never-created.order") && text.contains("create_topics"),
+        "{text}"
+    );
+    assert!(!err.is_transient());
+    let confirmed = confirmed_flush(&client, slot).await.unwrap();
+    assert!(confirmed >= start && confirmed < bounds[0].1, "{confirmed}");
+    // The transaction is still in the slot, waiting to be decoded again.
+    wait_for("the slot to be released", Duration::from_secs(10), || async {
+        let active: bool = client
+            .query_one(
+                "SELECT active FROM pg_replication_slots WHERE slot_name = $1",
+                &[&slot],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        (!active).then_some(())
+    })
+    .await;
+    let pending: i64 = client
+        .query_one(
+            "SELECT count(*) FROM pg_logical_slot_peek_binary_changes($1::text::name, NULL, NULL,
+                 'proto_version', '1', 'publication_names', $1::text)",
+            &[&slot],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(
+        pending >= 5,
+        "Begin, 3 inserts and Commit are still in the slot; found {pending} messages"
+    );
+}
+
 fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_outboxd")
 }
