@@ -30,6 +30,27 @@ enum Command {
         #[arg(short, long, env = "OUTBOXD_CONFIG")]
         config: PathBuf,
     },
+    /// Apply the shipped migrations (outbox, event store, orders) once each, in order.
+    Migrate {
+        /// The TOML configuration file.
+        #[arg(short, long, env = "OUTBOXD_CONFIG")]
+        config: PathBuf,
+    },
+    /// Delete outbox rows older than a retention period, in small batches.
+    Retention {
+        /// The TOML configuration file.
+        #[arg(short, long, env = "OUTBOXD_CONFIG")]
+        config: PathBuf,
+        /// Delete rows created longer ago than this, e.g. "7d" or "12h".
+        #[arg(long, value_parser = humantime::parse_duration)]
+        older_than: std::time::Duration,
+        /// Rows per DELETE statement (each statement is short and skips locked rows).
+        #[arg(long, default_value_t = 5_000)]
+        batch: i64,
+        /// Keep rows whose published_at is NULL (for tables fed by a polling relay).
+        #[arg(long)]
+        published_only: bool,
+    },
 }
 
 fn load(path: &std::path::Path) -> Result<(Config, outboxd::config::Validated), ExitCode> {
@@ -112,6 +133,73 @@ async fn check(path: PathBuf) -> ExitCode {
     }
 }
 
+async fn sql_client(
+    path: &std::path::Path,
+) -> Result<(tokio_postgres::Client, outboxd::config::Validated), ExitCode> {
+    let (_, validated) = load(path)?;
+    match outboxd::pg::admin::connect(&validated.pg).await {
+        Ok(c) => Ok((c, validated)),
+        Err(e) => {
+            eprintln!("outboxd: {e}");
+            Err(ExitCode::FAILURE)
+        }
+    }
+}
+
+async fn migrate(path: PathBuf) -> ExitCode {
+    let (mut client, _) = match sql_client(&path).await {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    match outbox_sdk::migrate::migrate(&mut client).await {
+        Ok(applied) if applied.is_empty() => {
+            println!("schema is up to date");
+            ExitCode::SUCCESS
+        }
+        Ok(applied) => {
+            for name in applied {
+                println!("applied {name}");
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("outboxd: migration failed: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn retention(
+    path: PathBuf,
+    older_than: std::time::Duration,
+    batch: i64,
+    published_only: bool,
+) -> ExitCode {
+    let (client, validated) = match sql_client(&path).await {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    let retain = if published_only {
+        outbox_sdk::retention::Retain::PublishedOnly
+    } else {
+        outbox_sdk::retention::Retain::Cdc
+    };
+    match outbox_sdk::retention::delete_older_than(&client, &validated.table, older_than, batch, retain).await
+    {
+        Ok(n) => {
+            println!(
+                "deleted {n} outbox row(s) older than {}",
+                humantime::format_duration(older_than)
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("outboxd: retention failed: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
@@ -129,6 +217,13 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Run { config } => run(config).await,
             Command::Check { config } => check(config).await,
+            Command::Migrate { config } => migrate(config).await,
+            Command::Retention {
+                config,
+                older_than,
+                batch,
+                published_only,
+            } => retention(config, older_than, batch, published_only).await,
         }
     })
 }

@@ -13,16 +13,7 @@ use uuid::Uuid;
 
 use crate::pg::pgoutput::{Relation, Tuple, TupleValue};
 
-/// Column names of the outbox table (migrations/0001_outbox.sql).
-pub mod column {
-    pub const ID: &str = "id";
-    pub const AGGREGATE_TYPE: &str = "aggregate_type";
-    pub const AGGREGATE_ID: &str = "aggregate_id";
-    pub const TYPE: &str = "type";
-    pub const PAYLOAD: &str = "payload";
-    pub const HEADERS: &str = "headers";
-    pub const CREATED_AT: &str = "created_at";
-}
+pub use outbox_sdk::schema::column;
 
 /// One row inserted into the outbox table.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -7,3 +7,4 @@
 mod harness;
 mod relay;
 mod replication;
+mod sdk;

@@ -875,3 +875,172 @@ async fn sigkill_at_random_points_loses_nothing_and_keeps_order() {
         "{duplicates} duplicates exceed the in-flight bound"
     );
 }
+
+async fn balance_view(client: &tokio_postgres::Client) -> Vec<(String, i64, i64)> {
+    client
+        .query(
+            "SELECT account_id, balance, version FROM account_balance_view ORDER BY account_id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect()
+}
+
+fn example_bin(name: &str) -> PathBuf {
+    // target/<profile>/deps/integration-… → target/<profile>/examples/<name>
+    let exe = std::env::current_exe().unwrap();
+    let path = exe
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples")
+        .join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: `cargo test` builds the examples (run the whole suite, or cargo build --examples)",
+        path.display()
+    );
+    path
+}
+
+fn run_projection(brokers: &str, db_url: &str, extra: &[&str]) -> String {
+    let out = Command::new(example_bin("account_balance_projection"))
+        .args([
+            "--brokers",
+            brokers,
+            "--database-url",
+            db_url,
+            "--exit-when-idle",
+            "4",
+        ])
+        .args(["--dlq-replication-factor", "1"])
+        .args(extra)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "projection failed: {stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sdk_to_outboxd_to_projection_end_to_end() {
+    use outbox_sdk::accounts::{Account, AccountStore};
+    use outbox_sdk::outbox::Headers;
+
+    let db = TestDb::new("relay_projection").await;
+    let mut client = db.client().await;
+    let brokers = broker().brokers.clone();
+    let (handle, stop) = spawn_relay(&config_text(&db.superuser_url(), "projection", &brokers, "", ""));
+    wait_for("the slot", Duration::from_secs(30), || async {
+        confirmed_flush(&client, "projection").await
+    })
+    .await;
+
+    let store = AccountStore::default();
+    for a in 0..5 {
+        let tx = client.transaction().await.unwrap();
+        let mut account = Account::open(format!("acc-{a}"), format!("owner-{a}"), 1_000 * a).unwrap();
+        store.save(&tx, &mut account, &Headers::new()).await.unwrap();
+        tx.commit().await.unwrap();
+    }
+    for i in 0..60i64 {
+        let id = format!("acc-{}", i % 5);
+        let _ = store
+            .update(&mut client, &id, 5, &Headers::new(), |acc| {
+                if i % 4 == 3 {
+                    acc.withdraw(150 + i, "w")
+                } else {
+                    acc.deposit(100 + i, "d")
+                }
+            })
+            .await; // some withdrawals are refused by the aggregate: nothing is written for them
+    }
+    // A record the projection must refuse: an unknown event type.
+    client
+        .execute(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload, headers)
+             VALUES (gen_random_uuid(), 'Account', 'acc-bogus', 'AccountTeleported', '{}', '{\"version\": \"1\"}')",
+            &[],
+        )
+        .await
+        .unwrap();
+
+    let expected: Vec<(String, i64, i64)> = {
+        let mut v = Vec::new();
+        for a in 0..5 {
+            let acc = store.load(&client, &format!("acc-{a}")).await.unwrap().unwrap();
+            v.push((acc.state().id.clone(), acc.state().balance, acc.version()));
+        }
+        v
+    };
+    let total_events: i64 = client
+        .query_one("SELECT count(*) FROM events", &[])
+        .await
+        .unwrap()
+        .get(0);
+    // Wait until outboxd has published everything, then project.
+    let want = total_events as usize + 1;
+    wait_for("account events in Kafka", Duration::from_secs(60), || {
+        let brokers = brokers.clone();
+        async move {
+            let n = tokio::task::spawn_blocking(move || {
+                consume(&brokers, &["account.events"], want, Duration::from_secs(3)).len()
+            })
+            .await
+            .unwrap();
+            (n >= want).then_some(())
+        }
+    })
+    .await;
+    let url = db.superuser_url();
+    let first = tokio::task::spawn_blocking({
+        let (b, u) = (brokers.clone(), url.clone());
+        move || run_projection(&b, &u, &[])
+    })
+    .await
+    .unwrap();
+    assert!(
+        first.contains(&format!("applied {total_events} ")) && first.contains("dead letters 1"),
+        "{first}"
+    );
+    assert_eq!(
+        balance_view(&client).await,
+        expected,
+        "view equals the event store"
+    );
+
+    // Restart and re-read the whole topic: every record is a duplicate now.
+    let replay = tokio::task::spawn_blocking({
+        let (b, u) = (brokers.clone(), url.clone());
+        move || run_projection(&b, &u, &["--from-beginning"])
+    })
+    .await
+    .unwrap();
+    assert!(
+        replay.contains("applied 0 ") && replay.contains(&format!("duplicates {total_events} ")),
+        "{replay}"
+    );
+    assert_eq!(balance_view(&client).await, expected, "a replay changes nothing");
+
+    let dlq = tokio::task::spawn_blocking(move || {
+        consume(&brokers, &["account.events.dlq"], 1, Duration::from_secs(20))
+    })
+    .await
+    .unwrap();
+    assert_eq!(dlq.len(), 1);
+    assert!(
+        dlq[0].header("dlq.reason").unwrap().contains("AccountTeleported"),
+        "{:?}",
+        dlq[0].headers
+    );
+    assert_eq!(dlq[0].key, "acc-bogus");
+    stop_relay(handle, stop).await;
+}

@@ -246,9 +246,9 @@ async fn other_tables_updates_and_deletes_do_not_surface() {
     // a second table. Only outbox INSERTs may come out of the stream.
     client
         .batch_execute(
-            "CREATE TABLE orders (id int PRIMARY KEY, status text);
+            "CREATE TABLE parcels (id int PRIMARY KEY, status text);
              ALTER TABLE outbox REPLICA IDENTITY FULL;
-             CREATE PUBLICATION wide FOR TABLE outbox, orders;",
+             CREATE PUBLICATION wide FOR TABLE outbox, parcels;",
         )
         .await
         .unwrap();
@@ -258,7 +258,7 @@ async fn other_tables_updates_and_deletes_do_not_surface() {
     client
         .batch_execute(&format!(
             "BEGIN;
-             INSERT INTO orders VALUES (1, 'new');
+             INSERT INTO parcels VALUES (1, 'new');
              INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload) VALUES ('{keep}', 'Order', '1', 't', '{{}}');
              INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload) VALUES ('{gone}', 'Order', '1', 't', '{{}}');
              COMMIT;"
@@ -269,10 +269,10 @@ async fn other_tables_updates_and_deletes_do_not_surface() {
     for sql in [
         format!("UPDATE outbox SET published_at = now() WHERE id = '{keep}'"),
         format!("DELETE FROM outbox WHERE id = '{gone}'"),
-        "UPDATE orders SET status = 'paid'".to_owned(),
-        "TRUNCATE orders".to_owned(),
+        "UPDATE parcels SET status = 'paid'".to_owned(),
+        "TRUNCATE parcels".to_owned(),
         "SELECT pg_logical_emit_message(true, 'test', 'hello')".to_owned(),
-        "INSERT INTO orders VALUES (2, 'new')".to_owned(),
+        "INSERT INTO parcels VALUES (2, 'new')".to_owned(),
     ] {
         client.batch_execute(&sql).await.unwrap();
     }

@@ -12,9 +12,6 @@ pub use postgres::server;
 
 static NEXT_DB: AtomicU32 = AtomicU32::new(0);
 
-/// The outbox table's migration, as shipped.
-pub const OUTBOX_MIGRATION: &str = include_str!("../../../migrations/0001_outbox.sql");
-
 /// A fresh database on the shared server, with the outbox table.
 #[derive(Debug)]
 pub struct TestDb {
@@ -22,8 +19,17 @@ pub struct TestDb {
 }
 
 impl TestDb {
-    /// Creates `<hint>_<n>` and applies the outbox migration.
+    /// Creates `<hint>_<n>` and applies the shipped migrations.
     pub async fn new(hint: &str) -> TestDb {
+        let db = Self::empty(hint).await;
+        outbox_sdk::migrate::migrate(&mut db.client().await)
+            .await
+            .expect("apply the migrations");
+        db
+    }
+
+    /// Creates `<hint>_<n>` with no tables.
+    pub async fn empty(hint: &str) -> TestDb {
         let server = server();
         let n = NEXT_DB.fetch_add(1, Ordering::SeqCst);
         let name = format!("{hint}_{}_{n}", std::process::id());
@@ -32,13 +38,7 @@ impl TestDb {
             .batch_execute(&format!("CREATE DATABASE {name}"))
             .await
             .unwrap_or_else(|e| panic!("CREATE DATABASE {name}: {e}"));
-        let db = TestDb { name };
-        db.client()
-            .await
-            .batch_execute(OUTBOX_MIGRATION)
-            .await
-            .expect("apply migrations/0001_outbox.sql");
-        db
+        TestDb { name }
     }
 
     /// A superuser SQL client on this database.

@@ -1,0 +1,265 @@
+//! An event store on PostgreSQL (seed 004), with its events published
+//! through the outbox.
+//!
+//! [`EventStore::append`] writes an aggregate's new events to `events` and
+//! one outbox row per event, in the caller's transaction. Optimistic
+//! concurrency: the append succeeds only if the aggregate is still at
+//! `expected_version`. A writer that loaded a stale version gets
+//! [`EventStoreError::ConcurrencyConflict`]. The check is an `INSERT … WHERE
+//! max(version) = expected`, and `UNIQUE (aggregate_id, version)` settles
+//! the race between two writers that both saw the same version.
+//!
+//! Reads filter in SQL: after a version (for loading from a snapshot), up
+//! to a moment (time travel), or between two moments.
+
+use chrono::{DateTime, Utc};
+use serde_json::Value;
+use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::{GenericClient, Row, Transaction};
+use uuid::Uuid;
+
+use crate::error::SdkError;
+use crate::outbox::{append, Headers, OutboxEvent};
+
+/// Header carrying an event's aggregate version on its outbox row.
+pub const VERSION_HEADER: &str = "version";
+
+/// An event to append.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NewEvent {
+    pub event_type: String,
+    pub payload: Value,
+}
+
+/// An event as stored.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RecordedEvent {
+    /// Also the id of its outbox row and Kafka record.
+    pub event_id: Uuid,
+    pub aggregate_id: String,
+    pub version: i64,
+    pub event_type: String,
+    pub payload: Value,
+    pub occurred_at: DateTime<Utc>,
+}
+
+impl RecordedEvent {
+    fn from_row(row: &Row) -> Self {
+        RecordedEvent {
+            event_id: row.get("event_id"),
+            aggregate_id: row.get("aggregate_id"),
+            version: row.get("version"),
+            event_type: row.get("type"),
+            payload: row.get("payload"),
+            occurred_at: row.get("occurred_at"),
+        }
+    }
+}
+
+/// Appending or reading failed.
+#[derive(Debug, thiserror::Error)]
+pub enum EventStoreError {
+    #[error("concurrency conflict on aggregate {aggregate_id}: it is no longer at version {expected_version}; reload it and retry the command")]
+    ConcurrencyConflict {
+        aggregate_id: String,
+        expected_version: i64,
+    },
+    #[error(transparent)]
+    Sdk(#[from] SdkError),
+}
+
+impl From<tokio_postgres::Error> for EventStoreError {
+    fn from(e: tokio_postgres::Error) -> Self {
+        EventStoreError::Sdk(SdkError::Db(e))
+    }
+}
+
+const COLUMNS: &str = "event_id, aggregate_id, version, type, payload, occurred_at";
+
+/// The event store; `snapshot_every` is how many versions apart snapshots are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EventStore {
+    snapshot_every: i64,
+}
+
+impl Default for EventStore {
+    fn default() -> Self {
+        EventStore { snapshot_every: 100 }
+    }
+}
+
+impl EventStore {
+    /// Snapshots every `n` versions (at least 1).
+    pub fn with_snapshot_every(n: i64) -> Self {
+        EventStore {
+            snapshot_every: n.max(1),
+        }
+    }
+
+    pub fn snapshot_every(&self) -> i64 {
+        self.snapshot_every
+    }
+
+    /// Whether moving from version `from` to `to` crosses a snapshot point.
+    pub fn crosses_snapshot(&self, from: i64, to: i64) -> bool {
+        to / self.snapshot_every > from / self.snapshot_every
+    }
+
+    /// Appends events at `expected_version + 1 …` and their outbox rows.
+    pub async fn append(
+        &self,
+        tx: &Transaction<'_>,
+        aggregate_type: &str,
+        aggregate_id: &str,
+        expected_version: i64,
+        events: &[NewEvent],
+        headers: &Headers,
+    ) -> Result<Vec<RecordedEvent>, EventStoreError> {
+        if events.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ids: Vec<Uuid> = events.iter().map(|_| Uuid::now_v7()).collect();
+        let versions: Vec<i64> = (1..=events.len() as i64).map(|i| expected_version + i).collect();
+        let types: Vec<&str> = events.iter().map(|e| e.event_type.as_str()).collect();
+        let payloads: Vec<&Value> = events.iter().map(|e| &e.payload).collect();
+        let sql = format!(
+            "INSERT INTO events (event_id, aggregate_type, aggregate_id, version, type, payload)
+             SELECT e.event_id, $2, $3, e.version, e.type, e.payload
+               FROM unnest($4, $5, $6, $7) AS e(event_id, version, type, payload)
+              WHERE (SELECT coalesce(max(version), 0) FROM events WHERE aggregate_id = $3) = $1
+             RETURNING {COLUMNS}"
+        );
+        let params: [(&(dyn ToSql + Sync), Type); 7] = [
+            (&expected_version, Type::INT8),
+            (&aggregate_type, Type::TEXT),
+            (&aggregate_id, Type::TEXT),
+            (&ids, Type::UUID_ARRAY),
+            (&versions, Type::INT8_ARRAY),
+            (&types, Type::TEXT_ARRAY),
+            (&payloads, Type::JSONB_ARRAY),
+        ];
+        let conflict = || EventStoreError::ConcurrencyConflict {
+            aggregate_id: aggregate_id.to_owned(),
+            expected_version,
+        };
+        let rows = match tx.query_typed(&sql, &params).await {
+            Ok(rows) => rows,
+            Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::UNIQUE_VIOLATION) => {
+                return Err(conflict())
+            }
+            Err(e) => return Err(e.into()),
+        };
+        if rows.len() != events.len() {
+            return Err(conflict());
+        }
+        let mut recorded: Vec<RecordedEvent> = rows.iter().map(RecordedEvent::from_row).collect();
+        recorded.sort_by_key(|e| e.version);
+        let outbox: Vec<OutboxEvent> = recorded
+            .iter()
+            .map(|e| {
+                let mut h = headers.clone();
+                h.insert(VERSION_HEADER, e.version.to_string());
+                OutboxEvent {
+                    id: Some(e.event_id),
+                    aggregate_type: aggregate_type.to_owned(),
+                    aggregate_id: aggregate_id.to_owned(),
+                    event_type: e.event_type.clone(),
+                    payload: e.payload.clone(),
+                    headers: h,
+                }
+            })
+            .collect();
+        append(tx, &outbox).await?;
+        Ok(recorded)
+    }
+
+    /// The aggregate's events after `after_version`, in order.
+    pub async fn read<C: GenericClient>(
+        &self,
+        client: &C,
+        aggregate_id: &str,
+        after_version: i64,
+    ) -> Result<Vec<RecordedEvent>, EventStoreError> {
+        let sql =
+            format!("SELECT {COLUMNS} FROM events WHERE aggregate_id = $1 AND version > $2 ORDER BY version");
+        let rows = client.query(&sql, &[&aggregate_id, &after_version]).await?;
+        Ok(rows.iter().map(RecordedEvent::from_row).collect())
+    }
+
+    /// The aggregate's events that occurred at or before `at`, in order.
+    pub async fn read_until<C: GenericClient>(
+        &self,
+        client: &C,
+        aggregate_id: &str,
+        at: DateTime<Utc>,
+    ) -> Result<Vec<RecordedEvent>, EventStoreError> {
+        let sql = format!(
+            "SELECT {COLUMNS} FROM events WHERE aggregate_id = $1 AND occurred_at <= $2 ORDER BY version"
+        );
+        let rows = client.query(&sql, &[&aggregate_id, &at]).await?;
+        Ok(rows.iter().map(RecordedEvent::from_row).collect())
+    }
+
+    /// The aggregate's events with `from <= occurred_at <= to`, in order.
+    pub async fn events_between<C: GenericClient>(
+        &self,
+        client: &C,
+        aggregate_id: &str,
+        from: DateTime<Utc>,
+        to: DateTime<Utc>,
+    ) -> Result<Vec<RecordedEvent>, EventStoreError> {
+        let sql = format!(
+            "SELECT {COLUMNS} FROM events
+              WHERE aggregate_id = $1 AND occurred_at >= $2 AND occurred_at <= $3 ORDER BY version"
+        );
+        let rows = client.query(&sql, &[&aggregate_id, &from, &to]).await?;
+        Ok(rows.iter().map(RecordedEvent::from_row).collect())
+    }
+
+    /// The latest snapshot: its version and state.
+    pub async fn latest_snapshot<C: GenericClient>(
+        &self,
+        client: &C,
+        aggregate_id: &str,
+    ) -> Result<Option<(i64, Value)>, EventStoreError> {
+        let row = client
+            .query_opt(
+                "SELECT version, state FROM snapshots WHERE aggregate_id = $1 ORDER BY version DESC LIMIT 1",
+                &[&aggregate_id],
+            )
+            .await?;
+        Ok(row.map(|r| (r.get(0), r.get(1))))
+    }
+
+    /// Stores a snapshot of the state at `version`.
+    pub async fn save_snapshot(
+        &self,
+        tx: &Transaction<'_>,
+        aggregate_id: &str,
+        version: i64,
+        state: &Value,
+    ) -> Result<(), EventStoreError> {
+        tx.execute(
+            "INSERT INTO snapshots (aggregate_id, version, state) VALUES ($1, $2, $3)
+             ON CONFLICT (aggregate_id, version) DO NOTHING",
+            &[&aggregate_id, &version, state],
+        )
+        .await?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn snapshot_points() {
+        let s = EventStore::default();
+        assert!(s.crosses_snapshot(99, 100));
+        assert!(s.crosses_snapshot(98, 102));
+        assert!(!s.crosses_snapshot(100, 199));
+        assert!(s.crosses_snapshot(199, 200));
+        assert_eq!(EventStore::with_snapshot_every(0).snapshot_every(), 1);
+    }
+}
