@@ -154,31 +154,27 @@ impl KafkaSink {
         })
     }
 
-    /// Asks the cluster for metadata; returns the number of brokers.
-    pub async fn check_brokers(&self) -> Result<usize, KafkaSinkError> {
+    /// Cluster metadata, for one topic or all, fetched off the async threads.
+    async fn metadata(&self, topic: Option<&str>) -> Result<rdkafka::metadata::Metadata, KafkaSinkError> {
         let producer = self.producer.clone();
         let timeout = self.timeout;
-        let md = tokio::task::spawn_blocking(move || producer.client().fetch_metadata(None, timeout))
+        let topic = topic.map(str::to_owned);
+        tokio::task::spawn_blocking(move || producer.client().fetch_metadata(topic.as_deref(), timeout))
             .await
             .map_err(|_| KafkaSinkError::Canceled)?
             .map_err(|source| KafkaSinkError::Unreachable {
                 brokers: self.brokers.clone(),
                 source,
-            })?;
-        Ok(md.brokers().len())
+            })
+    }
+
+    /// Asks the cluster for metadata; returns the number of brokers.
+    pub async fn check_brokers(&self) -> Result<usize, KafkaSinkError> {
+        Ok(self.metadata(None).await?.brokers().len())
     }
 
     async fn topic_exists(&self, topic: &str) -> Result<bool, KafkaSinkError> {
-        let producer = self.producer.clone();
-        let timeout = self.timeout;
-        let name = topic.to_owned();
-        let md = tokio::task::spawn_blocking(move || producer.client().fetch_metadata(Some(&name), timeout))
-            .await
-            .map_err(|_| KafkaSinkError::Canceled)?
-            .map_err(|source| KafkaSinkError::Unreachable {
-                brokers: self.brokers.clone(),
-                source,
-            })?;
+        let md = self.metadata(Some(topic)).await?;
         Ok(md
             .topics()
             .iter()

@@ -9,7 +9,8 @@
 //! logical slot be created without holding a snapshot), after checking here
 //! whether it exists and belongs to this database and plugin.
 
-use tokio_postgres::{Client, NoTls};
+use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
+use tokio_postgres::{Client, NoTls, Socket};
 
 use crate::lsn::Lsn;
 use crate::pg::connection::ReplicationConnection;
@@ -52,55 +53,41 @@ pub enum AdminError {
     ForeignSlot { slot: String, problem: String },
 }
 
-/// tokio-postgres prints only "db error" for server errors: show the
-/// server's message and SQLSTATE, or the underlying cause.
-pub fn describe(e: &tokio_postgres::Error) -> String {
-    if let Some(db) = e.as_db_error() {
-        return format!(
-            "{}: {} (SQLSTATE {})",
-            db.severity(),
-            db.message(),
-            db.code().code()
-        );
-    }
-    match std::error::Error::source(e) {
-        Some(cause) => format!("{e}: {cause}"),
-        None => e.to_string(),
-    }
-}
+pub use outbox_sdk::error::describe;
 
 /// Connects an ordinary client with the same settings (and TLS rules) as
 /// the replication connection. The connection task runs in the background.
 pub async fn connect(cfg: &PgConnectConfig) -> Result<Client, AdminError> {
     let pg = cfg.to_tokio_postgres();
-    let target = cfg.target();
-    let client = match tls::client_config(cfg)? {
+    match tls::client_config(cfg)? {
         Some(tls_cfg) => {
             let tls = tokio_postgres_rustls::MakeRustlsConnect::new((*tls_cfg).clone());
-            let (client, conn) = pg
-                .connect(tls)
-                .await
-                .map_err(|source| AdminError::Connect { target, source })?;
-            tokio::spawn(async move {
-                if let Err(e) = conn.await {
-                    tracing::debug!(error = %e, "admin connection closed");
-                }
-            });
-            client
+            connect_with(&pg, tls, cfg).await
         }
-        None => {
-            let (client, conn) = pg
-                .connect(NoTls)
-                .await
-                .map_err(|source| AdminError::Connect { target, source })?;
-            tokio::spawn(async move {
-                if let Err(e) = conn.await {
-                    tracing::debug!(error = %e, "admin connection closed");
-                }
-            });
-            client
+        None => connect_with(&pg, NoTls, cfg).await,
+    }
+}
+
+async fn connect_with<T>(
+    pg: &tokio_postgres::Config,
+    tls: T,
+    cfg: &PgConnectConfig,
+) -> Result<Client, AdminError>
+where
+    T: MakeTlsConnect<Socket> + Send + 'static,
+    T::Stream: Send + 'static,
+    T::TlsConnect: Send,
+    <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
+{
+    let (client, conn) = pg.connect(tls).await.map_err(|source| AdminError::Connect {
+        target: cfg.target(),
+        source,
+    })?;
+    tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            tracing::debug!(error = %e, "admin connection closed");
         }
-    };
+    });
     Ok(client)
 }
 
