@@ -81,6 +81,9 @@ pub struct Config {
     /// Metrics and health endpoints.
     #[serde(default)]
     pub http: HttpConfig,
+    /// What liveness and readiness mean.
+    #[serde(default)]
+    pub health: HealthConfig,
     /// Stopping.
     #[serde(default)]
     pub shutdown: ShutdownConfig,
@@ -194,6 +197,55 @@ impl Default for HttpConfig {
     }
 }
 
+/// `[health]`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HealthConfig {
+    /// /healthz fails when the replication loop has not run for this long.
+    #[serde(default = "default_liveness")]
+    pub liveness_timeout: HumanDuration,
+    /// /readyz fails when the last status update to PostgreSQL is older.
+    #[serde(default = "default_status_max_age")]
+    pub status_max_age: HumanDuration,
+    /// /readyz fails when events are in flight and Kafka has not acknowledged any for this long.
+    #[serde(default = "default_ack_max_age")]
+    pub ack_max_age: HumanDuration,
+    /// /readyz fails when the replication lag exceeds this many bytes (unset: no limit).
+    #[serde(default)]
+    pub max_lag_bytes: Option<u64>,
+    /// /readyz fails, and an error is logged, when the slot retains more WAL than this (unset: no limit).
+    #[serde(default)]
+    pub max_retained_wal_bytes: Option<u64>,
+    /// How often to poll the slot's retained WAL and probe the brokers.
+    #[serde(default = "default_poll_interval")]
+    pub poll_interval: HumanDuration,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        HealthConfig {
+            liveness_timeout: default_liveness(),
+            status_max_age: default_status_max_age(),
+            ack_max_age: default_ack_max_age(),
+            max_lag_bytes: None,
+            max_retained_wal_bytes: None,
+            poll_interval: default_poll_interval(),
+        }
+    }
+}
+
+impl HealthConfig {
+    pub fn thresholds(&self) -> crate::health::Thresholds {
+        crate::health::Thresholds {
+            liveness_timeout: self.liveness_timeout.0,
+            status_max_age: self.status_max_age.0,
+            ack_max_age: self.ack_max_age.0,
+            max_lag_bytes: self.max_lag_bytes,
+            max_retained_wal_bytes: self.max_retained_wal_bytes,
+        }
+    }
+}
+
 /// `[shutdown]`
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -264,6 +316,18 @@ fn default_topic() -> String {
 }
 fn default_listen() -> String {
     "127.0.0.1:9187".into()
+}
+fn default_liveness() -> HumanDuration {
+    secs(60)
+}
+fn default_status_max_age() -> HumanDuration {
+    secs(10)
+}
+fn default_ack_max_age() -> HumanDuration {
+    secs(30)
+}
+fn default_poll_interval() -> HumanDuration {
+    secs(10)
 }
 fn default_drain() -> HumanDuration {
     secs(30)
@@ -401,6 +465,15 @@ impl Config {
             return Err(invalid(
                 "kafka.options.enable.idempotence",
                 "must stay true: without it retries can reorder an aggregate's events",
+            ));
+        }
+        if self.health.poll_interval.0 < Duration::from_millis(100) {
+            return Err(invalid("health.poll_interval", "must be at least 100ms"));
+        }
+        if self.health.status_max_age.0 <= self.postgres.status_interval.0 {
+            return Err(invalid(
+                "health.status_max_age",
+                "must be longer than postgres.status_interval, or outboxd is never ready",
             ));
         }
         let topic = TopicTemplate::parse(&self.routing.topic, self.routing.lowercase_aggregate_type)

@@ -116,45 +116,24 @@ pub enum SendOutcome {
     QueueFull,
 }
 
-/// Producer plus admin client, and the topics known to exist.
-pub struct KafkaSink {
+/// Asks the cluster for metadata, off the async threads.
+#[derive(Clone)]
+pub struct BrokerProbe {
     producer: FutureProducer,
-    admin: AdminClient<DefaultClientContext>,
-    known_topics: HashSet<String>,
-    create_topics: bool,
-    partitions: i32,
-    replication_factor: i32,
     timeout: Duration,
     brokers: String,
 }
 
-impl std::fmt::Debug for KafkaSink {
+impl std::fmt::Debug for BrokerProbe {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("KafkaSink")
+        f.debug_struct("BrokerProbe")
             .field("brokers", &self.brokers)
             .finish()
     }
 }
 
-impl KafkaSink {
-    pub fn new(cfg: &KafkaConfig, timeout: Duration) -> Result<Self, KafkaSinkError> {
-        let client = client_config(cfg);
-        let producer: FutureProducer = client.create().map_err(KafkaSinkError::Config)?;
-        let admin: AdminClient<DefaultClientContext> =
-            client_config(cfg).create().map_err(KafkaSinkError::Config)?;
-        Ok(KafkaSink {
-            producer,
-            admin,
-            known_topics: HashSet::new(),
-            create_topics: cfg.create_topics,
-            partitions: cfg.topic_partitions,
-            replication_factor: cfg.topic_replication_factor,
-            timeout,
-            brokers: cfg.brokers.clone(),
-        })
-    }
-
-    /// Cluster metadata, for one topic or all, fetched off the async threads.
+impl BrokerProbe {
+    /// Cluster metadata, for one topic or all.
     async fn metadata(&self, topic: Option<&str>) -> Result<rdkafka::metadata::Metadata, KafkaSinkError> {
         let producer = self.producer.clone();
         let timeout = self.timeout;
@@ -168,13 +147,66 @@ impl KafkaSink {
             })
     }
 
+    /// Succeeds with the number of brokers when the cluster answers.
+    pub async fn check(&self) -> Result<usize, KafkaSinkError> {
+        Ok(self.metadata(None).await?.brokers().len())
+    }
+}
+
+/// Producer plus admin client, and the topics known to exist.
+pub struct KafkaSink {
+    producer: FutureProducer,
+    admin: AdminClient<DefaultClientContext>,
+    probe: BrokerProbe,
+    known_topics: HashSet<String>,
+    create_topics: bool,
+    partitions: i32,
+    replication_factor: i32,
+    timeout: Duration,
+}
+
+impl std::fmt::Debug for KafkaSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaSink")
+            .field("brokers", &self.probe.brokers)
+            .finish()
+    }
+}
+
+impl KafkaSink {
+    pub fn new(cfg: &KafkaConfig, timeout: Duration) -> Result<Self, KafkaSinkError> {
+        let client = client_config(cfg);
+        let producer: FutureProducer = client.create().map_err(KafkaSinkError::Config)?;
+        let admin: AdminClient<DefaultClientContext> =
+            client_config(cfg).create().map_err(KafkaSinkError::Config)?;
+        Ok(KafkaSink {
+            probe: BrokerProbe {
+                producer: producer.clone(),
+                timeout,
+                brokers: cfg.brokers.clone(),
+            },
+            producer,
+            admin,
+            known_topics: HashSet::new(),
+            create_topics: cfg.create_topics,
+            partitions: cfg.topic_partitions,
+            replication_factor: cfg.topic_replication_factor,
+            timeout,
+        })
+    }
+
+    /// A cheap handle that asks the cluster for metadata.
+    pub fn probe(&self) -> BrokerProbe {
+        self.probe.clone()
+    }
+
     /// Asks the cluster for metadata; returns the number of brokers.
     pub async fn check_brokers(&self) -> Result<usize, KafkaSinkError> {
-        Ok(self.metadata(None).await?.brokers().len())
+        self.probe.check().await
     }
 
     async fn topic_exists(&self, topic: &str) -> Result<bool, KafkaSinkError> {
-        let md = self.metadata(Some(topic)).await?;
+        let md = self.probe.metadata(Some(topic)).await?;
         Ok(md
             .topics()
             .iter()

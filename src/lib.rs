@@ -10,13 +10,17 @@
 
 pub mod check;
 pub mod config;
+pub mod health;
+pub mod http;
 pub mod kafka;
 pub mod lsn;
+pub mod metrics;
 pub mod outbox;
 pub mod pg;
 pub mod pipeline;
 pub mod progress;
 pub mod routing;
+pub mod status;
 pub mod telemetry;
 
 pub use lsn::Lsn;

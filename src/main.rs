@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use clap::{Parser, Subcommand};
 use outboxd::config::Config;
@@ -29,6 +30,15 @@ enum Command {
         /// The TOML configuration file.
         #[arg(short, long, env = "OUTBOXD_CONFIG")]
         config: PathBuf,
+    },
+    /// Show the slot, LSNs, lag, retained WAL, the oldest waiting event and whether Kafka is reachable.
+    Status {
+        /// The TOML configuration file.
+        #[arg(short, long, env = "OUTBOXD_CONFIG")]
+        config: PathBuf,
+        /// Print JSON for scripts.
+        #[arg(long)]
+        json: bool,
     },
     /// Apply the shipped migrations (outbox, event store, orders) once each, in order.
     Migrate {
@@ -83,7 +93,22 @@ async fn run(path: PathBuf) -> ExitCode {
         // A second signal is not needed: the drain is bounded by shutdown.drain_timeout.
         std::future::pending::<()>().await;
     });
-    let mut relay = match Relay::new(config, validated) {
+    let metrics = match outboxd::metrics::Metrics::new() {
+        Ok(m) => Arc::new(m),
+        Err(e) => {
+            tracing::error!(error = %e, "cannot set up metrics");
+            return ExitCode::FAILURE;
+        }
+    };
+    let health = Arc::new(outboxd::health::Health::new(config.health.thresholds()));
+    match outboxd::http::serve(validated.listen, metrics.clone(), health.clone()).await {
+        Ok(addr) => tracing::info!(%addr, "serving /metrics, /healthz, /readyz and /status"),
+        Err(e) => {
+            tracing::error!(error = %e, "cannot start the HTTP server");
+            return ExitCode::FAILURE;
+        }
+    }
+    let mut relay = match Relay::new(config, validated, metrics, health) {
         Ok(r) => r,
         Err(e) => {
             tracing::error!(error = %e, "cannot start");
@@ -142,6 +167,33 @@ async fn sql_client(
         Err(e) => {
             eprintln!("outboxd: {e}");
             Err(ExitCode::FAILURE)
+        }
+    }
+}
+
+async fn status(path: PathBuf, json: bool) -> ExitCode {
+    let (config, validated) = match load(&path) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    match outboxd::status::gather(&config, &validated).await {
+        Ok(report) if json => match serde_json::to_string_pretty(&report) {
+            Ok(text) => {
+                println!("{text}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("outboxd: {e}");
+                ExitCode::FAILURE
+            }
+        },
+        Ok(report) => {
+            print!("{}", report.render());
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("outboxd: {e}");
+            ExitCode::FAILURE
         }
     }
 }
@@ -217,6 +269,7 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Run { config } => run(config).await,
             Command::Check { config } => check(config).await,
+            Command::Status { config, json } => status(config, json).await,
             Command::Migrate { config } => migrate(config).await,
             Command::Retention {
                 config,

@@ -38,7 +38,8 @@
 //! the others (bad rows, missing topics that may not be created, bad
 //! settings) stop outboxd with a message saying what to do.
 
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures::stream::FuturesUnordered;
 use futures::StreamExt;
@@ -47,8 +48,10 @@ use tokio::sync::watch;
 use tokio::time::{Instant, MissedTickBehavior};
 
 use crate::config::{Config, Validated};
-use crate::kafka::{KafkaSink, KafkaSinkError, SendOutcome};
+use crate::health::Health;
+use crate::kafka::{BrokerProbe, KafkaSink, KafkaSinkError, SendOutcome};
 use crate::lsn::Lsn;
+use crate::metrics::Metrics;
 use crate::outbox::OutboxRow;
 use crate::pg::admin::{self, AdminError, SlotState};
 use crate::pg::connection::{ReplicationConnection, StartOptions};
@@ -83,6 +86,17 @@ pub enum RelayError {
 }
 
 impl RelayError {
+    /// A short, bounded label for `outboxd_publish_errors_total{reason}`.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            RelayError::Admin(_) | RelayError::NoPublication(_) => "postgres_setup",
+            RelayError::Pg(_) | RelayError::StreamEnded => "postgres_stream",
+            RelayError::Stream(_) | RelayError::OutOfOrder(_) => "decode",
+            RelayError::Kafka(e) => e.reason(),
+            RelayError::Record { source, .. } => source.reason(),
+        }
+    }
+
     /// Whether a new session (after a backoff) may succeed.
     pub fn is_transient(&self) -> bool {
         match self {
@@ -108,6 +122,8 @@ pub struct Relay {
     config: Config,
     validated: Validated,
     sink: KafkaSink,
+    metrics: Arc<Metrics>,
+    health: Arc<Health>,
 }
 
 impl std::fmt::Debug for Relay {
@@ -160,26 +176,98 @@ struct Session {
     received: Lsn,
     open: Option<TxnId>,
     deliveries: FuturesUnordered<futures::future::BoxFuture<'static, Delivery>>,
+    /// Acknowledged events and retired transactions not yet added to the counters.
+    acked: u64,
+    retired: u64,
+    last_ack: Option<std::time::Instant>,
+}
+
+/// Microseconds since the Unix epoch.
+fn now_micros() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
+        .unwrap_or(0)
+}
+
+impl Session {
+    /// Applies an acknowledgement, and times every transaction it retires.
+    fn delivered(&mut self, metrics: &Metrics, (txn, result): Delivery) -> Result<(), RelayError> {
+        match result {
+            Ok(Ok(_delivery)) => {
+                self.tracker.acked(txn);
+                self.acked += 1;
+                self.last_ack = Some(std::time::Instant::now());
+                self.observe_retired(metrics);
+                Ok(())
+            }
+            Ok(Err((source, msg))) => Err(KafkaSinkError::Delivery {
+                topic: msg.topic().to_owned(),
+                source,
+            }
+            .into()),
+            Err(_) => Err(KafkaSinkError::Canceled.into()),
+        }
+    }
+
+    fn observe_retired(&mut self, metrics: &Metrics) {
+        let mut now = None;
+        for (commit_time, had_events) in self.tracker.drain_retired() {
+            self.retired += 1;
+            if had_events {
+                let now = *now.get_or_insert_with(now_micros);
+                metrics
+                    .commit_to_ack_seconds
+                    .observe(now.saturating_sub(commit_time).max(0) as f64 / 1e6);
+            }
+        }
+    }
 }
 
 impl Relay {
-    pub fn new(config: Config, validated: Validated) -> Result<Self, RelayError> {
+    pub fn new(
+        config: Config,
+        validated: Validated,
+        metrics: Arc<Metrics>,
+        health: Arc<Health>,
+    ) -> Result<Self, RelayError> {
         let sink = KafkaSink::new(&config.kafka, config.kafka.admin_timeout.0)?;
         Ok(Relay {
             config,
             validated,
             sink,
+            metrics,
+            health,
         })
     }
 
     /// Runs sessions until shutdown or a definite error.
-    pub async fn run(&mut self, mut shutdown: watch::Receiver<bool>) -> Result<(), RelayError> {
+    pub async fn run(&mut self, shutdown: watch::Receiver<bool>) -> Result<(), RelayError> {
+        let poller = tokio::spawn(poll_slot_and_brokers(
+            self.validated.clone(),
+            self.sink.probe(),
+            self.config.health.poll_interval.0,
+            self.config.health.max_retained_wal_bytes,
+            self.metrics.clone(),
+            self.health.clone(),
+        ));
+        let result = self.sessions(shutdown).await;
+        poller.abort();
+        self.health.set_streaming(None);
+        result
+    }
+
+    async fn sessions(&mut self, mut shutdown: watch::Receiver<bool>) -> Result<(), RelayError> {
         let mut backoff = Backoff::new(self.config.postgres.reconnect_backoff_max.0);
         loop {
             let mut streamed = false;
-            match self.session(&mut shutdown, &mut streamed).await {
+            let result = self.session(&mut shutdown, &mut streamed).await;
+            self.health.set_streaming(None);
+            match result {
                 Ok(SessionEnd::Shutdown) => return Ok(()),
                 Err(e) if e.is_transient() => {
+                    self.metrics.reconnects.inc();
+                    self.metrics.error(e.reason());
                     if streamed {
                         backoff.reset();
                     }
@@ -189,8 +277,12 @@ impl Relay {
                         _ = tokio::time::sleep(wait) => {}
                         _ = shutdown.changed() => return Ok(()),
                     }
+                    self.health.beat();
                 }
-                Err(e) => return Err(e),
+                Err(e) => {
+                    self.metrics.error(e.reason());
+                    return Err(e);
+                }
             }
             if *shutdown.borrow() {
                 return Ok(());
@@ -255,11 +347,15 @@ impl Relay {
             walsender_pid = stream.backend_pid(),
             "streaming"
         );
+        self.health.set_streaming(Some(stream.backend_pid()));
         let mut s = Session {
             tracker: AckTracker::new(start),
             received: start,
             open: None,
             deliveries: FuturesUnordered::new(),
+            acked: 0,
+            retired: 0,
+            last_ack: None,
         };
         let result = self.stream_loop(&mut stream, &mut s, shutdown).await;
         match result {
@@ -296,13 +392,14 @@ impl Relay {
                 biased;
                 _ = shutdown.changed() => return Ok(()),
                 Some(done) = s.deliveries.next(), if !s.deliveries.is_empty() => {
-                    handle_delivery(s, done)?;
+                    s.delivered(&self.metrics, done)?;
                 }
                 _ = status.tick() => {
                     // When idle, ask for a keepalive: its WAL end lets the
                     // slot follow writes to other tables (rule 5).
                     let idle = s.tracker.is_idle();
                     stream.send_status(s.received, s.tracker.flushed(), idle).await?;
+                    self.report(stream, s);
                 }
                 event = stream.next_event(), if s.tracker.inflight() < max_inflight => {
                     match event? {
@@ -325,7 +422,7 @@ impl Relay {
                 if s.open.is_some() {
                     return Err(RelayError::OutOfOrder("Begin inside a transaction"));
                 }
-                s.open = Some(s.tracker.begin());
+                s.open = Some(s.tracker.begin(now_micros()));
             }
             StreamEvent::Insert { row, lsn } => {
                 let txn = s
@@ -333,12 +430,15 @@ impl Relay {
                     .ok_or(RelayError::OutOfOrder("INSERT outside a transaction"))?;
                 self.publish(s, txn, &row, lsn).await?;
             }
-            StreamEvent::Commit { end_lsn, .. } => {
+            StreamEvent::Commit {
+                end_lsn, commit_time, ..
+            } => {
                 let txn = s
                     .open
                     .take()
                     .ok_or(RelayError::OutOfOrder("Commit without Begin"))?;
-                s.tracker.commit(txn, end_lsn);
+                s.tracker.commit(txn, end_lsn, commit_time.unix_micros());
+                s.observe_retired(&self.metrics);
                 s.received = s.received.max(end_lsn);
             }
             StreamEvent::Keepalive {
@@ -381,11 +481,46 @@ impl Relay {
                     return Ok(());
                 }
                 SendOutcome::QueueFull => match s.deliveries.next().await {
-                    Some(done) => handle_delivery(s, done)?,
+                    Some(done) => s.delivered(&self.metrics, done)?,
                     None => tokio::time::sleep(Duration::from_millis(1)).await,
                 },
             }
         }
+    }
+
+    /// Publishes the session's progress to the metrics and the health
+    /// state: once per status tick, never per event.
+    fn report(&self, stream: &OutboxStream, s: &mut Session) {
+        let gauge = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        let m = &self.metrics;
+        m.events_published.inc_by(std::mem::take(&mut s.acked));
+        m.transactions.inc_by(std::mem::take(&mut s.retired));
+        let flushed = s.tracker.flushed();
+        let lag = stream.server_wal_end().max(s.received).bytes_since(flushed);
+        let inflight = s.tracker.inflight() as u64;
+        m.received_lsn.set(gauge(s.received.0));
+        m.confirmed_lsn.set(gauge(flushed.0));
+        m.replication_lag_bytes.set(gauge(lag));
+        m.inflight_events.set(gauge(inflight));
+        if let Some(at) = s.last_ack {
+            let unix = SystemTime::now()
+                .checked_sub(at.elapsed())
+                .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+                .map_or(0.0, |d| d.as_secs_f64());
+            m.last_ack_timestamp_seconds.set(unix);
+            self.health.acked_at(at);
+        }
+        let oldest = s
+            .tracker
+            .oldest_opened_at()
+            .filter(|_| inflight > 0)
+            .and_then(|opened| {
+                let age = u64::try_from(now_micros().saturating_sub(opened)).unwrap_or(0);
+                std::time::Instant::now().checked_sub(Duration::from_micros(age))
+            });
+        self.health.set_inflight(inflight, oldest);
+        self.health.status_sent(s.received.0, flushed.0, lag);
+        m.ready.set(i64::from(self.health.not_ready_reasons().is_empty()));
     }
 
     /// After shutdown was asked for: wait (bounded) for acknowledgements,
@@ -395,7 +530,7 @@ impl Relay {
         while !s.deliveries.is_empty() {
             tokio::select! {
                 Some(done) = s.deliveries.next() => {
-                    if let Err(e) = handle_delivery(s, done) {
+                    if let Err(e) = s.delivered(&self.metrics, done) {
                         tracing::error!(error = %e, "delivery failed during shutdown; the event will be re-sent after restart");
                         break;
                     }
@@ -409,21 +544,65 @@ impl Relay {
         if let Err(e) = stream.send_status(s.received, s.tracker.flushed(), false).await {
             tracing::warn!(error = %e, "could not send the final status update");
         }
+        self.report(stream, s);
         tracing::info!(confirmed = %s.tracker.flushed(), "stopped streaming");
     }
 }
 
-fn handle_delivery(s: &mut Session, (txn, result): Delivery) -> Result<(), RelayError> {
-    match result {
-        Ok(Ok(_delivery)) => {
-            s.tracker.acked(txn);
-            Ok(())
+/// Every `health.poll_interval`: the slot's retained WAL (and the guard on
+/// it) from `pg_replication_slots`, and a broker probe.
+async fn poll_slot_and_brokers(
+    v: Validated,
+    probe: BrokerProbe,
+    interval: Duration,
+    max_retained: Option<u64>,
+    metrics: Arc<Metrics>,
+    health: Arc<Health>,
+) {
+    let mut client: Option<tokio_postgres::Client> = None;
+    loop {
+        if client.as_ref().is_none_or(|c| c.is_closed()) {
+            client = admin::connect(&v.pg).await.ok();
         }
-        Ok(Err((source, msg))) => Err(KafkaSinkError::Delivery {
-            topic: msg.topic().to_owned(),
-            source,
+        if let Some(c) = &client {
+            let row = c
+                .query_opt(
+                    "SELECT (pg_current_wal_lsn() - restart_lsn)::bigint, wal_status
+                       FROM pg_catalog.pg_replication_slots WHERE slot_name = $1",
+                    &[&v.slot.as_str()],
+                )
+                .await;
+            match row {
+                Ok(Some(row)) => {
+                    let retained = row.get::<_, Option<i64>>(0).unwrap_or(0).max(0);
+                    metrics.slot_retained_wal_bytes.set(retained);
+                    health.set_retained_wal(retained as u64);
+                    if max_retained.is_some_and(|max| retained as u64 > max) {
+                        tracing::error!(
+                            slot = v.slot.as_str(),
+                            retained_bytes = retained,
+                            "the slot retains more WAL than health.max_retained_wal_bytes: the primary's disk is at risk; check why outboxd cannot confirm (Kafka down? lag?)"
+                        );
+                    }
+                    if row.get::<_, Option<String>>(1).as_deref() == Some("lost") {
+                        tracing::error!(
+                            slot = v.slot.as_str(),
+                            "the replication slot was invalidated (max_slot_wal_keep_size exceeded); see the README for recovery"
+                        );
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::debug!(error = %e, "slot poll failed");
+                    client = None;
+                }
+            }
         }
-        .into()),
-        Err(_) => Err(KafkaSinkError::Canceled.into()),
+        let reachable = probe.check().await.is_ok();
+        if !reachable {
+            tracing::warn!("Kafka brokers are unreachable");
+        }
+        health.set_kafka_reachable(reachable);
+        tokio::time::sleep(interval).await;
     }
 }

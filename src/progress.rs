@@ -31,6 +31,12 @@ struct Txn {
     end_lsn: Option<Lsn>,
     /// Events sent and not yet acknowledged.
     pending: usize,
+    /// Caller's clock when the transaction began (for the oldest-unacked age).
+    opened_at: i64,
+    /// The transaction's commit time (for the commit-to-ack histogram).
+    commit_time: i64,
+    /// Whether any event of it was sent.
+    had_events: bool,
 }
 
 /// Tracks unacknowledged events per transaction and the confirmable LSN.
@@ -40,6 +46,9 @@ pub struct AckTracker {
     first_id: u64,
     flushed: Lsn,
     inflight: usize,
+    /// Transactions retired since the last drain: commit time, and
+    /// whether they had events.
+    retired: Vec<(i64, bool)>,
 }
 
 impl AckTracker {
@@ -50,6 +59,7 @@ impl AckTracker {
             first_id: 0,
             flushed: start,
             inflight: 0,
+            retired: Vec::new(),
         }
     }
 
@@ -68,11 +78,14 @@ impl AckTracker {
         self.txns.is_empty()
     }
 
-    /// A transaction started.
-    pub fn begin(&mut self) -> TxnId {
+    /// A transaction started at `opened_at` (any clock the caller likes).
+    pub fn begin(&mut self, opened_at: i64) -> TxnId {
         self.txns.push_back(Txn {
             end_lsn: None,
             pending: 0,
+            opened_at,
+            commit_time: 0,
+            had_events: false,
         });
         TxnId(self.first_id + self.txns.len() as u64 - 1)
     }
@@ -86,14 +99,16 @@ impl AckTracker {
     pub fn sent(&mut self, id: TxnId) {
         if let Some(t) = self.txn_mut(id) {
             t.pending += 1;
+            t.had_events = true;
             self.inflight += 1;
         }
     }
 
     /// The transaction's commit was read; its events are all sent.
-    pub fn commit(&mut self, id: TxnId, end_lsn: Lsn) {
+    pub fn commit(&mut self, id: TxnId, end_lsn: Lsn, commit_time: i64) {
         if let Some(t) = self.txn_mut(id) {
             t.end_lsn = Some(end_lsn);
+            t.commit_time = commit_time;
         }
         self.retire();
     }
@@ -107,6 +122,17 @@ impl AckTracker {
             }
         }
         self.retire();
+    }
+
+    /// When the oldest unfinished transaction began, if there is one.
+    pub fn oldest_opened_at(&self) -> Option<i64> {
+        self.txns.front().map(|t| t.opened_at)
+    }
+
+    /// The transactions retired since the last call: commit time, and
+    /// whether they had events.
+    pub fn drain_retired(&mut self) -> std::vec::Drain<'_, (i64, bool)> {
+        self.retired.drain(..)
     }
 
     /// A keepalive reported `wal_end`: confirm it if nothing is pending.
@@ -123,6 +149,7 @@ impl AckTracker {
                     if end > self.flushed {
                         self.flushed = end;
                     }
+                    self.retired.push((front.commit_time, front.had_events));
                     self.txns.pop_front();
                     self.first_id += 1;
                 }
@@ -140,13 +167,13 @@ mod tests {
     #[test]
     fn waits_for_earlier_transactions() {
         let mut t = AckTracker::new(Lsn(10));
-        let a = t.begin();
+        let a = t.begin(0);
         t.sent(a);
         t.sent(a);
-        t.commit(a, Lsn(100));
-        let b = t.begin();
+        t.commit(a, Lsn(100), 1);
+        let b = t.begin(0);
         t.sent(b);
-        t.commit(b, Lsn(200));
+        t.commit(b, Lsn(200), 2);
         assert_eq!(t.inflight(), 3);
         t.acked(b);
         assert_eq!(t.flushed(), Lsn(10), "b is done but a is not");
@@ -155,20 +182,26 @@ mod tests {
         t.acked(a);
         assert_eq!(t.flushed(), Lsn(200));
         assert!(t.is_idle());
+        assert_eq!(
+            t.drain_retired().collect::<Vec<_>>(),
+            vec![(1, true), (2, true)],
+            "in commit order"
+        );
+        assert_eq!(t.drain_retired().count(), 0);
         assert_eq!(t.inflight(), 0);
     }
 
     #[test]
     fn empty_transactions_and_idle_keepalives() {
         let mut t = AckTracker::new(Lsn::ZERO);
-        let a = t.begin();
+        let a = t.begin(0);
         t.idle_advance(Lsn(50));
         assert_eq!(
             t.flushed(),
             Lsn::ZERO,
             "an open transaction blocks keepalive confirmation"
         );
-        t.commit(a, Lsn(60));
+        t.commit(a, Lsn(60), 0);
         assert_eq!(t.flushed(), Lsn(60), "an empty transaction retires at commit");
         t.idle_advance(Lsn(90));
         assert_eq!(t.flushed(), Lsn(90));
@@ -179,11 +212,11 @@ mod tests {
     #[test]
     fn an_open_transaction_is_never_confirmed() {
         let mut t = AckTracker::new(Lsn::ZERO);
-        let a = t.begin();
+        let a = t.begin(0);
         t.sent(a);
         t.acked(a);
         assert_eq!(t.flushed(), Lsn::ZERO, "acked but its commit was not read yet");
-        t.commit(a, Lsn(5));
+        t.commit(a, Lsn(5), 0);
         assert_eq!(t.flushed(), Lsn(5));
     }
 
@@ -198,12 +231,12 @@ mod tests {
             let mut remaining = sizes.clone();
             let ends: Vec<Lsn> = (0..sizes.len()).map(|i| Lsn(100 * (i as u64 + 1))).collect();
             for (i, &n) in sizes.iter().enumerate() {
-                let id = t.begin();
+                let id = t.begin(0);
                 for _ in 0..n {
                     t.sent(id);
                     outstanding.push((id, i));
                 }
-                t.commit(id, ends[i]);
+                t.commit(id, ends[i], i as i64);
             }
             let mut rng = seed;
             let mut last = t.flushed();

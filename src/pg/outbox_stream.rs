@@ -80,6 +80,8 @@ pub struct OutboxStream {
     table: TableName,
     /// Relation id → outbox column positions; `None` for other tables.
     relations: HashMap<u32, Option<OutboxColumns>>,
+    /// The server's WAL end, from the latest XLogData or keepalive.
+    server_wal_end: Lsn,
 }
 
 impl OutboxStream {
@@ -89,7 +91,13 @@ impl OutboxStream {
             decoder: PgOutputDecoder::new(),
             table,
             relations: HashMap::new(),
+            server_wal_end: Lsn::ZERO,
         }
+    }
+
+    /// The server's WAL end as last reported on the stream.
+    pub fn server_wal_end(&self) -> Lsn {
+        self.server_wal_end
     }
 
     /// The next event; `None` when the server ended the stream. Cancel-safe.
@@ -100,14 +108,16 @@ impl OutboxStream {
             };
             let xlog = match msg {
                 ReplicationMessage::PrimaryKeepalive(k) => {
+                    self.server_wal_end = self.server_wal_end.max(k.wal_end);
                     return Ok(Some(StreamEvent::Keepalive {
                         wal_end: k.wal_end,
                         reply_requested: k.reply_requested,
-                    }))
+                    }));
                 }
                 ReplicationMessage::XLogData(x) => x,
             };
             let lsn = xlog.wal_start;
+            self.server_wal_end = self.server_wal_end.max(xlog.wal_end);
             let decoded = self
                 .decoder
                 .decode(xlog.data)

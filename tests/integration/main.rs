@@ -5,6 +5,7 @@
 #![allow(clippy::unwrap_used)]
 
 mod harness;
+mod operations;
 mod relay;
 mod replication;
 mod sdk;

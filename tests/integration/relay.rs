@@ -5,7 +5,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use std::sync::Arc;
+
 use outboxd::config::Config;
+use outboxd::health::Health;
+use outboxd::metrics::Metrics;
 use outboxd::pipeline::{Relay, RelayError};
 use outboxd::Lsn;
 use serde_json::json;
@@ -49,9 +53,11 @@ drain_timeout = "10s"
 
 fn spawn_relay(text: &str) -> (JoinHandle<Result<(), RelayError>>, watch::Sender<bool>) {
     let (config, validated) = Config::from_toml(text, |_| None).expect("test config is valid");
+    let metrics = Arc::new(Metrics::new().unwrap());
+    let health = Arc::new(Health::new(config.health.thresholds()));
     let (tx, rx) = watch::channel(false);
     let handle = tokio::spawn(async move {
-        let mut relay = Relay::new(config, validated)?;
+        let mut relay = Relay::new(config, validated, metrics, health)?;
         relay.run(rx).await
     });
     (handle, tx)

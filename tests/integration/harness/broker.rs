@@ -59,6 +59,16 @@ fn start() -> Result<Broker, String> {
             spec: None,
         });
     }
+    start_tansu()
+}
+
+/// A broker of its own that a fault test may kill and restart (always
+/// tansu: an external Kafka cannot be stopped by the tests).
+pub fn dedicated() -> Broker {
+    start_tansu().unwrap_or_else(|e| panic!("a dedicated test broker could not start: {e}"))
+}
+
+fn start_tansu() -> Result<Broker, String> {
     let bin = find_tansu()?;
     let port = free_port();
     let log = std::env::temp_dir().join(format!("outboxd-tansu-{}-{port}.log", std::process::id()));
@@ -114,6 +124,21 @@ impl Broker {
             std::thread::sleep(Duration::from_millis(50));
         }
         Ok(())
+    }
+
+    /// Stops the broker process (fault tests). Its in-memory data is lost.
+    pub fn kill(&self) {
+        if let Ok(mut guard) = self.child.lock() {
+            if let Some(mut c) = guard.take() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
+    }
+
+    /// Starts the broker process again after [`Broker::kill`], on the same port.
+    pub fn restart(&self) {
+        self.start_process().expect("restart the test broker");
     }
 }
 

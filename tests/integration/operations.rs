@@ -1,0 +1,386 @@
+//! Operating outboxd: metrics, probes, status, and secrets kept out of sight.
+
+use std::net::SocketAddr;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use outboxd::config::Config;
+use outboxd::health::Health;
+use outboxd::metrics::Metrics;
+use outboxd::pipeline::Relay;
+use tokio::sync::watch;
+
+use crate::harness::broker::{self, broker};
+use crate::harness::postgres::{self, urlencode, SCRAM_USER};
+use crate::harness::{wait_for, TestDb};
+
+fn config(db_url: &str, slot: &str, brokers: &str, listen: &str) -> String {
+    format!(
+        r#"
+[postgres]
+url = "{db_url}"
+slot = "{slot}"
+publication = "{slot}"
+status_interval = "200ms"
+reconnect_backoff_max = "1s"
+
+[kafka]
+brokers = "{brokers}"
+topic_partitions = 3
+topic_replication_factor = 1
+admin_timeout = "2s"
+
+[routing]
+topic = "ops.{{aggregate_type}}"
+
+[http]
+listen = "{listen}"
+
+[health]
+poll_interval = "300ms"
+status_max_age = "3s"
+ack_max_age = "5s"
+"#
+    )
+}
+
+struct Running {
+    addr: SocketAddr,
+    stop: watch::Sender<bool>,
+    handle: tokio::task::JoinHandle<Result<(), outboxd::pipeline::RelayError>>,
+}
+
+/// Runs a relay with its HTTP server, as `outboxd run` does.
+async fn start(text: &str) -> Running {
+    let (config, validated) = Config::from_toml(text, |_| None).unwrap();
+    let metrics = Arc::new(Metrics::new().unwrap());
+    let health = Arc::new(Health::new(config.health.thresholds()));
+    let addr = outboxd::http::serve(validated.listen, metrics.clone(), health.clone())
+        .await
+        .unwrap();
+    let (stop, rx) = watch::channel(false);
+    let handle = tokio::spawn(async move {
+        let mut relay = Relay::new(config, validated, metrics, health)?;
+        relay.run(rx).await
+    });
+    Running { addr, stop, handle }
+}
+
+impl Running {
+    async fn shutdown(self) {
+        self.stop.send(true).unwrap();
+        tokio::time::timeout(Duration::from_secs(30), self.handle)
+            .await
+            .expect("stops in time")
+            .unwrap()
+            .expect("clean stop");
+    }
+}
+
+/// GET a path; returns the status code and body.
+async fn get(addr: SocketAddr, path: &str) -> (u16, String) {
+    let url = format!("http://{addr}{path}");
+    tokio::task::spawn_blocking(move || {
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_global(Some(Duration::from_secs(5)))
+            .build()
+            .into();
+        let mut resp = agent.get(&url).call().unwrap();
+        let status = resp.status().as_u16();
+        (status, resp.body_mut().read_to_string().unwrap())
+    })
+    .await
+    .unwrap()
+}
+
+/// The value of an unlabelled metric in Prometheus text.
+fn metric(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+async fn write_events(client: &tokio_postgres::Client, txns: usize, per_txn: usize) {
+    for t in 0..txns {
+        client
+            .execute(
+                "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload)
+                 SELECT gen_random_uuid(), 'Metric', 'agg-' || (g % 7), 'm.v1', jsonb_build_object('t', $1::int, 'g', g)
+                   FROM generate_series(1, $2::int) g",
+                &[&(t as i32), &(per_txn as i32)],
+            )
+            .await
+            .unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_under_load() {
+    let db = TestDb::new("ops_metrics").await;
+    let client = db.client().await;
+    let r = start(&config(
+        &db.superuser_url(),
+        "ops_metrics",
+        &broker().brokers,
+        "127.0.0.1:0",
+    ))
+    .await;
+    let first = wait_for(
+        "the first scrape with a confirmed LSN",
+        Duration::from_secs(30),
+        || async {
+            let (code, text) = get(r.addr, "/metrics").await;
+            assert_eq!(code, 200);
+            metric(&text, "outboxd_confirmed_lsn").filter(|v| *v > 0.0)
+        },
+    )
+    .await;
+    write_events(&client, 200, 10).await;
+    let text = wait_for("2,000 events counted", Duration::from_secs(60), || async {
+        let (_, text) = get(r.addr, "/metrics").await;
+        (metric(&text, "outboxd_events_published_total") == Some(2000.0)).then_some(text)
+    })
+    .await;
+    let confirmed = metric(&text, "outboxd_confirmed_lsn").unwrap();
+    assert!(
+        confirmed > first,
+        "confirmed LSN advances: {first} -> {confirmed}"
+    );
+    assert!(metric(&text, "outboxd_transactions_total").unwrap() >= 200.0);
+    assert!(
+        metric(&text, "outboxd_commit_to_ack_seconds_count").unwrap() >= 200.0,
+        "histogram has samples"
+    );
+    assert!(metric(&text, "outboxd_last_ack_timestamp_seconds").unwrap() > 1.7e9);
+    assert!(text.contains("outboxd_build_info{version=\""));
+    assert!(text.contains("outboxd_slot_retained_wal_bytes"));
+    assert_eq!(metric(&text, "outboxd_inflight_events"), Some(0.0));
+    let (code, body) = get(r.addr, "/healthz").await;
+    assert_eq!((code, body.as_str()), (200, "ok\n"));
+    r.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_follows_postgres_and_the_broker() {
+    let pg = postgres::dedicated("");
+    let own_broker = broker::dedicated();
+    outbox_sdk::migrate::migrate(&mut pg.client("postgres").await)
+        .await
+        .unwrap();
+    let url = pg.url("postgres", None, "postgres");
+    let r = start(&config(&url, "ops_ready", &own_broker.brokers, "127.0.0.1:0")).await;
+    let ready = |want: u16| {
+        let addr = r.addr;
+        move || async move {
+            let (code, body) = get(addr, "/readyz").await;
+            (code == want).then_some(body)
+        }
+    };
+    wait_for("ready", Duration::from_secs(30), ready(200)).await;
+
+    let t = std::time::Instant::now();
+    pg.pg_ctl(&["stop", "-m", "fast"]).unwrap();
+    let body = wait_for(
+        "not ready with PostgreSQL down",
+        Duration::from_secs(10),
+        ready(503),
+    )
+    .await;
+    eprintln!("readiness: PostgreSQL down noticed in {:?}: {body}", t.elapsed());
+    assert!(body.contains("not streaming"), "{body}");
+    let (code, _) = get(r.addr, "/healthz").await;
+    assert_eq!(code, 200, "still live while reconnecting");
+    pg.pg_ctl(&["start", "-w", "-l", &pg.log_file.display().to_string()])
+        .unwrap();
+    wait_for(
+        "ready after PostgreSQL is back",
+        Duration::from_secs(30),
+        ready(200),
+    )
+    .await;
+
+    let t = std::time::Instant::now();
+    own_broker.kill();
+    let body = wait_for(
+        "not ready with the broker down",
+        Duration::from_secs(15),
+        ready(503),
+    )
+    .await;
+    eprintln!("readiness: broker down noticed in {:?}: {body}", t.elapsed());
+    assert!(body.contains("Kafka"), "{body}");
+    own_broker.restart();
+    wait_for(
+        "ready after the broker is back",
+        Duration::from_secs(30),
+        ready(200),
+    )
+    .await;
+    r.shutdown().await;
+    own_broker.kill();
+}
+
+fn outboxd(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_outboxd"))
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_shows_the_real_slot_and_secrets_stay_hidden() {
+    let db = TestDb::new("ops_status").await;
+    let client = db.client().await;
+    client
+        .batch_execute(&format!(
+            "GRANT SELECT ON outbox TO {user}; CREATE PUBLICATION ops_status FOR TABLE outbox WITH (publish = 'insert');",
+            user = SCRAM_USER.0
+        ))
+        .await
+        .unwrap();
+    let secret = SCRAM_USER.1;
+    let url = db.url(SCRAM_USER.0, Some(secret));
+    let port = postgres::free_port();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg_path = dir.path().join("outboxd.toml");
+    std::fs::write(
+        &cfg_path,
+        config(
+            &url,
+            "ops_status",
+            &broker().brokers,
+            &format!("127.0.0.1:{port}"),
+        ) + "\n[log]\nlevel = \"debug\"\n",
+    )
+    .unwrap();
+    let log_path = dir.path().join("outboxd.log");
+    let log = std::fs::File::create(&log_path).unwrap();
+    let mut daemon = Command::new(env!("CARGO_BIN_EXE_outboxd"))
+        .args(["run", "--config"])
+        .arg(&cfg_path)
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    wait_for("the daemon to be ready", Duration::from_secs(30), || async {
+        let url = format!("http://{addr}/readyz");
+        let ok = tokio::task::spawn_blocking(move || ureq::get(&url).call().is_ok())
+            .await
+            .unwrap();
+        ok.then_some(())
+    })
+    .await;
+    write_events(&client, 5, 4).await;
+    let (code, metrics_text) = get(addr, "/metrics").await;
+    assert_eq!(code, 200);
+
+    let cfg = cfg_path.display().to_string();
+    let (ok, text, err) = tokio::task::spawn_blocking({
+        let cfg = cfg.clone();
+        move || outboxd(&["status", "--config", &cfg])
+    })
+    .await
+    .unwrap();
+    assert!(ok, "{err}");
+    let (pid, confirmed): (i32, String) = {
+        let row = client
+            .query_one(
+                "SELECT active_pid, confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = 'ops_status'",
+                &[],
+            )
+            .await
+            .unwrap();
+        (row.get(0), row.get(1))
+    };
+    assert!(
+        text.contains(&format!("ops_status active, walsender PID {pid}")),
+        "{text}"
+    );
+    assert!(
+        text.contains("outboxd         ready") && text.contains("kafka           reachable"),
+        "{text}"
+    );
+    let (ok, json, _) = tokio::task::spawn_blocking({
+        let cfg = cfg.clone();
+        move || outboxd(&["status", "--config", &cfg, "--json"])
+    })
+    .await
+    .unwrap();
+    assert!(ok);
+    let report: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(report["walsender_pid"], pid);
+    let reported: outboxd::Lsn = report["confirmed_lsn"].as_str().unwrap().parse().unwrap();
+    assert!(
+        reported >= confirmed.parse().unwrap(),
+        "status reads the slot's confirmed LSN"
+    );
+
+    // Stop the daemon; events written now wait in the idle slot.
+    let _ = Command::new("kill")
+        .args(["-TERM", &daemon.id().to_string()])
+        .status();
+    assert!(daemon.wait().unwrap().success());
+    write_events(&client, 1, 1).await;
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let (_, idle, _) = tokio::task::spawn_blocking({
+        let cfg = cfg.clone();
+        move || outboxd(&["status", "--config", &cfg, "--json"])
+    })
+    .await
+    .unwrap();
+    let idle: serde_json::Value = serde_json::from_str(&idle).unwrap();
+    assert_eq!(idle["slot_active"], false);
+    assert_eq!(idle["oldest_unconfirmed_source"], "slot");
+    assert!(
+        idle["oldest_unconfirmed_event_age_seconds"].as_f64().unwrap() >= 1.0,
+        "{idle}"
+    );
+
+    // A failing check with a wrong password must not echo it either.
+    let wrong = "Wr0ng-S3cret-Pa55";
+    let bad_cfg = dir.path().join("bad.toml");
+    std::fs::write(
+        &bad_cfg,
+        std::fs::read_to_string(&cfg_path)
+            .unwrap()
+            .replace(&urlencode(secret), wrong),
+    )
+    .unwrap();
+    let (ok, check_out, check_err) =
+        tokio::task::spawn_blocking(move || outboxd(&["check", "--config", &bad_cfg.display().to_string()]))
+            .await
+            .unwrap();
+    assert!(
+        !ok && check_out.contains("password authentication failed"),
+        "{check_out}"
+    );
+
+    let logs = std::fs::read_to_string(&log_path).unwrap();
+    assert!(
+        logs.contains("starting outboxd") && logs.contains("ops_status"),
+        "{logs}"
+    );
+    for (what, text) in [
+        ("logs", &logs),
+        ("status", &text),
+        ("status --json", &json),
+        ("/metrics", &metrics_text),
+        ("check", &(check_out + &check_err)),
+    ] {
+        for needle in [secret, urlencode(secret).as_str(), wrong] {
+            assert!(!text.contains(needle), "{what} shows a password:\n{text}");
+        }
+    }
+}
