@@ -30,6 +30,9 @@ enum Command {
         /// The TOML configuration file.
         #[arg(short, long, env = "OUTBOXD_CONFIG")]
         config: PathBuf,
+        /// Only validate the configuration file; connect to nothing.
+        #[arg(long)]
+        config_only: bool,
     },
     /// Show the slot, LSNs, lag, retained WAL, the oldest waiting event and whether Kafka is reachable.
     Status {
@@ -142,11 +145,15 @@ async fn wait_for_signal() {
     }
 }
 
-async fn check(path: PathBuf) -> ExitCode {
+async fn check(path: PathBuf, config_only: bool) -> ExitCode {
     let (config, validated) = match load(&path) {
         Ok(c) => c,
         Err(code) => return code,
     };
+    if config_only {
+        println!("ok   config       parsed and valid");
+        return ExitCode::SUCCESS;
+    }
     let lines = outboxd::check::run_checks(&config, &validated).await;
     for l in &lines {
         println!("{l}");
@@ -268,7 +275,7 @@ fn main() -> ExitCode {
     runtime.block_on(async {
         match cli.command {
             Command::Run { config } => run(config).await,
-            Command::Check { config } => check(config).await,
+            Command::Check { config, config_only } => check(config, config_only).await,
             Command::Status { config, json } => status(config, json).await,
             Command::Migrate { config } => migrate(config).await,
             Command::Retention {

@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# Checks the deployment artifacts: the Dockerfile (hadolint), the Helm chart
+# (lint, render, Kubernetes schema validation, yamllint, and the properties
+# operators rely on), the alert rules and the dashboard, and the image's
+# runtime stage: built with buildah from a local debian:bookworm-slim (made
+# with debootstrap, since no image can be pulled here) and the host-built
+# binary, then run for `outboxd --help` and `outboxd check` against
+# throwaway PostgreSQL and broker instances.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+log() { printf '\n== check-deploy: %s\n' "$*"; }
+fail() { printf 'check-deploy: FAILED: %s\n' "$*" >&2; exit 1; }
+
+tools=$(scripts/lib/deploy-tools.sh | tail -n1)
+export PATH="$tools:$PATH"
+py="$(dirname "$tools")/venv/bin/python" # has PyYAML (a kubernetes-validate dependency)
+target="${CARGO_TARGET_DIR:-target}"
+render=$(mktemp -d)
+cleanup() { rm -rf "$render"; }
+trap cleanup EXIT
+
+log "hadolint Dockerfile"
+hadolint Dockerfile
+
+log "helm lint"
+helm lint --strict helm/outboxd --set secrets.PGPASSWORD=x
+
+log "helm template: default, existingSecret, and everything on with the monitoring API"
+helm template t helm/outboxd --set secrets.PGPASSWORD=x >"$render/default.yaml"
+helm template t helm/outboxd --set existingSecret=pg-credentials >"$render/existing.yaml"
+helm template t helm/outboxd --set secrets.PGPASSWORD=x \
+  --set serviceMonitor.enabled=true --set prometheusRule.enabled=true --set podDisruptionBudget.enabled=true \
+  --api-versions monitoring.coreos.com/v1 >"$render/full.yaml"
+helm template t helm/outboxd --set secrets.PGPASSWORD=x --set serviceMonitor.enabled=true >"$render/no-api.yaml"
+printf 'drainTimeoutSeconds: 60\nconfig: |\n  [postgres]\n  url = "postgres://u@h/db"\n' >"$render/other-values.yaml"
+helm template t helm/outboxd --set secrets.PGPASSWORD=x -f "$render/other-values.yaml" >"$render/other-config.yaml"
+
+log "kubernetes-validate --strict (core kinds)"
+"$py" - "$render" <<'PY'
+import sys, yaml, pathlib
+out = pathlib.Path(sys.argv[1]) / "core"
+out.mkdir()
+for f in ("default.yaml", "existing.yaml", "full.yaml"):
+    docs = [d for d in yaml.safe_load_all(open(pathlib.Path(sys.argv[1]) / f)) if d]
+    core = [d for d in docs if not d["apiVersion"].startswith("monitoring.coreos.com/")]
+    for i, d in enumerate(core):
+        (out / f"{f}-{i}.yaml").write_text(yaml.safe_dump(d))
+PY
+kubernetes-validate --strict --quiet "$render"/core/*.yaml
+
+log "yamllint on the rendered chart and the alert rules"
+yamllint -d '{extends: default, rules: {line-length: {max: 160}, document-start: disable, indentation: {spaces: consistent, indent-sequences: whatever}}}' \
+  "$render/default.yaml" "$render/full.yaml" helm/outboxd/files/alerts.yaml
+
+log "chart properties"
+"$py" - "$render" <<'PY'
+import json, sys, yaml, pathlib
+r = pathlib.Path(sys.argv[1])
+def docs(f): return [d for d in yaml.safe_load_all(open(r / f)) if d]
+def kind(f, k): return [d for d in docs(f) if d["kind"] == k]
+dep = kind("default.yaml", "Deployment")[0]
+spec, pod = dep["spec"], dep["spec"]["template"]["spec"]
+c = pod["containers"][0]
+assert spec["replicas"] == 1 and spec["strategy"]["type"] == "Recreate", "one reader per slot"
+assert pod["terminationGracePeriodSeconds"] > 30, "grace period longer than the drain timeout"
+assert c["livenessProbe"]["httpGet"]["path"] == "/healthz" and c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+sc, psc = c["securityContext"], pod["securityContext"]
+assert psc["runAsNonRoot"] and sc["readOnlyRootFilesystem"] and sc["capabilities"]["drop"] == ["ALL"]
+assert not sc["allowPrivilegeEscalation"]
+assert c["resources"]["limits"]["memory"]
+cm = kind("default.yaml", "ConfigMap")[0]["data"]["outboxd.toml"]
+assert 'listen = "0.0.0.0:9187"' in cm and 'drain_timeout = "30s"' in cm and "${PGPASSWORD}" in cm
+assert kind("default.yaml", "Secret")[0]["stringData"]["PGPASSWORD"] == "x"
+assert c["envFrom"][0]["secretRef"]["name"] == "t-outboxd"
+assert not kind("existing.yaml", "Secret"), "no Secret with existingSecret"
+assert kind("existing.yaml", "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["envFrom"][0]["secretRef"]["name"] == "pg-credentials"
+assert kind("full.yaml", "ServiceMonitor") and kind("full.yaml", "PrometheusRule") and kind("full.yaml", "PodDisruptionBudget")
+assert not kind("no-api.yaml", "ServiceMonitor"), "ServiceMonitor only when the API exists"
+ann = lambda f: kind(f, "Deployment")[0]["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+assert ann("default.yaml") != ann("other-config.yaml"), "pods roll when the config changes"
+assert kind("other-config.yaml", "Deployment")[0]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 75
+rules = yaml.safe_load(open("helm/outboxd/files/alerts.yaml"))
+names = {r["alert"] for g in rules["groups"] for r in g["rules"]}
+assert {"OutboxdReplicationLagHigh", "OutboxdRetainedWalHigh", "OutboxdNoAcks", "OutboxdNotReady"} <= names
+dash = json.load(open("deploy/grafana/outboxd-dashboard.json"))
+exprs = " ".join(t["expr"] for p in dash["panels"] for t in p["targets"])
+for m in ("outboxd_replication_lag_bytes", "outboxd_slot_retained_wal_bytes", "outboxd_commit_to_ack_seconds_bucket", "outboxd_ready"):
+    assert m in exprs, m
+print("chart, alerts and dashboard: ok")
+PY
+
+log "the embedded config is valid for outboxd"
+cargo build --quiet --bin outboxd
+binary="$target/debug/outboxd"
+"$py" -c 'import sys,yaml; print([d for d in yaml.safe_load_all(open(sys.argv[1])) if d and d["kind"]=="ConfigMap"][0]["data"]["outboxd.toml"])' \
+  "$render/default.yaml" >"$render/outboxd.toml"
+PGPASSWORD=x "$binary" check --config-only --config "$render/outboxd.toml" \
+  || fail "the chart's config does not validate"
+
+log "image: runtime stage with the host-built binary"
+scripts/lib/runtime-image.sh "$binary"
+echo "check-deploy: all passed"
