@@ -155,6 +155,17 @@ pub enum ValueFormat {
     Payload,
 }
 
+/// What to do with a row Kafka will never accept.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum OnPoison {
+    /// Stop with a clear error; the slot does not move past the row.
+    #[default]
+    Stop,
+    /// Send the row to `routing.dead_letter_topic` and go on.
+    DeadLetter,
+}
+
 /// `[routing]`
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -168,6 +179,12 @@ pub struct RoutingConfig {
     /// `envelope` or `payload`.
     #[serde(default)]
     pub value: ValueFormat,
+    /// `stop` or `dead-letter`.
+    #[serde(default)]
+    pub on_poison: OnPoison,
+    /// Where dead letters go.
+    #[serde(default = "default_dead_letter_topic")]
+    pub dead_letter_topic: String,
 }
 
 impl Default for RoutingConfig {
@@ -176,6 +193,8 @@ impl Default for RoutingConfig {
             topic: default_topic(),
             lowercase_aggregate_type: true,
             value: ValueFormat::Envelope,
+            on_poison: OnPoison::Stop,
+            dead_letter_topic: default_dead_letter_topic(),
         }
     }
 }
@@ -313,6 +332,9 @@ fn default_admin_timeout() -> HumanDuration {
 }
 fn default_topic() -> String {
     "{aggregate_type}.events".into()
+}
+fn default_dead_letter_topic() -> String {
+    "outboxd.dead-letter".into()
 }
 fn default_listen() -> String {
     "127.0.0.1:9187".into()
@@ -478,6 +500,8 @@ impl Config {
         }
         let topic = TopicTemplate::parse(&self.routing.topic, self.routing.lowercase_aggregate_type)
             .map_err(|e| invalid("routing.topic", e))?;
+        crate::routing::validate_topic(&self.routing.dead_letter_topic)
+            .map_err(|e| invalid("routing.dead_letter_topic", e.to_string()))?;
         let listen: SocketAddr = self.http.listen.parse().map_err(|_| {
             invalid(
                 "http.listen",

@@ -45,6 +45,7 @@ pub struct Health {
     received_lsn: AtomicU64,
     confirmed_lsn: AtomicU64,
     walsender_pid: AtomicU64,
+    standby: AtomicBool,
 }
 
 /// A point-in-time view for `/status` and `outboxd status`.
@@ -54,6 +55,8 @@ pub struct Snapshot {
     pub ready: bool,
     pub not_ready_reasons: Vec<String>,
     pub streaming: bool,
+    /// Another outboxd leads this slot; this one waits to take over.
+    pub standby: bool,
     pub walsender_pid: Option<u64>,
     pub received_lsn: String,
     pub confirmed_lsn: String,
@@ -83,7 +86,14 @@ impl Health {
             received_lsn: AtomicU64::new(0),
             confirmed_lsn: AtomicU64::new(0),
             walsender_pid: AtomicU64::new(0),
+            standby: AtomicBool::new(false),
         }
+    }
+
+    /// Waiting as a hot standby (another outboxd leads the slot), or not.
+    pub fn set_standby(&self, standby: bool) {
+        self.standby.store(standby, Ordering::Relaxed);
+        self.beat();
     }
 
     fn now_ms(&self) -> u64 {
@@ -163,7 +173,9 @@ impl Health {
     pub fn not_ready_reasons(&self) -> Vec<String> {
         let t = &self.thresholds;
         let mut reasons = Vec::new();
-        if !self.streaming.load(Ordering::Relaxed) {
+        if self.standby.load(Ordering::Relaxed) {
+            reasons.push("standby: another outboxd leads this slot".to_owned());
+        } else if !self.streaming.load(Ordering::Relaxed) {
             reasons.push("not streaming from the replication slot (connecting or reconnecting)".to_owned());
         }
         match self.age(&self.last_status_ms) {
@@ -213,6 +225,7 @@ impl Health {
             ready: reasons.is_empty(),
             not_ready_reasons: reasons,
             streaming: self.streaming.load(Ordering::Relaxed),
+            standby: self.standby.load(Ordering::Relaxed),
             walsender_pid: (pid != 0).then_some(pid),
             received_lsn: crate::Lsn(self.received_lsn.load(Ordering::Relaxed)).to_string(),
             confirmed_lsn: crate::Lsn(self.confirmed_lsn.load(Ordering::Relaxed)).to_string(),

@@ -6,6 +6,11 @@
 //! When librdkafka's queue is full, `send` says so and the caller first
 //! waits for an acknowledgement (backpressure), instead of blocking a thread.
 //!
+//! After a failed session the relay drops the whole sink and builds a new
+//! one: dropping the producer purges what it still queued (so nothing stale
+//! lands after the replay from the slot), and the new producer starts with
+//! a fresh idempotent identity (an old one may be fenced for good).
+//!
 //! Defaults that protect ordering and durability, applied before the
 //! user's `kafka.options` (which may tune, but not turn off, idempotence):
 //! `enable.idempotence=true`, `acks=all`. With idempotence librdkafka
@@ -19,7 +24,7 @@ use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer, PurgeConfig};
+use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
 
 use crate::config::KafkaConfig;
 use crate::routing::KafkaRecord;
@@ -116,10 +121,11 @@ pub enum SendOutcome {
     QueueFull,
 }
 
-/// Asks the cluster for metadata, off the async threads.
+/// Asks the cluster for metadata, off the async threads. It has a client
+/// of its own, so it never keeps a replaced producer alive.
 #[derive(Clone)]
 pub struct BrokerProbe {
-    producer: FutureProducer,
+    client: std::sync::Arc<AdminClient<DefaultClientContext>>,
     timeout: Duration,
     brokers: String,
 }
@@ -135,10 +141,10 @@ impl std::fmt::Debug for BrokerProbe {
 impl BrokerProbe {
     /// Cluster metadata, for one topic or all.
     async fn metadata(&self, topic: Option<&str>) -> Result<rdkafka::metadata::Metadata, KafkaSinkError> {
-        let producer = self.producer.clone();
+        let client = self.client.clone();
         let timeout = self.timeout;
         let topic = topic.map(str::to_owned);
-        tokio::task::spawn_blocking(move || producer.client().fetch_metadata(topic.as_deref(), timeout))
+        tokio::task::spawn_blocking(move || client.inner().fetch_metadata(topic.as_deref(), timeout))
             .await
             .map_err(|_| KafkaSinkError::Canceled)?
             .map_err(|source| KafkaSinkError::Unreachable {
@@ -179,9 +185,11 @@ impl KafkaSink {
         let producer: FutureProducer = client.create().map_err(KafkaSinkError::Config)?;
         let admin: AdminClient<DefaultClientContext> =
             client_config(cfg).create().map_err(KafkaSinkError::Config)?;
+        let probe_client: AdminClient<DefaultClientContext> =
+            client_config(cfg).create().map_err(KafkaSinkError::Config)?;
         Ok(KafkaSink {
             probe: BrokerProbe {
-                producer: producer.clone(),
+                client: std::sync::Arc::new(probe_client),
                 timeout,
                 brokers: cfg.brokers.clone(),
             },
@@ -265,6 +273,12 @@ impl KafkaSink {
         Ok(())
     }
 
+    /// Forgets which topics exist, so the next session checks (and, if
+    /// allowed, creates) them again: a broker may have lost them.
+    pub fn forget_topics(&mut self) {
+        self.known_topics.clear();
+    }
+
     /// Enqueues a record without waiting for the broker.
     pub fn send(&self, rec: &KafkaRecord) -> Result<SendOutcome, KafkaSinkError> {
         let mut headers = OwnedHeaders::new_with_capacity(rec.headers.len());
@@ -289,13 +303,6 @@ impl KafkaSink {
                 source,
             }),
         }
-    }
-
-    /// Drops records that librdkafka has not sent yet. Used after a failure,
-    /// before replaying from the slot, so that no stale record is delivered
-    /// after the replayed ones.
-    pub fn purge_queued(&self) {
-        self.producer.purge(PurgeConfig::default().queue());
     }
 
     /// Waits for queued records to be delivered.

@@ -13,6 +13,7 @@ pub mod config;
 pub mod health;
 pub mod http;
 pub mod kafka;
+pub mod leader;
 pub mod lsn;
 pub mod metrics;
 pub mod outbox;

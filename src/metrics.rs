@@ -20,6 +20,8 @@ pub struct Metrics {
     pub transactions: IntCounter,
     /// Failures by reason (bounded set).
     pub publish_errors: IntCounterVec,
+    /// Rows sent to the dead-letter topic, by reason (bounded set).
+    pub dead_letters: IntCounterVec,
     /// Last WAL position received from PostgreSQL.
     pub received_lsn: IntGauge,
     /// Last WAL position confirmed to PostgreSQL (flush).
@@ -66,6 +68,16 @@ impl Metrics {
             &registry,
             IntCounterVec::new(
                 Opts::new("outboxd_publish_errors_total", "Publishing failures by reason."),
+                &["reason"],
+            )?,
+        )?;
+        let dead_letters = register(
+            &registry,
+            IntCounterVec::new(
+                Opts::new(
+                    "outboxd_dead_letters_total",
+                    "Rows sent to the dead-letter topic, by reason.",
+                ),
                 &["reason"],
             )?,
         )?;
@@ -139,6 +151,7 @@ impl Metrics {
             )?,
             ready: gauge(&registry, "outboxd_ready", "1 while /readyz answers ready.")?,
             publish_errors,
+            dead_letters,
             commit_to_ack_seconds,
             last_ack_timestamp_seconds,
             build_info,

@@ -29,10 +29,10 @@
 //!
 //! # Failures
 //!
-//! A failed delivery is never skipped. The session ends; records still
-//! queued in librdkafka are purged so none lands after a replayed one; the
-//! next session resumes from the slot's confirmed LSN, which never passed
-//! the failed event. Duplicates are possible (bounded by what was in
+//! A failed delivery is never skipped. The session ends; the producer is
+//! replaced (dropping it purges what it still queued, so none of that lands
+//! after a replayed record); the next session resumes from the slot's
+//! confirmed LSN, which never passed the failed event. Duplicates are possible (bounded by what was in
 //! flight), loss is not. Errors that a retry can fix (network, broker down,
 //! server restart, slot busy) restart the session with exponential backoff;
 //! the others (bad rows, missing topics that may not be created, bad
@@ -43,13 +43,13 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures::stream::FuturesUnordered;
 use futures::StreamExt;
-use rdkafka::message::Message as _;
 use tokio::sync::watch;
 use tokio::time::{Instant, MissedTickBehavior};
 
-use crate::config::{Config, Validated};
+use crate::config::{Config, OnPoison, Validated};
 use crate::health::Health;
-use crate::kafka::{BrokerProbe, KafkaSink, KafkaSinkError, SendOutcome};
+use crate::kafka::{is_permanent, BrokerProbe, KafkaSink, KafkaSinkError, SendOutcome};
+use crate::leader::LeaderElection;
 use crate::lsn::Lsn;
 use crate::metrics::Metrics;
 use crate::outbox::OutboxRow;
@@ -58,7 +58,7 @@ use crate::pg::connection::{ReplicationConnection, StartOptions};
 use crate::pg::error::PgError;
 use crate::pg::outbox_stream::{OutboxStream, StreamError, StreamEvent};
 use crate::progress::{AckTracker, TxnId};
-use crate::routing::{build_record, RecordError};
+use crate::routing::{build_record, dead_letter_for_record, dead_letter_for_row, KafkaRecord, Poison};
 
 /// Why the relay stopped or a session ended.
 #[derive(Debug, thiserror::Error)]
@@ -71,29 +71,36 @@ pub enum RelayError {
     Stream(#[from] StreamError),
     #[error(transparent)]
     Kafka(#[from] KafkaSinkError),
-    #[error("outbox row {id} at {lsn} cannot become a Kafka record: {source}; fix or delete the row's source and restart (the slot has not moved past it)")]
-    Record {
-        id: uuid::Uuid,
-        lsn: Lsn,
-        source: RecordError,
-    },
+    #[error("outbox row {id} at {lsn} can never be published: {error}; the slot has not moved past it. Fix the writer and restart after removing the cause, or set routing.on_poison = \"dead-letter\"")]
+    Poison { id: uuid::Uuid, lsn: Lsn, error: String },
+    #[error("the dead-letter topic failed, so a poison row cannot be set aside: {0}; outboxd stops rather than skip it")]
+    DeadLetterFailed(String),
     #[error("publication {0} does not exist and postgres.create_publication is false: create it with CREATE PUBLICATION ... FOR TABLE ... WITH (publish = 'insert')")]
     NoPublication(String),
     #[error("the server ended the replication stream")]
     StreamEnded,
     #[error("replication protocol out of order: {0}")]
     OutOfOrder(&'static str),
+    #[error("replication slot {0} was invalidated: PostgreSQL removed WAL it still needed (max_slot_wal_keep_size was exceeded), so events committed after its confirmed LSN can no longer be streamed. Recovery: stop outboxd; run SELECT pg_drop_replication_slot('{0}'); start outboxd (it creates a new slot at the current WAL position); then re-publish the gap from the outbox table, e.g. by re-inserting rows created after the last event your consumers saw (consumers deduplicate by id). See the README, \"Reliability\"")]
+    SlotInvalidated(String),
+    #[error(
+        "lost the leader lock (its PostgreSQL session ended); stopping so that only one outboxd streams"
+    )]
+    LeadershipLost,
 }
 
 impl RelayError {
     /// A short, bounded label for `outboxd_publish_errors_total{reason}`.
     pub fn reason(&self) -> &'static str {
         match self {
-            RelayError::Admin(_) | RelayError::NoPublication(_) => "postgres_setup",
-            RelayError::Pg(_) | RelayError::StreamEnded => "postgres_stream",
+            RelayError::Admin(_) | RelayError::NoPublication(_) | RelayError::SlotInvalidated(_) => {
+                "postgres_setup"
+            }
+            RelayError::Pg(_) | RelayError::StreamEnded | RelayError::LeadershipLost => "postgres_stream",
             RelayError::Stream(_) | RelayError::OutOfOrder(_) => "decode",
             RelayError::Kafka(e) => e.reason(),
-            RelayError::Record { source, .. } => source.reason(),
+            RelayError::Poison { .. } => "poison",
+            RelayError::DeadLetterFailed(_) => "dead_letter",
         }
     }
 
@@ -105,8 +112,11 @@ impl RelayError {
             RelayError::Admin(_) => false,
             RelayError::Stream(e) => e.is_transient(),
             RelayError::Kafka(e) => e.is_transient(),
-            RelayError::StreamEnded | RelayError::OutOfOrder(_) => true,
-            RelayError::Record { .. } | RelayError::NoPublication(_) => false,
+            RelayError::StreamEnded | RelayError::OutOfOrder(_) | RelayError::LeadershipLost => true,
+            RelayError::Poison { .. }
+            | RelayError::DeadLetterFailed(_)
+            | RelayError::NoPublication(_)
+            | RelayError::SlotInvalidated(_) => false,
         }
     }
 }
@@ -114,8 +124,64 @@ impl RelayError {
 /// What a delivery future resolves to, tagged with its transaction.
 type Delivery = (
     TxnId,
+    Lsn,
+    Sent,
     Result<rdkafka::producer::future_producer::OwnedDeliveryResult, futures::channel::oneshot::Canceled>,
 );
+
+/// What a delivery future was for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Sent {
+    Event,
+    /// A dead letter, with its reason for the metric.
+    DeadLetter(&'static str),
+}
+
+/// A dead letter waiting to be sent.
+#[derive(Debug)]
+struct DeadLetterJob {
+    txn: TxnId,
+    lsn: Lsn,
+    record: KafkaRecord,
+    /// The event is already counted in the tracker (its first send failed).
+    counted: bool,
+    reason: &'static str,
+}
+
+/// Whether a Kafka error is about the record's size.
+fn is_size_error(e: &rdkafka::error::KafkaError) -> bool {
+    matches!(
+        e.rdkafka_error_code(),
+        Some(
+            rdkafka::types::RDKafkaErrorCode::MessageSizeTooLarge
+                | rdkafka::types::RDKafkaErrorCode::MessageBatchTooLarge
+                | rdkafka::types::RDKafkaErrorCode::InvalidMessageSize
+        )
+    )
+}
+
+fn permanent(e: &rdkafka::error::KafkaError) -> bool {
+    e.rdkafka_error_code().is_some_and(is_permanent)
+}
+
+/// The record a broker refused, rebuilt from what librdkafka handed back.
+fn record_from_message(msg: &rdkafka::message::OwnedMessage) -> KafkaRecord {
+    use rdkafka::message::{Headers, Message};
+    KafkaRecord {
+        topic: msg.topic().to_owned(),
+        key: String::from_utf8_lossy(msg.key().unwrap_or_default()).into_owned(),
+        value: msg.payload().unwrap_or_default().to_vec(),
+        headers: msg
+            .headers()
+            .map(|h| {
+                h.iter()
+                    .map(|h| (h.key.to_owned(), h.value.unwrap_or_default().to_vec()))
+                    .collect()
+            })
+            .unwrap_or_default(),
+        timestamp_ms: msg.timestamp().to_millis().unwrap_or(0),
+    }
+}
 
 /// The relay's shared state across sessions.
 pub struct Relay {
@@ -124,6 +190,7 @@ pub struct Relay {
     sink: KafkaSink,
     metrics: Arc<Metrics>,
     health: Arc<Health>,
+    election: LeaderElection,
 }
 
 impl std::fmt::Debug for Relay {
@@ -176,6 +243,10 @@ struct Session {
     received: Lsn,
     open: Option<TxnId>,
     deliveries: FuturesUnordered<futures::future::BoxFuture<'static, Delivery>>,
+    /// Dead letters to send after the current step.
+    dead_letters: std::collections::VecDeque<DeadLetterJob>,
+    on_poison: OnPoison,
+    dead_letter_topic: String,
     /// Acknowledged events and retired transactions not yet added to the counters.
     acked: u64,
     retired: u64,
@@ -192,22 +263,71 @@ fn now_micros() -> i64 {
 
 impl Session {
     /// Applies an acknowledgement, and times every transaction it retires.
-    fn delivered(&mut self, metrics: &Metrics, (txn, result): Delivery) -> Result<(), RelayError> {
-        match result {
-            Ok(Ok(_delivery)) => {
+    /// Applies an acknowledgement, and times every transaction it retires.
+    /// A record the broker refuses for good becomes a dead letter (or
+    /// stops the relay, per `routing.on_poison`).
+    fn delivered(&mut self, metrics: &Metrics, (txn, lsn, sent, result): Delivery) -> Result<(), RelayError> {
+        match (sent, result) {
+            (_, Ok(Ok(_delivery))) => {
+                if let Sent::DeadLetter(reason) = sent {
+                    metrics.dead_letters.with_label_values(&[reason]).inc();
+                }
                 self.tracker.acked(txn);
                 self.acked += 1;
                 self.last_ack = Some(std::time::Instant::now());
                 self.observe_retired(metrics);
                 Ok(())
             }
-            Ok(Err((source, msg))) => Err(KafkaSinkError::Delivery {
-                topic: msg.topic().to_owned(),
+            (Sent::DeadLetter(_), Ok(Err((e, _)))) => Err(RelayError::DeadLetterFailed(e.to_string())),
+            (Sent::Event, Ok(Err((e, msg)))) if permanent(&e) && self.on_poison == OnPoison::DeadLetter => {
+                let poison = Poison {
+                    reason: if is_size_error(&e) { "too_large" } else { "refused" },
+                    error: e.to_string(),
+                    lsn,
+                    intended_topic: Some(rdkafka::message::Message::topic(&msg).to_owned()),
+                    omit_payload: is_size_error(&e),
+                };
+                tracing::warn!(%lsn, error = %e, "Kafka refused a record for good; sending it to the dead-letter topic");
+                let record =
+                    dead_letter_for_record(record_from_message(&msg), &poison, &self.dead_letter_topic);
+                self.dead_letters.push_back(DeadLetterJob {
+                    txn,
+                    lsn,
+                    record,
+                    counted: true,
+                    reason: poison.reason,
+                });
+                Ok(())
+            }
+            (Sent::Event, Ok(Err((source, msg)))) => Err(KafkaSinkError::Delivery {
+                topic: rdkafka::message::Message::topic(&msg).to_owned(),
                 source,
             }
             .into()),
-            Err(_) => Err(KafkaSinkError::Canceled.into()),
+            (_, Err(_)) => Err(KafkaSinkError::Canceled.into()),
         }
+    }
+
+    /// A row that can never be published: a dead letter, or a stop.
+    fn poison_row(&mut self, txn: TxnId, row: &OutboxRow, poison: Poison) -> Result<(), RelayError> {
+        if self.on_poison == OnPoison::Stop {
+            return Err(RelayError::Poison {
+                id: row.id,
+                lsn: poison.lsn,
+                error: poison.error,
+            });
+        }
+        tracing::warn!(id = %row.id, lsn = %poison.lsn, reason = poison.reason, error = %poison.error,
+            "outbox row can never be published; sending it to the dead-letter topic");
+        let record = dead_letter_for_row(row, &poison, &self.dead_letter_topic);
+        self.dead_letters.push_back(DeadLetterJob {
+            txn,
+            lsn: poison.lsn,
+            record,
+            counted: false,
+            reason: poison.reason,
+        });
+        Ok(())
     }
 
     fn observe_retired(&mut self, metrics: &Metrics) {
@@ -232,12 +352,14 @@ impl Relay {
         health: Arc<Health>,
     ) -> Result<Self, RelayError> {
         let sink = KafkaSink::new(&config.kafka, config.kafka.admin_timeout.0)?;
+        let election = LeaderElection::new(validated.pg.clone(), validated.slot.clone());
         Ok(Relay {
             config,
             validated,
             sink,
             metrics,
             health,
+            election,
         })
     }
 
@@ -290,6 +412,36 @@ impl Relay {
         }
     }
 
+    /// Becomes the slot's leader, waiting as a hot standby while another
+    /// outboxd leads; `false` when shutdown came first.
+    async fn lead(&mut self, shutdown: &mut watch::Receiver<bool>) -> Result<bool, RelayError> {
+        let mut announced = false;
+        loop {
+            if self.election.try_lead().await? {
+                if announced {
+                    tracing::info!(
+                        slot = self.validated.slot.as_str(),
+                        "the leader is gone; taking over"
+                    );
+                }
+                self.health.set_standby(false);
+                return Ok(true);
+            }
+            if !announced {
+                tracing::info!(
+                    slot = self.validated.slot.as_str(),
+                    "another outboxd leads this slot; waiting as a hot standby"
+                );
+                announced = true;
+            }
+            self.health.set_standby(true);
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                _ = shutdown.changed() => return Ok(false),
+            }
+        }
+    }
+
     async fn connect(&self) -> Result<(OutboxStream, Lsn), RelayError> {
         let v = &self.validated;
         let client = admin::connect(&v.pg).await?;
@@ -313,6 +465,9 @@ impl Relay {
                 tracing::info!(slot = v.slot.as_str(), %consistent_point, "created replication slot");
                 consistent_point
             }
+            SlotState::Existing(info) if info.wal_status.as_deref() == Some("lost") => {
+                return Err(RelayError::SlotInvalidated(v.slot.as_str().to_owned()));
+            }
             SlotState::Existing(info) => info.confirmed_flush_lsn.unwrap_or(Lsn::ZERO),
         };
         let stream = repl
@@ -323,13 +478,19 @@ impl Relay {
                 messages: false,
             })
             .await
-            .inspect_err(|e| {
-                if e.sqlstate() == Some("55006") {
+            .map_err(|e| match e.sqlstate() {
+                Some("55006") => {
                     tracing::warn!(
                         slot = v.slot.as_str(),
-                        "replication slot is in use: is another outboxd running?"
+                        "replication slot is in use by another process: is another outboxd or a pg_recvlogical running? retrying"
                     );
+                    RelayError::Pg(e)
                 }
+                // "can no longer get changes from replication slot": invalidated.
+                Some("55000") if e.to_string().contains("can no longer get changes") => {
+                    RelayError::SlotInvalidated(v.slot.as_str().to_owned())
+                }
+                _ => RelayError::Pg(e),
             })?;
         Ok((OutboxStream::new(stream, v.table.clone()), start))
     }
@@ -339,6 +500,10 @@ impl Relay {
         shutdown: &mut watch::Receiver<bool>,
         streamed: &mut bool,
     ) -> Result<SessionEnd, RelayError> {
+        if !self.lead(shutdown).await? {
+            return Ok(SessionEnd::Shutdown);
+        }
+        self.sink.forget_topics();
         let (mut stream, start) = self.connect().await?;
         *streamed = true;
         tracing::info!(
@@ -353,6 +518,9 @@ impl Relay {
             received: start,
             open: None,
             deliveries: FuturesUnordered::new(),
+            dead_letters: std::collections::VecDeque::new(),
+            on_poison: self.config.routing.on_poison,
+            dead_letter_topic: self.config.routing.dead_letter_topic.clone(),
             acked: 0,
             retired: 0,
             last_ack: None,
@@ -366,8 +534,9 @@ impl Relay {
             }
             Err(e) => {
                 // Never let a record queued before the failure land after
-                // the replay: the next session re-sends from the slot.
-                self.sink.purge_queued();
+                // the replay: drop the producer (which purges its queue)
+                // and start the next session with a new one.
+                self.sink = KafkaSink::new(&self.config.kafka, self.config.kafka.admin_timeout.0)?;
                 // Confirm what is safely acknowledged, best effort.
                 let _ = stream.send_status(s.received, s.tracker.flushed(), false).await;
                 Err(e)
@@ -383,6 +552,8 @@ impl Relay {
     ) -> Result<(), RelayError> {
         let mut status = tokio::time::interval(self.config.postgres.status_interval.0);
         status.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let mut leader_check = tokio::time::interval(Duration::from_secs(2));
+        leader_check.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let max_inflight = self.config.kafka.max_inflight;
         if *shutdown.borrow_and_update() {
             return Ok(());
@@ -401,12 +572,20 @@ impl Relay {
                     stream.send_status(s.received, s.tracker.flushed(), idle).await?;
                     self.report(stream, s);
                 }
+                _ = leader_check.tick() => {
+                    if !self.election.still_held().await {
+                        return Err(RelayError::LeadershipLost);
+                    }
+                }
                 event = stream.next_event(), if s.tracker.inflight() < max_inflight => {
                     match event? {
                         Some(ev) => self.handle_event(stream, s, ev).await?,
                         None => return Err(RelayError::StreamEnded),
                     }
                 }
+            }
+            if !s.dead_letters.is_empty() {
+                self.flush_dead_letters(s).await?;
             }
         }
     }
@@ -464,20 +643,60 @@ impl Relay {
         row: &OutboxRow,
         lsn: Lsn,
     ) -> Result<(), RelayError> {
-        let record =
-            build_record(row, &self.validated.topic, self.config.routing.value).map_err(|source| {
-                RelayError::Record {
-                    id: row.id,
+        let record = match build_record(row, &self.validated.topic, self.config.routing.value) {
+            Ok(r) => r,
+            Err(e) => {
+                let poison = Poison {
+                    reason: e.reason(),
+                    error: e.to_string(),
                     lsn,
-                    source,
-                }
-            })?;
+                    intended_topic: None,
+                    omit_payload: false,
+                };
+                return s.poison_row(txn, row, poison);
+            }
+        };
         self.sink.ensure_topic(&record.topic).await?;
+        match self.send(s, txn, lsn, &record, Sent::Event, true).await {
+            Err(RelayError::Kafka(KafkaSinkError::Produce { source, topic }))
+                if permanent(&source) && s.on_poison == OnPoison::DeadLetter =>
+            {
+                let poison = Poison {
+                    reason: if is_size_error(&source) {
+                        "too_large"
+                    } else {
+                        "refused"
+                    },
+                    error: source.to_string(),
+                    lsn,
+                    intended_topic: Some(topic),
+                    omit_payload: is_size_error(&source),
+                };
+                s.poison_row(txn, row, poison)
+            }
+            other => other,
+        }
+    }
+
+    /// Enqueues one record, waiting for acknowledgements while the queue
+    /// is full; `count` says whether the tracker gains an event for it.
+    async fn send(
+        &mut self,
+        s: &mut Session,
+        txn: TxnId,
+        lsn: Lsn,
+        record: &KafkaRecord,
+        sent: Sent,
+        count: bool,
+    ) -> Result<(), RelayError> {
         loop {
-            match self.sink.send(&record)? {
+            match self.sink.send(record)? {
                 SendOutcome::Sent(fut) => {
-                    s.tracker.sent(txn);
-                    s.deliveries.push(Box::pin(async move { (txn, fut.await) }));
+                    if count {
+                        s.tracker.sent(txn);
+                    }
+                    s.deliveries
+                        .push(Box::pin(async move { (txn, lsn, sent, fut.await) }));
                     return Ok(());
                 }
                 SendOutcome::QueueFull => match s.deliveries.next().await {
@@ -486,6 +705,31 @@ impl Relay {
                 },
             }
         }
+    }
+
+    /// Sends the dead letters queued by the last step. Any failure here
+    /// stops outboxd: a poison row is never dropped.
+    async fn flush_dead_letters(&mut self, s: &mut Session) -> Result<(), RelayError> {
+        while let Some(job) = s.dead_letters.pop_front() {
+            self.sink
+                .ensure_topic(&job.record.topic)
+                .await
+                .map_err(|e| RelayError::DeadLetterFailed(e.to_string()))?;
+            self.send(
+                s,
+                job.txn,
+                job.lsn,
+                &job.record,
+                Sent::DeadLetter(job.reason),
+                !job.counted,
+            )
+            .await
+            .map_err(|e| match e {
+                RelayError::Kafka(k) => RelayError::DeadLetterFailed(k.to_string()),
+                other => other,
+            })?;
+        }
+        Ok(())
     }
 
     /// Publishes the session's progress to the metrics and the health
@@ -527,7 +771,11 @@ impl Relay {
     /// then confirm what they cover.
     async fn drain(&mut self, stream: &mut OutboxStream, s: &mut Session) {
         let deadline = Instant::now() + self.config.shutdown.drain_timeout.0;
-        while !s.deliveries.is_empty() {
+        while !s.deliveries.is_empty() || !s.dead_letters.is_empty() {
+            if let Err(e) = self.flush_dead_letters(s).await {
+                tracing::error!(error = %e, "dead letter failed during shutdown; the row will be handled again after restart");
+                break;
+            }
             tokio::select! {
                 Some(done) = s.deliveries.next() => {
                     if let Err(e) = s.delivered(&self.metrics, done) {

@@ -223,6 +223,110 @@ pub fn build_record(
     })
 }
 
+/// Header names on dead-letter records.
+pub mod dlq_header {
+    /// A short, bounded reason (`illegal_topic`, `too_large`, …).
+    pub const REASON: &str = "dlq.reason";
+    /// The full error text.
+    pub const ERROR: &str = "dlq.error";
+    /// WAL position of the row's INSERT.
+    pub const SOURCE_LSN: &str = "dlq.source.lsn";
+    /// The topic the record was meant for, when it had one.
+    pub const TOPIC: &str = "dlq.topic";
+    /// Set when the payload was left out because it is too large.
+    pub const PAYLOAD_OMITTED: &str = "dlq.payload.omitted";
+}
+
+/// Why a row is dead-lettered, and where it came from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Poison {
+    pub reason: &'static str,
+    pub error: String,
+    pub lsn: crate::Lsn,
+    pub intended_topic: Option<String>,
+    /// Leave the payload out of the dead letter (it is what is too large).
+    pub omit_payload: bool,
+}
+
+fn dlq_headers(p: &Poison, mut headers: Vec<(String, Vec<u8>)>) -> Vec<(String, Vec<u8>)> {
+    headers.push((dlq_header::REASON.to_owned(), p.reason.as_bytes().to_vec()));
+    headers.push((dlq_header::ERROR.to_owned(), p.error.as_bytes().to_vec()));
+    headers.push((dlq_header::SOURCE_LSN.to_owned(), p.lsn.to_string().into_bytes()));
+    if let Some(t) = &p.intended_topic {
+        headers.push((dlq_header::TOPIC.to_owned(), t.as_bytes().to_vec()));
+    }
+    if p.omit_payload {
+        headers.push((dlq_header::PAYLOAD_OMITTED.to_owned(), b"too large".to_vec()));
+    }
+    headers
+}
+
+/// A dead letter for a row: the original row as JSON (id, aggregate type
+/// and id, type, createdAt, headers and payload, the last two as stored),
+/// with the `dlq.*` headers. The payload is replaced by its size when it is
+/// itself the problem; the row stays in the outbox table.
+pub fn dead_letter_for_row(row: &OutboxRow, poison: &Poison, topic: &str) -> KafkaRecord {
+    let mut out = Vec::with_capacity(row.payload.len() + row.headers.len() + 256);
+    out.extend_from_slice(b"{\"id\":\"");
+    out.extend_from_slice(row.id.to_string().as_bytes());
+    out.extend_from_slice(b"\",\"aggregateType\":");
+    push_json_string(&mut out, &row.aggregate_type);
+    out.extend_from_slice(b",\"aggregateId\":");
+    push_json_string(&mut out, &row.aggregate_id);
+    out.extend_from_slice(b",\"type\":");
+    push_json_string(&mut out, &row.event_type);
+    out.extend_from_slice(b",\"createdAt\":\"");
+    out.extend_from_slice(
+        row.created_at
+            .to_rfc3339_opts(SecondsFormat::Micros, true)
+            .as_bytes(),
+    );
+    out.extend_from_slice(b"\",\"headers\":");
+    out.extend_from_slice(row.headers.as_bytes());
+    if poison.omit_payload {
+        out.extend_from_slice(format!(",\"payloadBytes\":{}}}", row.payload.len()).as_bytes());
+    } else {
+        out.extend_from_slice(b",\"payload\":");
+        out.extend_from_slice(row.payload.as_bytes());
+        out.push(b'}');
+    }
+    let ids = vec![
+        (header::ID.to_owned(), row.id.to_string().into_bytes()),
+        (header::TYPE.to_owned(), row.event_type.as_bytes().to_vec()),
+        (
+            header::AGGREGATE_TYPE.to_owned(),
+            row.aggregate_type.as_bytes().to_vec(),
+        ),
+        (
+            header::AGGREGATE_ID.to_owned(),
+            row.aggregate_id.as_bytes().to_vec(),
+        ),
+    ];
+    KafkaRecord {
+        topic: topic.to_owned(),
+        key: row.aggregate_id.clone(),
+        value: out,
+        headers: dlq_headers(poison, ids),
+        timestamp_ms: row.created_at.timestamp_millis(),
+    }
+}
+
+/// A dead letter for a record the broker refused: the record as it was
+/// (key, value, headers), plus the `dlq.*` headers.
+pub fn dead_letter_for_record(rec: KafkaRecord, poison: &Poison, topic: &str) -> KafkaRecord {
+    KafkaRecord {
+        topic: topic.to_owned(),
+        value: if poison.omit_payload {
+            Vec::new()
+        } else {
+            rec.value
+        },
+        headers: dlq_headers(poison, rec.headers),
+        key: rec.key,
+        timestamp_ms: rec.timestamp_ms,
+    }
+}
+
 fn json_kind(v: &serde_json::Value) -> &'static str {
     match v {
         serde_json::Value::Null => "null",
@@ -324,6 +428,34 @@ mod tests {
     fn payload_record_is_byte_for_byte() {
         let r = build_record(&row(), &default_topic(), ValueFormat::Payload).unwrap();
         assert_eq!(r.value, row().payload.as_bytes());
+    }
+
+    #[test]
+    fn dead_letters_carry_the_row_and_the_reason() {
+        let poison = Poison {
+            reason: "illegal_topic",
+            error: "bad".into(),
+            lsn: crate::Lsn(0x10),
+            intended_topic: None,
+            omit_payload: false,
+        };
+        let d = dead_letter_for_row(&row(), &poison, "outboxd.dead-letter");
+        assert_eq!(d.topic, "outboxd.dead-letter");
+        let v: serde_json::Value = serde_json::from_slice(&d.value).unwrap();
+        assert_eq!(v["payload"]["total"], 12.5);
+        assert_eq!(v["headers"]["correlationId"], "c-1");
+        assert_eq!(v["aggregateType"], "Order");
+        let h: std::collections::HashMap<_, _> = d.headers.iter().cloned().collect();
+        assert_eq!(h["dlq.reason"], b"illegal_topic");
+        assert_eq!(h["dlq.source.lsn"], b"0/10");
+        assert_eq!(h["id"], b"0190a5a4-8c1e-7000-8000-000000000001");
+        let big = Poison {
+            omit_payload: true,
+            ..poison
+        };
+        let v: serde_json::Value =
+            serde_json::from_slice(&dead_letter_for_row(&row(), &big, "d").value).unwrap();
+        assert!(v.get("payload").is_none() && v["payloadBytes"].as_u64().unwrap() > 0);
     }
 
     #[test]

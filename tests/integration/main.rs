@@ -7,5 +7,6 @@
 mod harness;
 mod operations;
 mod relay;
+mod reliability;
 mod replication;
 mod sdk;

@@ -22,7 +22,13 @@ use crate::harness::postgres::{self, SCRAM_USER};
 use crate::harness::{wait_for, TestDb};
 
 /// A config for `db`, with `extra` TOML appended inside the right tables.
-fn config_text(db_url: &str, slot: &str, brokers: &str, routing: &str, kafka_extra: &str) -> String {
+pub(crate) fn config_text(
+    db_url: &str,
+    slot: &str,
+    brokers: &str,
+    routing: &str,
+    kafka_extra: &str,
+) -> String {
     format!(
         r#"
 [postgres]
@@ -51,7 +57,7 @@ drain_timeout = "10s"
     )
 }
 
-fn spawn_relay(text: &str) -> (JoinHandle<Result<(), RelayError>>, watch::Sender<bool>) {
+pub(crate) fn spawn_relay(text: &str) -> (JoinHandle<Result<(), RelayError>>, watch::Sender<bool>) {
     let (config, validated) = Config::from_toml(text, |_| None).expect("test config is valid");
     let metrics = Arc::new(Metrics::new().unwrap());
     let health = Arc::new(Health::new(config.health.thresholds()));
@@ -63,7 +69,7 @@ fn spawn_relay(text: &str) -> (JoinHandle<Result<(), RelayError>>, watch::Sender
     (handle, tx)
 }
 
-async fn stop_relay(handle: JoinHandle<Result<(), RelayError>>, tx: watch::Sender<bool>) {
+pub(crate) async fn stop_relay(handle: JoinHandle<Result<(), RelayError>>, tx: watch::Sender<bool>) {
     tx.send(true).unwrap();
     let result = tokio::time::timeout(Duration::from_secs(30), handle)
         .await
@@ -72,7 +78,7 @@ async fn stop_relay(handle: JoinHandle<Result<(), RelayError>>, tx: watch::Sende
     result.expect("relay stops cleanly");
 }
 
-async fn confirmed_flush(client: &tokio_postgres::Client, slot: &str) -> Option<Lsn> {
+pub(crate) async fn confirmed_flush(client: &tokio_postgres::Client, slot: &str) -> Option<Lsn> {
     client
         .query_opt(
             "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
@@ -84,7 +90,7 @@ async fn confirmed_flush(client: &tokio_postgres::Client, slot: &str) -> Option<
         .map(|s| s.parse().unwrap())
 }
 
-async fn current_lsn(client: &tokio_postgres::Client) -> Lsn {
+pub(crate) async fn current_lsn(client: &tokio_postgres::Client) -> Lsn {
     let s: String = client
         .query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
         .await
@@ -95,19 +101,19 @@ async fn current_lsn(client: &tokio_postgres::Client) -> Lsn {
 
 /// One written event.
 #[derive(Clone, Debug)]
-struct Event {
-    id: Uuid,
-    aggregate_type: String,
-    aggregate_id: String,
-    event_type: String,
-    payload: serde_json::Value,
-    txn: usize,
+pub(crate) struct Event {
+    pub(crate) id: Uuid,
+    pub(crate) aggregate_type: String,
+    pub(crate) aggregate_id: String,
+    pub(crate) event_type: String,
+    pub(crate) payload: serde_json::Value,
+    pub(crate) txn: usize,
 }
 
 /// Writes `txns` transactions of `per_txn` events, over `aggregates`
 /// aggregates whose type is one of `types` (fixed per aggregate). Returns
 /// the events in commit order and each transaction's LSN bounds.
-async fn write_events(
+pub(crate) async fn write_events(
     client: &tokio_postgres::Client,
     txns: usize,
     per_txn: usize,
@@ -132,27 +138,8 @@ async fn write_events(
                 }
             })
             .collect();
-        let ids: Vec<Uuid> = batch.iter().map(|e| e.id).collect();
-        let at: Vec<&str> = batch.iter().map(|e| e.aggregate_type.as_str()).collect();
-        let ai: Vec<&str> = batch.iter().map(|e| e.aggregate_id.as_str()).collect();
-        let ty: Vec<&str> = batch.iter().map(|e| e.event_type.as_str()).collect();
-        let pl: Vec<serde_json::Value> = batch.iter().map(|e| e.payload.clone()).collect();
-        let hd: Vec<serde_json::Value> = batch
-            .iter()
-            .map(|e| json!({"correlationId": format!("corr-{}", e.txn), "attempt": 1}))
-            .collect();
         let before = current_lsn(client).await;
-        client
-            .execute(
-                "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload, headers)
-                 SELECT id, at, ai, ty, pl, hd
-                   FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::jsonb[], $6::jsonb[])
-                        WITH ORDINALITY AS u(id, at, ai, ty, pl, hd, ord)
-                  ORDER BY ord",
-                &[&ids, &at, &ai, &ty, &pl, &hd],
-            )
-            .await
-            .unwrap();
+        insert_batch(client, &batch).await;
         let after = current_lsn(client).await;
         bounds.push((before, after));
         events.extend(batch);
@@ -160,8 +147,32 @@ async fn write_events(
     (events, bounds)
 }
 
+/// Inserts a batch of events in one statement (one transaction), in order.
+pub(crate) async fn insert_batch(client: &tokio_postgres::Client, batch: &[Event]) {
+    let ids: Vec<Uuid> = batch.iter().map(|e| e.id).collect();
+    let at: Vec<&str> = batch.iter().map(|e| e.aggregate_type.as_str()).collect();
+    let ai: Vec<&str> = batch.iter().map(|e| e.aggregate_id.as_str()).collect();
+    let ty: Vec<&str> = batch.iter().map(|e| e.event_type.as_str()).collect();
+    let pl: Vec<serde_json::Value> = batch.iter().map(|e| e.payload.clone()).collect();
+    let hd: Vec<serde_json::Value> = batch
+        .iter()
+        .map(|e| json!({"correlationId": format!("corr-{}", e.txn), "attempt": 1}))
+        .collect();
+    client
+        .execute(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload, headers)
+             SELECT id, at, ai, ty, pl, hd
+               FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::jsonb[], $6::jsonb[])
+                    WITH ORDINALITY AS u(id, at, ai, ty, pl, hd, ord)
+              ORDER BY ord",
+            &[&ids, &at, &ai, &ty, &pl, &hd],
+        )
+        .await
+        .unwrap();
+}
+
 /// Per aggregate, the ids in the order their first copies were consumed.
-fn first_occurrence_order(records: &[Consumed]) -> HashMap<String, Vec<Uuid>> {
+pub(crate) fn first_occurrence_order(records: &[Consumed]) -> HashMap<String, Vec<Uuid>> {
     let mut seen = HashSet::new();
     let mut order: HashMap<String, Vec<Uuid>> = HashMap::new();
     for r in records {
@@ -173,7 +184,7 @@ fn first_occurrence_order(records: &[Consumed]) -> HashMap<String, Vec<Uuid>> {
     order
 }
 
-fn expected_order(events: &[Event]) -> HashMap<String, Vec<Uuid>> {
+pub(crate) fn expected_order(events: &[Event]) -> HashMap<String, Vec<Uuid>> {
     let mut order: HashMap<String, Vec<Uuid>> = HashMap::new();
     for e in events {
         order.entry(e.aggregate_id.clone()).or_default().push(e.id);
@@ -394,6 +405,8 @@ async fn confirmed_lsn_never_passes_an_unacknowledged_event() {
     }
     consumer.assign(&tpl).unwrap();
     let mut present: HashSet<Uuid> = HashSet::new();
+    // (aggregate, id) in offset order within each partition.
+    let mut arrivals: Vec<(String, Uuid)> = Vec::new();
     let mut positions = [0i64; 3];
     let mut partial_samples = 0;
     let deadline = std::time::Instant::now() + Duration::from_secs(90);
@@ -413,8 +426,13 @@ async fn confirmed_lsn_never_passes_an_unacknowledged_event() {
                 let m = m.unwrap();
                 positions[m.partition() as usize] = m.offset() + 1;
                 let headers = m.headers().unwrap();
-                let id = headers.iter().find(|h| h.key == "id").unwrap().value.unwrap();
-                present.insert(std::str::from_utf8(id).unwrap().parse().unwrap());
+                let id: Uuid =
+                    std::str::from_utf8(headers.iter().find(|h| h.key == "id").unwrap().value.unwrap())
+                        .unwrap()
+                        .parse()
+                        .unwrap();
+                present.insert(id);
+                arrivals.push((String::from_utf8_lossy(m.key().unwrap()).into_owned(), id));
             }
         }
         let (events, bounds) = written.lock().unwrap().clone();
@@ -454,6 +472,20 @@ async fn confirmed_lsn_never_passes_an_unacknowledged_event() {
     assert!(
         partial_samples > 0,
         "the test never saw acknowledgements out of step with the slot"
+    );
+    // Retried produce errors lost nothing and kept each aggregate's order.
+    let (events, _) = written.lock().unwrap().clone();
+    let mut seen = HashSet::new();
+    let mut first: HashMap<String, Vec<Uuid>> = HashMap::new();
+    for (key, id) in arrivals {
+        if seen.insert(id) {
+            first.entry(key).or_default().push(id);
+        }
+    }
+    assert_eq!(
+        first,
+        expected_order(&events),
+        "per-aggregate order despite produce errors"
     );
     stop_relay(handle, stop).await;
     drop(mock);
@@ -572,11 +604,11 @@ async fn missing_topic_without_creation_stops_and_holds_the_slot() {
     );
 }
 
-fn bin() -> &'static str {
+pub(crate) fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_outboxd")
 }
 
-fn write_config(dir: &Path, name: &str, text: &str) -> PathBuf {
+pub(crate) fn write_config(dir: &Path, name: &str, text: &str) -> PathBuf {
     let p = dir.join(name);
     std::fs::write(&p, text).unwrap();
     p
@@ -727,14 +759,14 @@ fn bad_config_fails_at_start_naming_the_field() {
     assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains("--config"));
 }
 
-struct Daemon {
+pub(crate) struct Daemon {
     child: Child,
     config: PathBuf,
     log: PathBuf,
 }
 
 impl Daemon {
-    fn start(config: &Path, log: &Path) -> Daemon {
+    pub(crate) fn start(config: &Path, log: &Path) -> Daemon {
         let log_file = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -756,16 +788,20 @@ impl Daemon {
         }
     }
 
-    fn kill9(&mut self) {
+    pub(crate) fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub(crate) fn kill9(&mut self) {
         self.child.kill().unwrap(); // SIGKILL
         self.child.wait().unwrap();
     }
 
-    fn restart(&mut self) {
+    pub(crate) fn restart(&mut self) {
         *self = Daemon::start(&self.config, &self.log);
     }
 
-    fn sigterm(mut self) -> std::process::ExitStatus {
+    pub(crate) fn sigterm(mut self) -> std::process::ExitStatus {
         let _ = Command::new("kill")
             .args(["-TERM", &self.child.id().to_string()])
             .status();
@@ -773,24 +809,36 @@ impl Daemon {
     }
 }
 
+fn env_usize(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// Torture: SIGKILL the daemon at random points while 4 writers stream
+/// events. The suite runs a smaller N; the full run is
+/// `OUTBOXD_TORTURE_EVENTS=100000 OUTBOXD_TORTURE_KILLS=20 cargo test --release --test integration torture -- --nocapture`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigkill_at_random_points_loses_nothing_and_keeps_order() {
-    const TXNS: usize = 2_000;
+async fn torture_sigkill_during_the_stream_loses_nothing_and_keeps_order() {
+    const WRITERS: usize = 4;
     const PER_TXN: usize = 10;
-    const KILLS: usize = 6;
     const MAX_INFLIGHT: usize = 2_000;
-    let db = TestDb::new("relay_crash").await;
+    let total = env_usize("OUTBOXD_TORTURE_EVENTS", 20_000);
+    let kills = env_usize("OUTBOXD_TORTURE_KILLS", 6);
+    let txns_per_writer = total / WRITERS / PER_TXN;
+    let db = TestDb::new("relay_torture").await;
     let client = db.client().await;
     let dir = tempfile::tempdir().unwrap();
-    let slot = "crash_slot";
+    let slot = "torture_slot";
     let cfg = write_config(
         dir.path(),
-        "crash.toml",
+        "torture.toml",
         &config_text(
             &db.superuser_url(),
             slot,
             &broker().brokers,
-            "topic = \"crash.{aggregate_type}\"",
+            "topic = \"torture.{aggregate_type}\"",
             &format!("max_inflight = {MAX_INFLIGHT}"),
         ),
     );
@@ -801,32 +849,35 @@ async fn sigkill_at_random_points_loses_nothing_and_keeps_order() {
     })
     .await;
 
-    let writer = {
+    let started = std::time::Instant::now();
+    let mut writers = Vec::new();
+    for w in 0..WRITERS {
         let client = db.client().await;
-        tokio::spawn(async move {
+        writers.push(tokio::spawn(async move {
             let mut all = Vec::new();
-            for chunk in 0..20 {
-                let (events, _) = write_events(
-                    &client,
-                    TXNS / 20,
-                    PER_TXN,
-                    50,
-                    &["Order", "Invoice"],
-                    chunk * TXNS / 20,
-                )
-                .await;
-                all.extend(events);
-                tokio::time::sleep(Duration::from_millis(50)).await;
+            for t in 0..txns_per_writer {
+                let batch: Vec<Event> = (0..PER_TXN)
+                    .map(|r| Event {
+                        id: Uuid::now_v7(),
+                        aggregate_type: "Order".to_owned(),
+                        aggregate_id: format!("w{w}-agg-{}", (t * PER_TXN + r) % 25),
+                        event_type: "torture.v1".to_owned(),
+                        payload: json!({"w": w, "t": t, "r": r}),
+                        txn: t,
+                    })
+                    .collect();
+                insert_batch(&client, &batch).await;
+                all.extend(batch);
             }
             all
-        })
-    };
+        }));
+    }
     let mut rng = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_nanos() as u64
         | 1;
-    for _ in 0..KILLS {
+    for _ in 0..kills {
         rng ^= rng << 13;
         rng ^= rng >> 7;
         rng ^= rng << 17;
@@ -834,25 +885,25 @@ async fn sigkill_at_random_points_loses_nothing_and_keeps_order() {
         daemon.kill9();
         daemon.restart();
     }
-    let events = writer.await.unwrap();
-    assert_eq!(events.len(), TXNS * PER_TXN);
+    let mut events = Vec::new();
+    for w in writers {
+        events.extend(w.await.unwrap());
+    }
+    let written_in = started.elapsed();
+    assert_eq!(events.len(), txns_per_writer * WRITERS * PER_TXN);
 
     let brokers = broker().brokers.clone();
-    let records = wait_for("every event to reach Kafka", Duration::from_secs(180), || {
+    let want = events.len();
+    let records = wait_for("every event to reach Kafka", Duration::from_secs(300), || {
         let brokers = brokers.clone();
         async move {
             let records = tokio::task::spawn_blocking(move || {
-                consume(
-                    &brokers,
-                    &["crash.order", "crash.invoice"],
-                    usize::MAX,
-                    Duration::from_secs(3),
-                )
+                consume(&brokers, &["torture.order"], usize::MAX, Duration::from_secs(3))
             })
             .await
             .unwrap();
             let unique: HashSet<&str> = records.iter().filter_map(|r| r.header("id")).collect();
-            (unique.len() >= TXNS * PER_TXN).then_some(records)
+            (unique.len() >= want).then_some(records)
         }
     })
     .await;
@@ -872,12 +923,12 @@ async fn sigkill_at_random_points_loses_nothing_and_keeps_order() {
     );
     let duplicates = records.len() - written.len();
     eprintln!(
-        "crash test: {KILLS} SIGKILLs, {} events, {duplicates} duplicates (bound {})",
+        "torture: {WRITERS} writers, {} events written in {written_in:?}, {kills} SIGKILLs, {duplicates} duplicates (bound {})",
         written.len(),
-        KILLS * MAX_INFLIGHT
+        kills * MAX_INFLIGHT
     );
     assert!(
-        duplicates <= KILLS * MAX_INFLIGHT,
+        duplicates <= kills * MAX_INFLIGHT,
         "{duplicates} duplicates exceed the in-flight bound"
     );
 }

@@ -57,6 +57,17 @@ impl TestDb {
     }
 }
 
+/// With `OUTBOXD_TEST_LOG=<filter>` (e.g. `outboxd=debug`), in-process
+/// relays log to stderr; run with `--nocapture` to see them.
+pub fn init_logs() {
+    if let Ok(level) = std::env::var("OUTBOXD_TEST_LOG") {
+        outboxd::telemetry::init(&outboxd::config::LogConfig {
+            format: outboxd::config::LogFormat::Text,
+            level: Some(level),
+        });
+    }
+}
+
 /// Polls `check` until it returns `Some`, or panics after `timeout` with `what`.
 pub async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> T
 where

@@ -1,0 +1,869 @@
+//! Never lose, never stall: faults, poison rows, WAL safety, high
+//! availability and least privilege.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use outboxd::config::Config;
+use outboxd::health::Health;
+use outboxd::metrics::Metrics;
+use outboxd::pipeline::{Relay, RelayError};
+use outboxd::Lsn;
+use tokio::sync::watch;
+use uuid::Uuid;
+
+use crate::harness::broker::{self, broker, consume};
+use crate::harness::postgres::{self, PgServer};
+use crate::harness::{wait_for, TestDb};
+use crate::relay::{
+    config_text, confirmed_flush, current_lsn, expected_order, first_occurrence_order, spawn_relay,
+    stop_relay, write_config, write_events, Daemon,
+};
+
+/// A relay with its metrics and health, in this process.
+struct Observed {
+    handle: tokio::task::JoinHandle<Result<(), RelayError>>,
+    stop: watch::Sender<bool>,
+    metrics: Arc<Metrics>,
+    health: Arc<Health>,
+}
+
+fn observe(text: &str) -> Observed {
+    crate::harness::init_logs();
+    let (config, validated) = Config::from_toml(text, |_| None).unwrap();
+    let metrics = Arc::new(Metrics::new().unwrap());
+    let health = Arc::new(Health::new(config.health.thresholds()));
+    let (stop, rx) = watch::channel(false);
+    let (m, h) = (metrics.clone(), health.clone());
+    let handle = tokio::spawn(async move { Relay::new(config, validated, m, h)?.run(rx).await });
+    Observed {
+        handle,
+        stop,
+        metrics,
+        health,
+    }
+}
+
+impl Observed {
+    async fn shutdown(self) {
+        stop_relay(self.handle, self.stop).await;
+    }
+}
+
+fn health_section(extra: &str) -> String {
+    format!("\n[health]\npoll_interval = \"300ms\"\nstatus_max_age = \"3s\"\n{extra}\n")
+}
+
+async fn wait_slot(client: &tokio_postgres::Client, slot: &str) -> Lsn {
+    wait_for("the slot", Duration::from_secs(30), || async {
+        confirmed_flush(client, slot).await
+    })
+    .await
+}
+
+fn consume_ids(
+    brokers: &str,
+    topics: &[&str],
+    want: usize,
+    secs: u64,
+) -> Vec<crate::harness::broker::Consumed> {
+    consume(brokers, topics, want, Duration::from_secs(secs))
+}
+
+/// Kafka down for 30 s while events are written: nothing confirmed past
+/// them, not ready, and every event arrives once the broker is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_down_for_thirty_seconds_loses_nothing() {
+    let pg = postgres::dedicated("");
+    outbox_sdk::migrate::migrate(&mut pg.client("postgres").await)
+        .await
+        .unwrap();
+    let client = pg.client("postgres").await;
+    let own = broker::dedicated();
+    let slot = "kafka_down";
+    let text = config_text(
+        &pg.url("postgres", None, "postgres"),
+        slot,
+        &own.brokers,
+        "topic = \"down.{aggregate_type}\"",
+        "[kafka.options]\n\"topic.metadata.propagation.max.ms\" = \"2000\"",
+    ) + &health_section("ack_max_age = \"5s\"");
+    let r = observe(&text);
+    wait_slot(&client, slot).await;
+    let (before, _) = write_events(&client, 5, 4, 6, &["Order"], 0).await;
+    wait_for("the first events", Duration::from_secs(30), || async {
+        (r.metrics.events_published.get() >= 20).then_some(())
+    })
+    .await;
+
+    own.kill();
+    let outage = Instant::now();
+    let (during, bounds) = write_events(&client, 50, 4, 6, &["Order"], 5).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let frozen = confirmed_flush(&client, slot).await.unwrap();
+    assert!(
+        frozen < bounds[0].1,
+        "nothing confirmed past the unacknowledged events"
+    );
+    wait_for(
+        "not ready while Kafka is down",
+        Duration::from_secs(20),
+        || async {
+            let reasons = r.health.not_ready_reasons();
+            reasons.iter().any(|r| r.contains("Kafka")).then_some(())
+        },
+    )
+    .await;
+    while outage.elapsed() < Duration::from_secs(30) {
+        assert_eq!(
+            confirmed_flush(&client, slot).await.unwrap(),
+            frozen,
+            "the confirmed LSN does not move"
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    own.restart();
+
+    let want: HashSet<Uuid> = during.iter().map(|e| e.id).collect();
+    let got = wait_for(
+        "every event written during the outage",
+        Duration::from_secs(120),
+        || {
+            let brokers = own.brokers.clone();
+            let want = want.clone();
+            async move {
+                let recs = tokio::task::spawn_blocking(move || {
+                    consume_ids(&brokers, &["down.order"], usize::MAX, 3)
+                })
+                .await
+                .unwrap();
+                let ids: HashSet<Uuid> = recs.iter().filter_map(|r| r.header("id")?.parse().ok()).collect();
+                want.is_subset(&ids).then_some(recs)
+            }
+        },
+    )
+    .await;
+    let order = first_occurrence_order(&got);
+    for (agg, ids) in expected_order(&during) {
+        let seen: Vec<Uuid> = order[&agg]
+            .iter()
+            .copied()
+            .filter(|id| want.contains(id))
+            .collect();
+        assert_eq!(seen, ids, "order of {agg}");
+    }
+    wait_for("ready again", Duration::from_secs(30), || async {
+        r.health.not_ready_reasons().is_empty().then_some(())
+    })
+    .await;
+    assert!(confirmed_flush(&client, slot).await.unwrap() > frozen);
+    eprintln!(
+        "kafka down: {} events before, {} during a {:?} outage, all delivered",
+        before.len(),
+        during.len(),
+        outage.elapsed()
+    );
+    r.shutdown().await;
+    own.kill();
+}
+
+/// Restarts (fast and immediate) and a terminated walsender, mid-stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_restarts_and_killed_walsender_lose_nothing() {
+    let pg = Arc::new(postgres::dedicated(""));
+    outbox_sdk::migrate::migrate(&mut pg.client("postgres").await)
+        .await
+        .unwrap();
+    let slot = "pg_restarts";
+    let text = config_text(
+        &pg.url("postgres", None, "postgres"),
+        slot,
+        &broker().brokers,
+        "topic = \"restarts.{aggregate_type}\"",
+        "",
+    );
+    let r = observe(&text);
+    wait_slot(&pg.client("postgres").await, slot).await;
+
+    // One writer, reconnecting through the outages; per aggregate its
+    // order is the commit order.
+    let stop_writing = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let pg = pg.clone();
+        let stop = stop_writing.clone();
+        tokio::spawn(async move {
+            let mut n = 0u64;
+            let mut client: Option<tokio_postgres::Client> = None;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                if client.as_ref().is_none_or(|c| c.is_closed()) {
+                    client = connect_quietly(&pg).await;
+                    if client.is_none() {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    }
+                }
+                let c = client.as_ref().unwrap();
+                let res = c
+                    .execute(
+                        "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload)
+                         VALUES ($1, 'Order', $2, 't', jsonb_build_object('n', $3::bigint))",
+                        &[&Uuid::now_v7(), &format!("agg-{}", n % 5), &(n as i64)],
+                    )
+                    .await;
+                if res.is_err() {
+                    client = None;
+                }
+                n += 1;
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+    };
+    let admin = |pg: Arc<PgServer>| async move { connect_quietly(&pg).await };
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let c = admin(pg.clone()).await.unwrap();
+    let killed: i64 = c
+        .query_one(
+            "SELECT count(pg_terminate_backend(active_pid)) FROM pg_replication_slots WHERE slot_name = $1 AND active",
+            &[&slot],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(killed, 1, "terminated the walsender");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    pg.pg_ctl(&[
+        "restart",
+        "-m",
+        "fast",
+        "-w",
+        "-l",
+        &pg.log_file.display().to_string(),
+    ])
+    .unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    pg.pg_ctl(&[
+        "restart",
+        "-m",
+        "immediate",
+        "-w",
+        "-l",
+        &pg.log_file.display().to_string(),
+    ])
+    .unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stop_writing.store(true, std::sync::atomic::Ordering::Relaxed);
+    writer.await.unwrap();
+
+    // The committed rows are what the database holds after recovery.
+    let c = wait_for("PostgreSQL back", Duration::from_secs(30), || admin(pg.clone())).await;
+    let rows = c
+        .query(
+            "SELECT id, aggregate_id FROM outbox ORDER BY (payload->>'n')::bigint",
+            &[],
+        )
+        .await
+        .unwrap();
+    let committed: Vec<(Uuid, String)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+    let want: HashSet<Uuid> = committed.iter().map(|(id, _)| *id).collect();
+    let recs = wait_for("every committed event in Kafka", Duration::from_secs(120), || {
+        let brokers = broker().brokers.clone();
+        let want = want.clone();
+        async move {
+            let recs = tokio::task::spawn_blocking(move || {
+                consume_ids(&brokers, &["restarts.order"], usize::MAX, 3)
+            })
+            .await
+            .unwrap();
+            let ids: HashSet<Uuid> = recs.iter().filter_map(|r| r.header("id")?.parse().ok()).collect();
+            want.is_subset(&ids).then_some(recs)
+        }
+    })
+    .await;
+    let order = first_occurrence_order(&recs);
+    for agg in (0..5).map(|a| format!("agg-{a}")) {
+        let expected: Vec<Uuid> = committed
+            .iter()
+            .filter(|(_, a)| *a == agg)
+            .map(|(id, _)| *id)
+            .collect();
+        assert_eq!(order[&agg], expected, "order of {agg}");
+    }
+    assert!(r.metrics.reconnects.get() >= 3, "reconnected after each fault");
+    eprintln!(
+        "postgres faults: {} committed events, {} records, {} reconnects",
+        committed.len(),
+        recs.len(),
+        r.metrics.reconnects.get()
+    );
+    r.shutdown().await;
+}
+
+async fn connect_quietly(pg: &PgServer) -> Option<tokio_postgres::Client> {
+    let (client, conn) = tokio_postgres::Config::new()
+        .host("127.0.0.1")
+        .port(pg.port)
+        .user("postgres")
+        .dbname("postgres")
+        .connect_timeout(Duration::from_secs(2))
+        .connect(tokio_postgres::NoTls)
+        .await
+        .ok()?;
+    tokio::spawn(conn);
+    Some(client)
+}
+
+async fn status_of(port: u16) -> Option<outboxd::health::Snapshot> {
+    let url = format!("http://127.0.0.1:{port}/status");
+    tokio::task::spawn_blocking(move || {
+        let body = ureq::get(&url).call().ok()?.body_mut().read_to_string().ok()?;
+        serde_json::from_str(&body).ok()
+    })
+    .await
+    .unwrap()
+}
+
+/// Two outboxd for one slot: one streams, the other takes over within 10 s
+/// of a SIGKILL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hot_standby_takes_over_within_ten_seconds() {
+    let db = TestDb::new("rel_ha").await;
+    let client = db.client().await;
+    let dir = tempfile::tempdir().unwrap();
+    let slot = "ha_slot";
+    let ports = [postgres::free_port(), postgres::free_port()];
+    let mut daemons: Vec<Daemon> = ports
+        .iter()
+        .enumerate()
+        .map(|(i, port)| {
+            let text = config_text(
+                &db.superuser_url(),
+                slot,
+                &broker().brokers,
+                "topic = \"ha.{aggregate_type}\"",
+                "",
+            )
+            .replace(
+                "listen = \"127.0.0.1:0\"",
+                &format!("listen = \"127.0.0.1:{port}\""),
+            );
+            let cfg = write_config(dir.path(), &format!("ha{i}.toml"), &text);
+            Daemon::start(&cfg, &dir.path().join(format!("ha{i}.log")))
+        })
+        .collect();
+    let leader = wait_for(
+        "exactly one leader and one standby",
+        Duration::from_secs(30),
+        || async {
+            let (a, b) = (status_of(ports[0]).await?, status_of(ports[1]).await?);
+            match (
+                a.streaming && !b.streaming && b.standby,
+                b.streaming && !a.streaming && a.standby,
+            ) {
+                (true, false) => Some(0),
+                (false, true) => Some(1),
+                _ => None,
+            }
+        },
+    )
+    .await;
+    let standby = 1 - leader;
+    let (first, _) = write_events(&client, 20, 5, 10, &["Order"], 0).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let t = Instant::now();
+    daemons[leader].kill9();
+    wait_for("the standby to stream", Duration::from_secs(10), || async {
+        status_of(ports[standby])
+            .await
+            .filter(|s| s.streaming && !s.standby)
+            .map(|_| ())
+    })
+    .await;
+    let takeover = t.elapsed();
+    assert!(takeover < Duration::from_secs(10), "took over in {takeover:?}");
+    let (second, _) = write_events(&client, 20, 5, 10, &["Order"], 20).await;
+    let all: Vec<_> = first.iter().chain(&second).cloned().collect();
+    let want: HashSet<Uuid> = all.iter().map(|e| e.id).collect();
+    let recs = wait_for("every event", Duration::from_secs(60), || {
+        let want = want.clone();
+        async move {
+            let recs =
+                tokio::task::spawn_blocking(|| consume_ids(&broker().brokers, &["ha.order"], usize::MAX, 3))
+                    .await
+                    .unwrap();
+            let ids: HashSet<Uuid> = recs.iter().filter_map(|r| r.header("id")?.parse().ok()).collect();
+            (ids == want).then_some(recs)
+        }
+    })
+    .await;
+    assert_eq!(first_occurrence_order(&recs), expected_order(&all));
+    eprintln!("high availability: the standby took over in {takeover:?}");
+    for d in daemons.drain(..) {
+        let _ = d.sigterm();
+    }
+}
+
+async fn dead_letters(brokers: &str, want: usize) -> Vec<crate::harness::broker::Consumed> {
+    let brokers = brokers.to_owned();
+    tokio::task::spawn_blocking(move || consume_ids(&brokers, &["poison.dead-letter"], want, 30))
+        .await
+        .unwrap()
+}
+
+/// Rows Kafka will never accept go to the dead-letter topic, with the
+/// reason and the source LSN; the rest flows on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_rows_are_dead_lettered_with_the_reason() {
+    let db = TestDb::new("rel_poison").await;
+    let client = db.client().await;
+    let slot = "poison_dlq";
+    let text = config_text(
+        &db.superuser_url(),
+        slot,
+        &broker().brokers,
+        "topic = \"poison.{aggregate_type}\"\non_poison = \"dead-letter\"\ndead_letter_topic = \"poison.dead-letter\"",
+        "[kafka.options]\n\"message.max.bytes\" = \"100000\"",
+    );
+    let r = observe(&text);
+    wait_slot(&client, slot).await;
+    let big: String = (0..150_000u32)
+        .map(|i| char::from(b'a' + ((i * 7919 + i / 13) % 26) as u8))
+        .collect();
+    let insert =
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload) VALUES ($1, $2, $3, 't', $4)";
+    let good = |n: i32| {
+        (
+            Uuid::now_v7(),
+            "Order".to_owned(),
+            "a-1".to_owned(),
+            serde_json::json!({"n": n}),
+        )
+    };
+    let rows = vec![
+        good(1),
+        (
+            Uuid::now_v7(),
+            "Order".to_owned(),
+            "a-1".to_owned(),
+            serde_json::json!({"blob": big}),
+        ),
+        good(2),
+        (
+            Uuid::now_v7(),
+            "Bad Type!".to_owned(),
+            "a-2".to_owned(),
+            serde_json::json!({}),
+        ),
+        (
+            Uuid::now_v7(),
+            "Order".to_owned(),
+            String::new(),
+            serde_json::json!({}),
+        ),
+        good(3),
+    ];
+    let mut lsns = Vec::new();
+    for (id, at, ai, payload) in &rows {
+        lsns.push(current_lsn(&client).await);
+        client.execute(insert, &[id, at, ai, payload]).await.unwrap();
+    }
+    let dlq = dead_letters(&broker().brokers, 3).await;
+    assert_eq!(dlq.len(), 3, "three dead letters");
+    let reasons: Vec<(&str, &str)> = dlq
+        .iter()
+        .map(|d| (d.header("id").unwrap(), d.header("dlq.reason").unwrap()))
+        .collect();
+    assert_eq!(
+        reasons,
+        vec![
+            (rows[1].0.to_string().as_str(), "too_large"),
+            (rows[3].0.to_string().as_str(), "illegal_topic"),
+            (rows[4].0.to_string().as_str(), "empty_key"),
+        ]
+    );
+    for (d, i) in dlq.iter().zip([1, 3, 4]) {
+        let lsn: Lsn = d.header("dlq.source.lsn").unwrap().parse().unwrap();
+        assert!(lsn >= lsns[i], "source LSN of row {i}");
+        assert!(!d.header("dlq.error").unwrap().is_empty());
+    }
+    let v: serde_json::Value = serde_json::from_slice(&dlq[1].value).unwrap();
+    assert_eq!(v["aggregateType"], "Bad Type!", "the original row");
+    assert_eq!(dlq[0].header("dlq.payload.omitted"), Some("too large"));
+    let good_ids: HashSet<String> = [0, 2, 5].iter().map(|&i| rows[i].0.to_string()).collect();
+    let published = tokio::task::spawn_blocking(|| consume_ids(&broker().brokers, &["poison.order"], 3, 30))
+        .await
+        .unwrap();
+    let got: HashSet<String> = published
+        .iter()
+        .map(|r| r.header("id").unwrap().to_owned())
+        .collect();
+    assert_eq!(got, good_ids, "the good rows flow on");
+    wait_for("the dead-letter metric", Duration::from_secs(10), || async {
+        let text = r.metrics.encode();
+        (text.contains("outboxd_dead_letters_total{reason=\"too_large\"} 1")
+            && text.contains("outboxd_dead_letters_total{reason=\"illegal_topic\"} 1")
+            && text.contains("outboxd_dead_letters_total{reason=\"empty_key\"} 1"))
+        .then_some(())
+    })
+    .await;
+    r.shutdown().await;
+}
+
+/// `on_poison = "stop"` halts without moving the slot; so does a failing
+/// dead-letter topic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_stop_and_a_failing_dead_letter_topic_hold_the_slot() {
+    for (slot, routing, kafka, expect) in [
+        ("poison_stop", "topic = \"stop.{aggregate_type}\"", "", "can never be published"),
+        (
+            "poison_dlq_fails",
+            "topic = \"stop.{aggregate_type}\"\non_poison = \"dead-letter\"\ndead_letter_topic = \"missing.dead-letter\"",
+            "create_topics = false",
+            "dead-letter topic failed",
+        ),
+    ] {
+        let db = TestDb::new(slot).await;
+        let client = db.client().await;
+        let (handle, _stop) = spawn_relay(&config_text(&db.superuser_url(), slot, &broker().brokers, routing, kafka));
+        wait_slot(&client, slot).await;
+        let id = Uuid::now_v7();
+        client
+            .execute(
+                "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload) VALUES ($1, 'Bad Type!', '1', 't', '{}')",
+                &[&id],
+            )
+            .await
+            .unwrap();
+        let err = tokio::time::timeout(Duration::from_secs(30), handle)
+            .await
+            .expect("outboxd stops")
+            .unwrap()
+            .expect_err("a definite error");
+        let text = err.to_string();
+        assert!(text.contains(expect), "{slot}: {text}");
+        assert!(!err.is_transient());
+        if slot == "poison_stop" {
+            assert!(text.contains(&id.to_string()), "names the row: {text}");
+        }
+        wait_for("the slot released", Duration::from_secs(10), || async {
+            let active: bool = client
+                .query_one("SELECT active FROM pg_replication_slots WHERE slot_name = $1", &[&slot])
+                .await
+                .unwrap()
+                .get(0);
+            (!active).then_some(())
+        })
+        .await;
+        let pending: i64 = client
+            .query_one(
+                "SELECT count(*) FROM pg_logical_slot_peek_binary_changes($1::text::name, NULL, NULL,
+                     'proto_version', '1', 'publication_names', $1::text)",
+                &[&slot],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert!(pending >= 3, "{slot}: the row is still in the slot ({pending} messages)");
+    }
+}
+
+async fn slot_lsns(c: &tokio_postgres::Client, slot: &str) -> (Lsn, Lsn) {
+    let row = c
+        .query_one(
+            "SELECT restart_lsn::text, confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .unwrap();
+    (
+        row.get::<_, String>(0).parse().unwrap(),
+        row.get::<_, String>(1).parse().unwrap(),
+    )
+}
+
+/// The idle-outbox rule with 64 MB written to another table, and the
+/// retained-WAL guard.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_outbox_releases_wal_and_the_retained_wal_guard_trips() {
+    let db = TestDb::new("rel_wal").await;
+    let client = db.client().await;
+    client
+        .batch_execute("CREATE TABLE bulk (id serial PRIMARY KEY, v text)")
+        .await
+        .unwrap();
+    let slot = "wal_idle";
+    let r = observe(
+        &(config_text(
+            &db.superuser_url(),
+            slot,
+            &broker().brokers,
+            "topic = \"wal.{aggregate_type}\"",
+            "",
+        ) + &health_section("max_retained_wal_bytes = 1")),
+    );
+    wait_slot(&client, slot).await;
+    let (restart0, _) = slot_lsns(&client, slot).await;
+    let start = current_lsn(&client).await;
+    // 64 MB of WAL that compresses badly, in 256 KB rows.
+    for _ in 0..256 {
+        client
+            .execute(
+                "INSERT INTO bulk (v) SELECT string_agg(md5(random()::text), '') FROM generate_series(1, 8192)",
+                &[],
+            )
+            .await
+            .unwrap();
+    }
+    let end = current_lsn(&client).await;
+    assert!(
+        end.bytes_since(start) >= 64 << 20,
+        "wrote {} bytes of WAL",
+        end.bytes_since(start)
+    );
+    client.batch_execute("CHECKPOINT").await.unwrap();
+    let (restart, confirmed) = wait_for(
+        "restart_lsn and confirmed_flush_lsn to follow",
+        Duration::from_secs(60),
+        || async {
+            // New running-xacts records let the slot move its restart point.
+            client.batch_execute("CHECKPOINT").await.unwrap();
+            let (restart, confirmed) = slot_lsns(&client, slot).await;
+            (confirmed >= end && restart > restart0).then_some((restart, confirmed))
+        },
+    )
+    .await;
+    eprintln!(
+        "wal: {} MB written elsewhere; restart_lsn {restart0} -> {restart}, confirmed {confirmed}",
+        end.bytes_since(start) >> 20
+    );
+
+    // The guard: more than 1 byte retained is over the limit.
+    wait_for(
+        "not ready over max_retained_wal_bytes",
+        Duration::from_secs(10),
+        || async {
+            r.health
+                .not_ready_reasons()
+                .iter()
+                .any(|x| x.contains("retains"))
+                .then_some(())
+        },
+    )
+    .await;
+    assert!(r.metrics.slot_retained_wal_bytes.get() > 1);
+    r.shutdown().await;
+}
+
+/// A slot invalidated by max_slot_wal_keep_size: a clear error with the
+/// recovery steps, from `run` and from `check`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalidated_slot_names_the_recovery() {
+    let pg = postgres::dedicated(
+        "max_slot_wal_keep_size = '1MB'\nwal_keep_size = 0\nmax_wal_size = '64MB'\nmin_wal_size = '32MB'",
+    );
+    let mut c = pg.client("postgres").await;
+    outbox_sdk::migrate::migrate(&mut c).await.unwrap();
+    let slot = "lost_slot";
+    let text = config_text(
+        &pg.url("postgres", None, "postgres"),
+        slot,
+        &broker().brokers,
+        "",
+        "",
+    );
+    let (handle, stop) = spawn_relay(&text);
+    wait_slot(&c, slot).await;
+    stop_relay(handle, stop).await;
+    c.batch_execute("CREATE TABLE filler (v text)").await.unwrap();
+    wait_for("the slot to be invalidated", Duration::from_secs(120), || async {
+        for _ in 0..20 {
+            c.execute(
+                "INSERT INTO filler SELECT string_agg(md5(random()::text), '') FROM generate_series(1, 8192)",
+                &[],
+            )
+            .await
+            .unwrap();
+        }
+        c.batch_execute("SELECT pg_switch_wal(); CHECKPOINT;")
+            .await
+            .unwrap();
+        let status: Option<String> = c
+            .query_one(
+                "SELECT wal_status FROM pg_replication_slots WHERE slot_name = $1",
+                &[&slot],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        (status.as_deref() == Some("lost")).then_some(())
+    })
+    .await;
+    let (handle, _stop) = spawn_relay(&text);
+    let err = tokio::time::timeout(Duration::from_secs(30), handle)
+        .await
+        .expect("outboxd stops")
+        .unwrap()
+        .expect_err("an invalidated slot is a definite error");
+    let msg = err.to_string();
+    assert!(!err.is_transient());
+    assert!(
+        msg.contains("invalidated") && msg.contains("pg_drop_replication_slot('lost_slot')"),
+        "{msg}"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write_config(dir.path(), "lost.toml", &text);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_outboxd"))
+        .args(["check", "--config"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        !out.status.success() && stdout.contains("FAIL slot") && stdout.contains("invalidated"),
+        "{stdout}"
+    );
+}
+
+fn peak_rss_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
+/// One transaction of 200,000 rows: bounded memory, and its commit is
+/// confirmed only once every row is acknowledged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_200k_row_transaction_flows_with_bounded_memory() {
+    const ROWS: usize = 200_000;
+    // A server of its own: no other WAL, so the commit's end is exactly
+    // the insert position right after it.
+    let pg = postgres::dedicated("");
+    let mut client = pg.client("postgres").await;
+    outbox_sdk::migrate::migrate(&mut client).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let slot = "large_txn";
+    let cfg = write_config(
+        dir.path(),
+        "large.toml",
+        &config_text(
+            &pg.url("postgres", None, "postgres"),
+            slot,
+            &broker().brokers,
+            "topic = \"large.{aggregate_type}\"",
+            "",
+        ),
+    );
+    let mut daemon = Daemon::start(&cfg, &dir.path().join("large.log"));
+    wait_slot(&client, slot).await;
+    client
+        .batch_execute(&format!(
+            "BEGIN;
+             INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload)
+             SELECT gen_random_uuid(), 'Order', 'agg-' || (g % 100), 'big.v1',
+                    jsonb_build_object('n', g, 'pad', repeat(md5(g::text), 8))
+               FROM generate_series(1, {ROWS}) g;
+             COMMIT;"
+        ))
+        .await
+        .unwrap();
+    let commit_end = current_lsn(&client).await;
+    // The moment the commit is confirmed, every row must already be in Kafka.
+    let t = Instant::now();
+    loop {
+        let confirmed = confirmed_flush(&client, slot).await.unwrap();
+        if confirmed >= commit_end {
+            let n = tokio::task::spawn_blocking(|| {
+                consume_ids(&broker().brokers, &["large.order"], ROWS, 60).len()
+            })
+            .await
+            .unwrap();
+            assert_eq!(n, ROWS, "confirmed only after the last row was acknowledged");
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(240), "not confirmed in time");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let rss = peak_rss_kib(daemon.pid()).unwrap();
+    eprintln!(
+        "large transaction: {ROWS} rows in {:?}, peak RSS {} MiB",
+        t.elapsed(),
+        rss / 1024
+    );
+    assert!(rss < 512 * 1024, "peak RSS {rss} KiB");
+    daemon.kill9();
+}
+
+/// The least-privilege role from deploy/least-privilege.sql runs `check`
+/// and `run`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn least_privilege_role_runs_check_and_run() {
+    let db = TestDb::new("rel_lp").await;
+    let client = db.client().await;
+    let sql =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/least-privilege.sql")).unwrap();
+    client.batch_execute(&sql).await.unwrap();
+    client
+        .batch_execute("ALTER ROLE outboxd PASSWORD 'lp-test-password'")
+        .await
+        .unwrap();
+    let url = crate::harness::server().url("outboxd", Some("lp-test-password"), &db.name);
+    let port = postgres::free_port();
+    let text = config_text(
+        &url,
+        "outboxd",
+        &broker().brokers,
+        "topic = \"lp.{aggregate_type}\"",
+        "",
+    )
+    .replace(
+        "publication = \"outboxd\"",
+        "publication = \"outboxd\"\ncreate_publication = false",
+    )
+    .replace(
+        "listen = \"127.0.0.1:0\"",
+        &format!("listen = \"127.0.0.1:{port}\""),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write_config(dir.path(), "lp.toml", &text);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_outboxd"))
+        .args(["check", "--config"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "check under the least-privilege role:\n{stdout}"
+    );
+    let daemon = Daemon::start(&cfg, &dir.path().join("lp.log"));
+    wait_slot(&client, "outboxd").await;
+    let (events, _) = write_events(&client, 3, 2, 2, &["Order"], 0).await;
+    let want: HashSet<String> = events.iter().map(|e| e.id.to_string()).collect();
+    let got = wait_for(
+        "events under the least-privilege role",
+        Duration::from_secs(30),
+        || {
+            let want = want.clone();
+            async move {
+                let recs =
+                    tokio::task::spawn_blocking(|| consume_ids(&broker().brokers, &["lp.order"], 6, 3))
+                        .await
+                        .unwrap();
+                let ids: HashSet<String> = recs
+                    .iter()
+                    .filter_map(|r| r.header("id").map(str::to_owned))
+                    .collect();
+                (ids == want).then_some(ids)
+            }
+        },
+    )
+    .await;
+    assert_eq!(got.len(), 6);
+    assert!(daemon.sigterm().success());
+}
