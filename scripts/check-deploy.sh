@@ -33,6 +33,8 @@ helm template t helm/outboxd --set secrets.PGPASSWORD=x \
   --set serviceMonitor.enabled=true --set prometheusRule.enabled=true --set podDisruptionBudget.enabled=true \
   --api-versions monitoring.coreos.com/v1 >"$render/full.yaml"
 helm template t helm/outboxd --set secrets.PGPASSWORD=x --set serviceMonitor.enabled=true >"$render/no-api.yaml"
+helm template t helm/outboxd --set secrets.PGPASSWORD=x --set replicaCount=2 --set strategy.type=RollingUpdate \
+  --set podDisruptionBudget.enabled=true >"$render/ha.yaml"
 printf 'drainTimeoutSeconds: 60\nconfig: |\n  [postgres]\n  url = "postgres://u@h/db"\n' >"$render/other-values.yaml"
 helm template t helm/outboxd --set secrets.PGPASSWORD=x -f "$render/other-values.yaml" >"$render/other-config.yaml"
 
@@ -41,7 +43,7 @@ log "kubernetes-validate --strict (core kinds)"
 import sys, yaml, pathlib
 out = pathlib.Path(sys.argv[1]) / "core"
 out.mkdir()
-for f in ("default.yaml", "existing.yaml", "full.yaml"):
+for f in ("default.yaml", "existing.yaml", "full.yaml", "ha.yaml"):
     docs = [d for d in yaml.safe_load_all(open(pathlib.Path(sys.argv[1]) / f)) if d]
     core = [d for d in docs if not d["apiVersion"].startswith("monitoring.coreos.com/")]
     for i, d in enumerate(core):
@@ -80,6 +82,8 @@ assert not kind("no-api.yaml", "ServiceMonitor"), "ServiceMonitor only when the 
 ann = lambda f: kind(f, "Deployment")[0]["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
 assert ann("default.yaml") != ann("other-config.yaml"), "pods roll when the config changes"
 assert kind("other-config.yaml", "Deployment")[0]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 75
+ha = kind("ha.yaml", "Deployment")[0]["spec"]
+assert ha["replicas"] == 2 and ha["strategy"]["type"] == "RollingUpdate", "the HA mode renders"
 rules = yaml.safe_load(open("helm/outboxd/files/alerts.yaml"))
 names = {r["alert"] for g in rules["groups"] for r in g["rules"]}
 assert {"OutboxdReplicationLagHigh", "OutboxdRetainedWalHigh", "OutboxdNoAcks", "OutboxdNotReady"} <= names
