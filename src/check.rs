@@ -61,6 +61,33 @@ async fn postgres_checks(config: &Config, v: &Validated) -> Vec<CheckLine> {
         }
     };
     out.push(line("postgres", true, format!("connected to {}", v.pg.target())));
+    if config.mode == crate::config::Mode::Polling {
+        let has = client
+            .query_one(
+                "SELECT EXISTS (SELECT 1 FROM information_schema.columns
+                                 WHERE table_schema = $1 AND table_name = $2 AND column_name = 'published_at')",
+                &[&v.table.schema, &v.table.name],
+            )
+            .await
+            .map(|r| r.get::<_, bool>(0));
+        out.push(match has {
+            Ok(true) => line(
+                "table",
+                true,
+                format!("{} has published_at (polling mode)", v.table),
+            ),
+            Ok(false) => line(
+                "table",
+                false,
+                format!(
+                    "{} has no published_at column: polling mode needs migrations/0001_outbox.sql",
+                    v.table
+                ),
+            ),
+            Err(e) => line("table", false, admin::describe(&e)),
+        });
+        return out;
+    }
 
     match client.query_one("SHOW wal_level", &[]).await {
         Ok(r) => {

@@ -67,10 +67,56 @@ fn secs(n: u64) -> HumanDuration {
     HumanDuration(Duration::from_secs(n))
 }
 
+/// How outboxd finds new outbox rows.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// Logical replication (pgoutput): no polling, commit order, low latency.
+    #[default]
+    Cdc,
+    /// `SELECT … FOR UPDATE SKIP LOCKED` rounds, for databases without
+    /// logical replication.
+    Polling,
+}
+
+/// `[polling]`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PollingConfig {
+    /// Rows per round.
+    #[serde(default = "default_batch_size")]
+    pub batch_size: usize,
+    /// Pause after a round that found fewer than `batch_size` rows.
+    #[serde(default = "default_poll_pause")]
+    pub interval: HumanDuration,
+}
+
+impl Default for PollingConfig {
+    fn default() -> Self {
+        PollingConfig {
+            batch_size: default_batch_size(),
+            interval: default_poll_pause(),
+        }
+    }
+}
+
+fn default_batch_size() -> usize {
+    500
+}
+fn default_poll_pause() -> HumanDuration {
+    HumanDuration(Duration::from_millis(500))
+}
+
 /// The whole file.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
+    /// `cdc` (default) or `polling`.
+    #[serde(default)]
+    pub mode: Mode,
+    /// Polling mode settings.
+    #[serde(default)]
+    pub polling: PollingConfig,
     /// Where the outbox lives.
     pub postgres: PostgresConfig,
     /// Where events go.
@@ -459,6 +505,9 @@ impl Config {
         }
         if self.kafka.brokers.trim().is_empty() {
             return Err(invalid("kafka.brokers", "must list at least one host:port"));
+        }
+        if self.polling.batch_size == 0 {
+            return Err(invalid("polling.batch_size", "must be at least 1"));
         }
         if self.kafka.max_inflight == 0 {
             return Err(invalid("kafka.max_inflight", "must be at least 1"));

@@ -19,6 +19,7 @@ pub mod metrics;
 pub mod outbox;
 pub mod pg;
 pub mod pipeline;
+pub mod polling;
 pub mod progress;
 pub mod routing;
 pub mod status;

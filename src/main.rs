@@ -81,6 +81,7 @@ async fn run(path: PathBuf) -> ExitCode {
     outboxd::telemetry::init(&config.log);
     tracing::info!(
         version = env!("CARGO_PKG_VERSION"),
+        mode = ?config.mode,
         postgres = %validated.pg.target(),
         table = %validated.table,
         slot = validated.slot.as_str(),
@@ -111,14 +112,19 @@ async fn run(path: PathBuf) -> ExitCode {
             return ExitCode::FAILURE;
         }
     }
-    let mut relay = match Relay::new(config, validated, metrics, health) {
-        Ok(r) => r,
-        Err(e) => {
-            tracing::error!(error = %e, "cannot start");
-            return ExitCode::FAILURE;
+    let result = match config.mode {
+        outboxd::config::Mode::Cdc => match Relay::new(config, validated, metrics, health) {
+            Ok(mut relay) => relay.run(stop_rx).await.map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        },
+        outboxd::config::Mode::Polling => {
+            match outboxd::polling::PollingRelay::new(config, validated, metrics, health) {
+                Ok(mut relay) => relay.run(stop_rx).await.map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            }
         }
     };
-    match relay.run(stop_rx).await {
+    match result {
         Ok(()) => {
             tracing::info!("stopped");
             ExitCode::SUCCESS

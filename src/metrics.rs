@@ -40,6 +40,8 @@ pub struct Metrics {
     pub reconnects: IntCounter,
     /// 1 while /readyz answers ready.
     pub ready: IntGauge,
+    /// Polling mode: age of the oldest row with published_at NULL (seed 000's query).
+    pub oldest_unpublished_seconds: Gauge,
     /// 1, labelled with the version.
     pub build_info: IntGaugeVec,
 }
@@ -100,6 +102,13 @@ impl Metrics {
                 "Unix time of the last Kafka acknowledgement.",
             )?,
         )?;
+        let oldest_unpublished_seconds = register(
+            &registry,
+            Gauge::new(
+                "outboxd_oldest_unpublished_seconds",
+                "Polling mode: age of the oldest outbox row not yet published.",
+            )?,
+        )?;
         let build_info = register(
             &registry,
             IntGaugeVec::new(
@@ -154,6 +163,7 @@ impl Metrics {
             dead_letters,
             commit_to_ack_seconds,
             last_ack_timestamp_seconds,
+            oldest_unpublished_seconds,
             build_info,
             registry,
         })

@@ -867,3 +867,95 @@ async fn least_privilege_role_runs_check_and_run() {
     assert_eq!(got.len(), 6);
     assert!(daemon.sigterm().success());
 }
+
+/// Polling mode: seed 000's relay as a product feature.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn polling_mode_publishes_in_order_and_instances_share_the_work() {
+    let db = TestDb::new("rel_polling").await;
+    let client = db.client().await;
+    let (events, _) = write_events(&client, 60, 10, 12, &["Order", "Invoice"], 0).await;
+    let text = |topic: &str| {
+        format!(
+            "mode = \"polling\"\n[polling]\nbatch_size = 10\ninterval = \"100ms\"\n{}",
+            config_text(
+                &db.superuser_url(),
+                "unused",
+                &broker().brokers,
+                &format!("topic = \"{topic}.{{aggregate_type}}\""),
+                ""
+            )
+        )
+    };
+    let run = |text: String| {
+        let (config, validated) = Config::from_toml(&text, |_| None).unwrap();
+        let metrics = Arc::new(Metrics::new().unwrap());
+        let health = Arc::new(Health::new(config.health.thresholds()));
+        let (stop, rx) = watch::channel(false);
+        let m = metrics.clone();
+        let handle = tokio::spawn(async move {
+            outboxd::polling::PollingRelay::new(config, validated, m, health)
+                .unwrap()
+                .run(rx)
+                .await
+        });
+        (handle, stop, metrics)
+    };
+    // One instance: every row once, in order per aggregate, published_at set.
+    let (handle, stop, metrics) = run(text("poll1"));
+    wait_for("every row published", Duration::from_secs(60), || async {
+        let left: i64 = client
+            .query_one("SELECT count(*) FROM outbox WHERE published_at IS NULL", &[])
+            .await
+            .unwrap()
+            .get(0);
+        (left == 0).then_some(())
+    })
+    .await;
+    let recs = tokio::task::spawn_blocking(|| {
+        consume_ids(&broker().brokers, &["poll1.order", "poll1.invoice"], 600, 30)
+    })
+    .await
+    .unwrap();
+    assert_eq!(recs.len(), 600);
+    assert_eq!(first_occurrence_order(&recs), expected_order(&events));
+    assert_eq!(metrics.events_published.get(), 600);
+    stop.send(true).unwrap();
+    handle.await.unwrap().unwrap();
+
+    // Two instances at once: SKIP LOCKED shares the rows, none twice.
+    client
+        .batch_execute("UPDATE outbox SET published_at = NULL")
+        .await
+        .unwrap();
+    let (h1, s1, m1) = run(text("poll2"));
+    let (h2, s2, m2) = run(text("poll2"));
+    wait_for("every row published again", Duration::from_secs(60), || async {
+        let left: i64 = client
+            .query_one("SELECT count(*) FROM outbox WHERE published_at IS NULL", &[])
+            .await
+            .unwrap()
+            .get(0);
+        (left == 0).then_some(())
+    })
+    .await;
+    let recs = tokio::task::spawn_blocking(|| {
+        consume_ids(&broker().brokers, &["poll2.order", "poll2.invoice"], 601, 10)
+    })
+    .await
+    .unwrap();
+    let ids: HashSet<&str> = recs.iter().filter_map(|r| r.header("id")).collect();
+    assert_eq!(
+        (recs.len(), ids.len()),
+        (600, 600),
+        "each row exactly once across instances"
+    );
+    assert!(
+        m1.events_published.get() > 0 && m2.events_published.get() > 0,
+        "both instances took rows"
+    );
+    assert_eq!(m1.oldest_unpublished_seconds.get(), 0.0);
+    for (h, s) in [(h1, s1), (h2, s2)] {
+        s.send(true).unwrap();
+        h.await.unwrap().unwrap();
+    }
+}
