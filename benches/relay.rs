@@ -241,14 +241,14 @@ async fn main() {
     let broker = dedicated_broker();
     let mut client = pg.client("postgres").await;
     outbox_sdk::migrate::migrate(&mut client).await.unwrap();
-    client
-        .batch_execute(
-            "CREATE PUBLICATION bench_pub FOR TABLE outbox WITH (publish = 'insert');
-             SELECT pg_create_logical_replication_slot('bench_outboxd', 'pgoutput');
-             SELECT pg_create_logical_replication_slot('bench_recv', 'pgoutput');",
-        )
-        .await
-        .unwrap();
+    // Separate statements: a slot cannot be created in a transaction that wrote.
+    for sql in [
+        "CREATE PUBLICATION bench_pub FOR TABLE outbox WITH (publish = 'insert')",
+        "SELECT pg_create_logical_replication_slot('bench_outboxd', 'pgoutput')",
+        "SELECT pg_create_logical_replication_slot('bench_recv', 'pgoutput')",
+    ] {
+        client.batch_execute(sql).await.unwrap();
+    }
     let start_lsn = lsn(&client, "SELECT pg_current_wal_lsn()::text").await;
     eprintln!("bench: writing {} rows, 100 per transaction", a.events);
     let t = Instant::now();
