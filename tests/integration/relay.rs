@@ -577,6 +577,16 @@ async fn missing_topic_without_creation_stops_and_holds_the_slot() {
     let confirmed = confirmed_flush(&client, slot).await.unwrap();
     assert!(confirmed >= start && confirmed < bounds[0].1, "{confirmed}");
     // The transaction is still in the slot, waiting to be decoded again.
+    let pending = pending_in_released_slot(&client, slot).await;
+    assert!(
+        pending >= 5,
+        "Begin, 3 inserts and Commit are still in the slot; found {pending} messages"
+    );
+}
+
+/// Waits until no walsender holds `slot`, then counts the messages still
+/// waiting in it (a peek: nothing is consumed).
+pub(crate) async fn pending_in_released_slot(client: &tokio_postgres::Client, slot: &str) -> i64 {
     wait_for("the slot to be released", Duration::from_secs(10), || async {
         let active: bool = client
             .query_one(
@@ -589,7 +599,7 @@ async fn missing_topic_without_creation_stops_and_holds_the_slot() {
         (!active).then_some(())
     })
     .await;
-    let pending: i64 = client
+    client
         .query_one(
             "SELECT count(*) FROM pg_logical_slot_peek_binary_changes($1::text::name, NULL, NULL,
                  'proto_version', '1', 'publication_names', $1::text)",
@@ -597,11 +607,7 @@ async fn missing_topic_without_creation_stops_and_holds_the_slot() {
         )
         .await
         .unwrap()
-        .get(0);
-    assert!(
-        pending >= 5,
-        "Begin, 3 inserts and Commit are still in the slot; found {pending} messages"
-    );
+        .get(0)
 }
 
 pub(crate) fn bin() -> &'static str {

@@ -17,8 +17,8 @@ use crate::harness::broker::{self, broker, consume};
 use crate::harness::postgres::{self, PgServer};
 use crate::harness::{wait_for, TestDb};
 use crate::relay::{
-    config_text, confirmed_flush, current_lsn, expected_order, first_occurrence_order, spawn_relay,
-    stop_relay, write_config, write_events, Daemon,
+    config_text, confirmed_flush, current_lsn, expected_order, first_occurrence_order,
+    pending_in_released_slot, spawn_relay, stop_relay, write_config, write_events, Daemon,
 };
 
 /// A relay with its metrics and health, in this process.
@@ -546,24 +546,7 @@ async fn poison_stop_and_a_failing_dead_letter_topic_hold_the_slot() {
         if slot == "poison_stop" {
             assert!(text.contains(&id.to_string()), "names the row: {text}");
         }
-        wait_for("the slot released", Duration::from_secs(10), || async {
-            let active: bool = client
-                .query_one("SELECT active FROM pg_replication_slots WHERE slot_name = $1", &[&slot])
-                .await
-                .unwrap()
-                .get(0);
-            (!active).then_some(())
-        })
-        .await;
-        let pending: i64 = client
-            .query_one(
-                "SELECT count(*) FROM pg_logical_slot_peek_binary_changes($1::text::name, NULL, NULL,
-                     'proto_version', '1', 'publication_names', $1::text)",
-                &[&slot],
-            )
-            .await
-            .unwrap()
-            .get(0);
+        let pending = pending_in_released_slot(&client, slot).await;
         assert!(pending >= 3, "{slot}: the row is still in the slot ({pending} messages)");
     }
 }
@@ -868,6 +851,18 @@ async fn least_privilege_role_runs_check_and_run() {
     assert!(daemon.sigterm().success());
 }
 
+async fn all_published(client: &tokio_postgres::Client) {
+    wait_for("every row published", Duration::from_secs(60), || async {
+        let left: i64 = client
+            .query_one("SELECT count(*) FROM outbox WHERE published_at IS NULL", &[])
+            .await
+            .unwrap()
+            .get(0);
+        (left == 0).then_some(())
+    })
+    .await;
+}
+
 /// Polling mode: seed 000's relay as a product feature.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn polling_mode_publishes_in_order_and_instances_share_the_work() {
@@ -902,15 +897,7 @@ async fn polling_mode_publishes_in_order_and_instances_share_the_work() {
     };
     // One instance: every row once, in order per aggregate, published_at set.
     let (handle, stop, metrics) = run(text("poll1"));
-    wait_for("every row published", Duration::from_secs(60), || async {
-        let left: i64 = client
-            .query_one("SELECT count(*) FROM outbox WHERE published_at IS NULL", &[])
-            .await
-            .unwrap()
-            .get(0);
-        (left == 0).then_some(())
-    })
-    .await;
+    all_published(&client).await;
     let recs = tokio::task::spawn_blocking(|| {
         consume_ids(&broker().brokers, &["poll1.order", "poll1.invoice"], 600, 30)
     })
@@ -929,15 +916,7 @@ async fn polling_mode_publishes_in_order_and_instances_share_the_work() {
         .unwrap();
     let (h1, s1, m1) = run(text("poll2"));
     let (h2, s2, m2) = run(text("poll2"));
-    wait_for("every row published again", Duration::from_secs(60), || async {
-        let left: i64 = client
-            .query_one("SELECT count(*) FROM outbox WHERE published_at IS NULL", &[])
-            .await
-            .unwrap()
-            .get(0);
-        (left == 0).then_some(())
-    })
-    .await;
+    all_published(&client).await;
     let recs = tokio::task::spawn_blocking(|| {
         consume_ids(&broker().brokers, &["poll2.order", "poll2.invoice"], 601, 10)
     })
