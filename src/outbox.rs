@@ -126,7 +126,59 @@ impl OutboxColumns {
 }
 
 /// Parses a `timestamptz` in ISO DateStyle, e.g. `2026-11-30 11:50:36.123456+00`.
+/// The fixed layout PostgreSQL prints is read byte by byte (this runs once
+/// per event); anything else goes through chrono.
 pub fn parse_timestamptz(s: &str) -> Result<DateTime<Utc>, RowError> {
+    fast_timestamptz(s.as_bytes()).map_or_else(|| slow_timestamptz(s), Ok)
+}
+
+fn fast_timestamptz(b: &[u8]) -> Option<DateTime<Utc>> {
+    let num = |r: std::ops::Range<usize>| -> Option<u32> {
+        let mut v = 0u32;
+        for &c in b.get(r)? {
+            if !c.is_ascii_digit() {
+                return None;
+            }
+            v = v * 10 + u32::from(c - b'0');
+        }
+        Some(v)
+    };
+    if b.len() < 22 || b[4] != b'-' || b[7] != b'-' || b[10] != b' ' || b[13] != b':' || b[16] != b':' {
+        return None;
+    }
+    let date = chrono::NaiveDate::from_ymd_opt(num(0..4)? as i32, num(5..7)?, num(8..10)?)?;
+    let (h, m, sec) = (num(11..13)?, num(14..16)?, num(17..19)?);
+    let mut i = 19;
+    let mut micros = 0u32;
+    if b.get(i) == Some(&b'.') {
+        let start = i + 1;
+        i = start;
+        while i < b.len() && b[i].is_ascii_digit() {
+            i += 1;
+        }
+        let digits = i - start;
+        if digits == 0 || digits > 6 {
+            return None;
+        }
+        micros = num(start..i)? * 10u32.pow(6 - digits as u32);
+    }
+    let sign: i64 = match b.get(i)? {
+        b'+' => 1,
+        b'-' => -1,
+        _ => return None,
+    };
+    let off_h = i64::from(num(i + 1..i + 3)?);
+    let off_m = match b.len() - (i + 3) {
+        0 => 0,
+        3 if b[i + 3] == b':' => i64::from(num(i + 4..i + 6)?),
+        _ => return None,
+    };
+    let naive = date.and_hms_micro_opt(h, m, sec, micros)?;
+    let local = DateTime::<Utc>::from_naive_utc_and_offset(naive, Utc);
+    Some(local - chrono::Duration::seconds(sign * (off_h * 3600 + off_m * 60)))
+}
+
+fn slow_timestamptz(s: &str) -> Result<DateTime<Utc>, RowError> {
     let invalid = |reason: String| RowError::Invalid {
         column: column::CREATED_AT,
         value: s.to_owned(),
@@ -156,6 +208,26 @@ pub fn parse_timestamptz(s: &str) -> Result<DateTime<Utc>, RowError> {
 mod tests {
     use super::*;
     use crate::pg::pgoutput::RelationColumn;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// The fast path agrees with chrono on everything PostgreSQL prints.
+        #[test]
+        fn fast_and_slow_paths_agree(secs in 0i64..4_102_444_800, micros in 0u32..1_000_000, digits in 0usize..7,
+                                     off_q in -48i64..56) {
+            let t = DateTime::from_timestamp(secs, micros).unwrap();
+            let off = chrono::FixedOffset::east_opt((off_q * 900) as i32).unwrap();
+            let local = t.with_timezone(&off);
+            let frac = if digits == 0 { String::new() } else { format!(".{:06}", micros)[..=digits].to_owned() };
+            let oh = off_q * 900 / 3600;
+            let om = (off_q * 900).abs() % 3600 / 60;
+            let sign = if off_q < 0 { '-' } else { '+' };
+            let zone = if om == 0 { format!("{sign}{:02}", oh.abs()) } else { format!("{sign}{:02}:{om:02}", oh.abs()) };
+            let text = format!("{}{frac}{zone}", local.format("%Y-%m-%d %H:%M:%S"));
+            prop_assert_eq!(fast_timestamptz(text.as_bytes()), slow_timestamptz(&text).ok(), "{}", text);
+            prop_assert!(fast_timestamptz(text.as_bytes()).is_some(), "{}", text);
+        }
+    }
     use bytes::Bytes;
 
     fn relation(names: &[&str]) -> Relation {
@@ -262,6 +334,14 @@ mod tests {
             "2026-01-02T08:34:05.500+00:00"
         );
         assert!(parse_timestamptz("infinity").is_err());
+        // Seconds in the offset (historic zones) take the slow path.
+        assert_eq!(
+            parse_timestamptz("1900-01-01 00:00:00+00:19:32")
+                .unwrap()
+                .to_rfc3339(),
+            "1899-12-31T23:40:28+00:00"
+        );
+        assert!(parse_timestamptz("2026-13-02 03:04:05+00").is_err());
         assert!(parse_timestamptz("2026-01-02 03:04:05").is_err());
     }
 }

@@ -185,9 +185,12 @@ impl PollingRelay {
         let rows = tx
             .query(
                 &format!(
-                    "SELECT id, aggregate_type, aggregate_id, type, payload::text, headers::text, created_at::text
-                       FROM {table} WHERE published_at IS NULL
-                      ORDER BY created_at LIMIT $1 FOR UPDATE SKIP LOCKED"
+                    // o.created_at, not the text output column of the same
+                    // name: only the table column uses the partial index.
+                    "SELECT o.id, o.aggregate_type, o.aggregate_id, o.type, o.payload::text, o.headers::text,
+                            o.created_at::text
+                       FROM {table} o WHERE o.published_at IS NULL
+                      ORDER BY o.created_at LIMIT $1 FOR UPDATE SKIP LOCKED"
                 ),
                 &[&(self.config.polling.batch_size as i64)],
             )

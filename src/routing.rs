@@ -327,6 +327,28 @@ pub fn dead_letter_for_record(rec: KafkaRecord, poison: &Poison, topic: &str) ->
     }
 }
 
+/// `2026-11-30T01:02:03.000000Z`, as `to_rfc3339_opts(Micros, true)` writes
+/// it, without chrono's format-string machinery (once per event).
+fn push_rfc3339_micros(out: &mut Vec<u8>, t: &chrono::DateTime<chrono::Utc>) {
+    use chrono::{Datelike, Timelike};
+    use std::io::Write;
+    let year = t.year();
+    if !(0..=9999).contains(&year) {
+        out.extend_from_slice(t.to_rfc3339_opts(SecondsFormat::Micros, true).as_bytes());
+        return;
+    }
+    let _ = write!(
+        out,
+        "{year:04}-{:02}-{:02}T{:02}:{:02}:{:02}.{:06}Z",
+        t.month(),
+        t.day(),
+        t.hour(),
+        t.minute(),
+        t.second(),
+        t.nanosecond() / 1000 % 1_000_000
+    );
+}
+
 fn json_kind(v: &serde_json::Value) -> &'static str {
     match v {
         serde_json::Value::Null => "null",
@@ -351,11 +373,7 @@ fn envelope(row: &OutboxRow, id: &str) -> Vec<u8> {
     out.extend_from_slice(b"\",\"type\":");
     push_json_string(&mut out, &row.event_type);
     out.extend_from_slice(b",\"occurredAt\":\"");
-    out.extend_from_slice(
-        row.created_at
-            .to_rfc3339_opts(SecondsFormat::Micros, true)
-            .as_bytes(),
-    );
+    push_rfc3339_micros(&mut out, &row.created_at);
     out.extend_from_slice(b"\",\"aggregateType\":");
     push_json_string(&mut out, &row.aggregate_type);
     out.extend_from_slice(b",\"aggregateId\":");
@@ -422,6 +440,21 @@ mod tests {
                 ("correlationId", b"c-1".as_slice()),
             ]
         );
+    }
+
+    #[test]
+    fn occurred_at_matches_chrono() {
+        for secs in [0i64, 1_796_000_523, 4_102_444_799, 951_782_400] {
+            for nanos in [0u32, 1_000, 123_456_000, 999_999_000] {
+                let t = chrono::DateTime::from_timestamp(secs, nanos).unwrap();
+                let mut out = Vec::new();
+                push_rfc3339_micros(&mut out, &t);
+                assert_eq!(
+                    String::from_utf8(out).unwrap(),
+                    t.to_rfc3339_opts(SecondsFormat::Micros, true)
+                );
+            }
+        }
     }
 
     #[test]
