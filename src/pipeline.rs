@@ -14,7 +14,9 @@
 //! 3. **status timer**: every `postgres.status_interval` a standby status
 //!    update reports write = received LSN, flush = apply = the tracker's
 //!    flushed LSN, even when the stream is busy; when idle it asks the
-//!    server to answer with a keepalive;
+//!    server to answer with a keepalive. Between ticks, a status update also
+//!    goes out (at most every 100 ms) as soon as acknowledgements move the
+//!    flushed LSN, so confirmation lags Kafka by milliseconds, not seconds;
 //! 4. **the next stream event**, read only while fewer than
 //!    `kafka.max_inflight` events are unacknowledged (backpressure: memory
 //!    stays bounded with any backlog):
@@ -247,6 +249,9 @@ struct Session {
     dead_letters: std::collections::VecDeque<DeadLetterJob>,
     on_poison: OnPoison,
     dead_letter_topic: String,
+    /// The flush position last reported to PostgreSQL, and when.
+    reported_flush: Lsn,
+    last_status: Instant,
     /// Acknowledged events and retired transactions not yet added to the counters.
     acked: u64,
     retired: u64,
@@ -261,7 +266,21 @@ fn now_micros() -> i64 {
         .unwrap_or(0)
 }
 
+/// Shortest gap between status updates sent because the flush position moved.
+const EAGER_CONFIRM: Duration = Duration::from_millis(100);
+
 impl Session {
+    /// Reports write = received and flush = apply = the tracker's flushed LSN.
+    async fn send_status(&mut self, stream: &mut OutboxStream, reply_requested: bool) -> Result<(), PgError> {
+        let flushed = self.tracker.flushed();
+        stream
+            .send_status(self.received, flushed, reply_requested)
+            .await?;
+        self.reported_flush = flushed;
+        self.last_status = Instant::now();
+        Ok(())
+    }
+
     /// Applies an acknowledgement, and times every transaction it retires.
     /// Applies an acknowledgement, and times every transaction it retires.
     /// A record the broker refuses for good becomes a dead letter (or
@@ -521,6 +540,8 @@ impl Relay {
             dead_letters: std::collections::VecDeque::new(),
             on_poison: self.config.routing.on_poison,
             dead_letter_topic: self.config.routing.dead_letter_topic.clone(),
+            reported_flush: start,
+            last_status: Instant::now(),
             acked: 0,
             retired: 0,
             last_ack: None,
@@ -538,7 +559,7 @@ impl Relay {
                 // and start the next session with a new one.
                 self.sink = KafkaSink::new(&self.config.kafka, self.config.kafka.admin_timeout.0)?;
                 // Confirm what is safely acknowledged, best effort.
-                let _ = stream.send_status(s.received, s.tracker.flushed(), false).await;
+                let _ = s.send_status(&mut stream, false).await;
                 Err(e)
             }
         }
@@ -569,7 +590,7 @@ impl Relay {
                     // When idle, ask for a keepalive: its WAL end lets the
                     // slot follow writes to other tables (rule 5).
                     let idle = s.tracker.is_idle();
-                    stream.send_status(s.received, s.tracker.flushed(), idle).await?;
+                    s.send_status(stream, idle).await?;
                     self.report(stream, s);
                 }
                 _ = leader_check.tick() => {
@@ -586,6 +607,11 @@ impl Relay {
             }
             if !s.dead_letters.is_empty() {
                 self.flush_dead_letters(s).await?;
+            }
+            // Confirm soon after acknowledgements move the flush position,
+            // not only on the timer, but at most every EAGER_CONFIRM.
+            if s.tracker.flushed() > s.reported_flush && s.last_status.elapsed() >= EAGER_CONFIRM {
+                s.send_status(stream, false).await?;
             }
         }
     }
@@ -629,7 +655,7 @@ impl Relay {
                     s.tracker.idle_advance(wal_end);
                 }
                 if reply_requested {
-                    stream.send_status(s.received, s.tracker.flushed(), false).await?;
+                    s.send_status(stream, false).await?;
                 }
             }
         }
@@ -789,7 +815,7 @@ impl Relay {
                 }
             }
         }
-        if let Err(e) = stream.send_status(s.received, s.tracker.flushed(), false).await {
+        if let Err(e) = s.send_status(stream, false).await {
             tracing::warn!(error = %e, "could not send the final status update");
         }
         self.report(stream, s);
