@@ -46,6 +46,7 @@ pub struct Health {
     confirmed_lsn: AtomicU64,
     walsender_pid: AtomicU64,
     standby: AtomicBool,
+    server_wal_end: AtomicU64,
 }
 
 /// A point-in-time view for `/status` and `outboxd status`.
@@ -87,7 +88,18 @@ impl Health {
             confirmed_lsn: AtomicU64::new(0),
             walsender_pid: AtomicU64::new(0),
             standby: AtomicBool::new(false),
+            server_wal_end: AtomicU64::new(0),
         }
+    }
+
+    /// The server's current WAL end (`pg_current_wal_lsn()`), from a poll.
+    pub fn set_server_wal_end(&self, lsn: u64) {
+        self.server_wal_end.fetch_max(lsn, Ordering::Relaxed);
+    }
+
+    /// The highest server WAL end seen by a poll.
+    pub fn server_wal_end(&self) -> u64 {
+        self.server_wal_end.load(Ordering::Relaxed)
     }
 
     /// Waiting as a hot standby (another outboxd leads the slot), or not.

@@ -766,7 +766,13 @@ impl Relay {
         m.events_published.inc_by(std::mem::take(&mut s.acked));
         m.transactions.inc_by(std::mem::take(&mut s.retired));
         let flushed = s.tracker.flushed();
-        let lag = stream.server_wal_end().max(s.received).bytes_since(flushed);
+        // The server's WAL end: the stream reports the decoded position,
+        // the poller pg_current_wal_lsn(); the WAL end only grows.
+        let wal_end = stream
+            .server_wal_end()
+            .max(s.received)
+            .max(Lsn(self.health.server_wal_end()));
+        let lag = wal_end.bytes_since(flushed);
         let inflight = s.tracker.inflight() as u64;
         m.received_lsn.set(gauge(s.received.0));
         m.confirmed_lsn.set(gauge(flushed.0));
@@ -841,7 +847,7 @@ async fn poll_slot_and_brokers(
         if let Some(c) = &client {
             let row = c
                 .query_opt(
-                    "SELECT (pg_current_wal_lsn() - restart_lsn)::bigint, wal_status
+                    "SELECT (pg_current_wal_lsn() - restart_lsn)::bigint, wal_status, pg_current_wal_lsn()::text
                        FROM pg_catalog.pg_replication_slots WHERE slot_name = $1",
                     &[&v.slot.as_str()],
                 )
@@ -849,6 +855,12 @@ async fn poll_slot_and_brokers(
             match row {
                 Ok(Some(row)) => {
                     let retained = row.get::<_, Option<i64>>(0).unwrap_or(0).max(0);
+                    if let Some(end) = row
+                        .get::<_, Option<String>>(2)
+                        .and_then(|l| l.parse::<Lsn>().ok())
+                    {
+                        health.set_server_wal_end(end.0);
+                    }
                     metrics.slot_retained_wal_bytes.set(retained);
                     health.set_retained_wal(retained as u64);
                     if max_retained.is_some_and(|max| retained as u64 > max) {
