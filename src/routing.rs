@@ -276,11 +276,7 @@ pub fn dead_letter_for_row(row: &OutboxRow, poison: &Poison, topic: &str) -> Kaf
     out.extend_from_slice(b",\"type\":");
     push_json_string(&mut out, &row.event_type);
     out.extend_from_slice(b",\"createdAt\":\"");
-    out.extend_from_slice(
-        row.created_at
-            .to_rfc3339_opts(SecondsFormat::Micros, true)
-            .as_bytes(),
-    );
+    push_rfc3339_micros(&mut out, &row.created_at);
     out.extend_from_slice(b"\",\"headers\":");
     out.extend_from_slice(row.headers.as_bytes());
     if poison.omit_payload {

@@ -62,6 +62,26 @@ async fn wait_slot(client: &tokio_postgres::Client, slot: &str) -> Lsn {
     .await
 }
 
+/// Re-reads `topics` until every id in `want` is there; returns all records.
+async fn wait_all_in_kafka(
+    what: &str,
+    brokers: &str,
+    topics: &'static [&'static str],
+    want: &HashSet<Uuid>,
+) -> Vec<crate::harness::broker::Consumed> {
+    wait_for(what, Duration::from_secs(120), || {
+        let brokers = brokers.to_owned();
+        async move {
+            let recs = tokio::task::spawn_blocking(move || consume_ids(&brokers, topics, usize::MAX, 3))
+                .await
+                .unwrap();
+            let ids: HashSet<Uuid> = recs.iter().filter_map(|r| r.header("id")?.parse().ok()).collect();
+            want.is_subset(&ids).then_some(recs)
+        }
+    })
+    .await
+}
+
 fn consume_ids(
     brokers: &str,
     topics: &[&str],
@@ -126,22 +146,11 @@ async fn kafka_down_for_thirty_seconds_loses_nothing() {
     own.restart();
 
     let want: HashSet<Uuid> = during.iter().map(|e| e.id).collect();
-    let got = wait_for(
+    let got = wait_all_in_kafka(
         "every event written during the outage",
-        Duration::from_secs(120),
-        || {
-            let brokers = own.brokers.clone();
-            let want = want.clone();
-            async move {
-                let recs = tokio::task::spawn_blocking(move || {
-                    consume_ids(&brokers, &["down.order"], usize::MAX, 3)
-                })
-                .await
-                .unwrap();
-                let ids: HashSet<Uuid> = recs.iter().filter_map(|r| r.header("id")?.parse().ok()).collect();
-                want.is_subset(&ids).then_some(recs)
-            }
-        },
+        &own.brokers,
+        &["down.order"],
+        &want,
     )
     .await;
     let order = first_occurrence_order(&got);
@@ -266,19 +275,12 @@ async fn postgres_restarts_and_killed_walsender_lose_nothing() {
         .unwrap();
     let committed: Vec<(Uuid, String)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
     let want: HashSet<Uuid> = committed.iter().map(|(id, _)| *id).collect();
-    let recs = wait_for("every committed event in Kafka", Duration::from_secs(120), || {
-        let brokers = broker().brokers.clone();
-        let want = want.clone();
-        async move {
-            let recs = tokio::task::spawn_blocking(move || {
-                consume_ids(&brokers, &["restarts.order"], usize::MAX, 3)
-            })
-            .await
-            .unwrap();
-            let ids: HashSet<Uuid> = recs.iter().filter_map(|r| r.header("id")?.parse().ok()).collect();
-            want.is_subset(&ids).then_some(recs)
-        }
-    })
+    let recs = wait_all_in_kafka(
+        "every committed event in Kafka",
+        &broker().brokers,
+        &["restarts.order"],
+        &want,
+    )
     .await;
     let order = first_occurrence_order(&recs);
     for agg in (0..5).map(|a| format!("agg-{a}")) {
@@ -385,18 +387,9 @@ async fn hot_standby_takes_over_within_ten_seconds() {
     let (second, _) = write_events(&client, 20, 5, 10, &["Order"], 20).await;
     let all: Vec<_> = first.iter().chain(&second).cloned().collect();
     let want: HashSet<Uuid> = all.iter().map(|e| e.id).collect();
-    let recs = wait_for("every event", Duration::from_secs(60), || {
-        let want = want.clone();
-        async move {
-            let recs =
-                tokio::task::spawn_blocking(|| consume_ids(&broker().brokers, &["ha.order"], usize::MAX, 3))
-                    .await
-                    .unwrap();
-            let ids: HashSet<Uuid> = recs.iter().filter_map(|r| r.header("id")?.parse().ok()).collect();
-            (ids == want).then_some(recs)
-        }
-    })
-    .await;
+    let recs = wait_all_in_kafka("every event", &broker().brokers, &["ha.order"], &want).await;
+    let ids: HashSet<Uuid> = recs.iter().filter_map(|r| r.header("id")?.parse().ok()).collect();
+    assert_eq!(ids, want, "nothing foreign");
     assert_eq!(first_occurrence_order(&recs), expected_order(&all));
     eprintln!("high availability: the standby took over in {takeover:?}");
     for d in daemons.drain(..) {
