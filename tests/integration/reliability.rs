@@ -931,3 +931,59 @@ async fn polling_mode_publishes_in_order_and_instances_share_the_work() {
         h.await.unwrap().unwrap();
     }
 }
+
+/// A slot held by another process (here a plain replication connection):
+/// outboxd waits and retries, then streams once it is free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_in_use_is_retried_not_a_crash_loop() {
+    use outboxd::pg::connection::{ReplicationConnection, StartOptions};
+    use outboxd::pg::ident::{PublicationName, SlotName};
+    let db = TestDb::new("rel_busy").await;
+    let client = db.client().await;
+    let slot = "busy_slot";
+    client
+        .batch_execute("CREATE PUBLICATION busy_slot FOR TABLE outbox WITH (publish = 'insert')")
+        .await
+        .unwrap();
+    client
+        .batch_execute("SELECT pg_create_logical_replication_slot('busy_slot', 'pgoutput')")
+        .await
+        .unwrap();
+    let holder = ReplicationConnection::connect(&db.superuser_url().parse().unwrap())
+        .await
+        .unwrap()
+        .start_replication(&StartOptions {
+            slot: SlotName::new(slot).unwrap(),
+            publication: PublicationName::new(slot).unwrap(),
+            start_lsn: Lsn::ZERO,
+            messages: false,
+        })
+        .await
+        .unwrap();
+    let r = observe(&config_text(
+        &db.superuser_url(),
+        slot,
+        &broker().brokers,
+        "topic = \"busy.{aggregate_type}\"",
+        "",
+    ));
+    // Several attempts fail with "slot is active"; outboxd keeps trying.
+    wait_for("a few retries", Duration::from_secs(20), || async {
+        (r.metrics.reconnects.get() >= 2).then_some(())
+    })
+    .await;
+    assert!(!r.handle.is_finished(), "outboxd did not give up");
+    assert!(r
+        .metrics
+        .encode()
+        .contains("outboxd_publish_errors_total{reason=\"postgres_stream\"}"));
+    assert!(!r.health.not_ready_reasons().is_empty());
+    holder.stop(Duration::from_secs(5)).await.unwrap();
+    wait_for(
+        "streaming once the slot is free",
+        Duration::from_secs(30),
+        || async { r.health.snapshot().streaming.then_some(()) },
+    )
+    .await;
+    r.shutdown().await;
+}
