@@ -23,7 +23,9 @@ CONF
 export CONTAINERS_CONF="$tools/containers.conf"
 
 if ! podman image exists localhost/debian:bookworm-slim; then
-  mirror=$(grep -hoE 'https?://[^ ]+/debian/?' /etc/apt/sources.list.d/* /etc/apt/sources.list 2>/dev/null | grep -v security | head -n1)
+  # Only active entries of enabled files: comments may name other archives.
+  mirror=$(cat /etc/apt/sources.list.d/*.sources /etc/apt/sources.list.d/*.list /etc/apt/sources.list 2>/dev/null \
+    | grep -E '^(URIs:|deb )' | grep -oE 'https?://[^ ]+/debian/?( |$)' | tr -d ' ' | grep -v security | head -n1 || true)
   mirror=${mirror:-http://deb.debian.org/debian}
   echo "runtime-image: making debian:bookworm-slim with debootstrap from $mirror"
   rootfs=$(mktemp -d)
@@ -66,3 +68,5 @@ chmod 0644 "$ctx/outboxd.toml"
 podman run --rm --network host -e PGPASSWORD=unused \
   -v "$ctx/outboxd.toml:/etc/outboxd/outboxd.toml:ro" "$image" check --config /etc/outboxd/outboxd.toml
 echo "runtime-image: outboxd check passed inside the image"
+# Earlier builds of the tag are left untagged: do not let them pile up.
+podman image prune -f >/dev/null 2>&1 || true
