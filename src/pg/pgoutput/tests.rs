@@ -617,7 +617,10 @@ proptest! {
 
     #[test]
     fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..256), in_stream in any::<bool>()) {
-        let _ = dec(&bytes, in_stream);
+        // Never a panic; and whatever does decode is read consistently.
+        if let Ok(msg) = dec(&bytes, in_stream) {
+            prop_assert_eq!(dec(&encode(&msg, in_stream), in_stream).unwrap(), msg);
+        }
     }
 
     #[test]
@@ -627,6 +630,8 @@ proptest! {
             let i = pos % bytes.len();
             bytes[i] = byte;
         }
-        let _ = dec(&bytes, in_stream);
+        if let Ok(decoded) = dec(&bytes, in_stream) {
+            prop_assert_eq!(dec(&encode(&decoded, in_stream), in_stream).unwrap(), decoded);
+        }
     }
 }
