@@ -67,7 +67,7 @@ done
 log "consumed from order.events"
 "$target/examples/consume" --brokers "127.0.0.1:$KAFKA_PORT" --count 6 --idle-secs 15 order.events
 
-log "replication slot: confirmed only after Kafka acknowledged (status updates go out every second)"
+log "replication slot: confirmed only after Kafka acknowledged"
 end_lsn=$("${PSQL[@]}" -At -c "SELECT pg_current_wal_lsn()")
 for _ in $(seq 100); do
   [ "$("${PSQL[@]}" -At -c "SELECT confirmed_flush_lsn >= '$end_lsn' FROM pg_replication_slots WHERE slot_name = 'outboxd'")" = t ] && break
