@@ -24,7 +24,7 @@ use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
+use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord};
 
 use crate::config::KafkaConfig;
 use crate::routing::KafkaRecord;
@@ -303,10 +303,5 @@ impl KafkaSink {
                 source,
             }),
         }
-    }
-
-    /// Waits for queued records to be delivered.
-    pub fn flush(&self, timeout: Duration) {
-        let _ = self.producer.flush(timeout);
     }
 }

@@ -27,11 +27,6 @@ impl Lsn {
     pub fn bytes_since(self, earlier: Lsn) -> u64 {
         self.0.saturating_sub(earlier.0)
     }
-
-    /// True for `0/0`.
-    pub fn is_zero(self) -> bool {
-        self.0 == 0
-    }
 }
 
 impl fmt::Display for Lsn {

@@ -93,14 +93,12 @@ pub struct ReplicationConnection {
     read_buf: BytesMut,
     write_buf: BytesMut,
     backend_pid: i32,
-    server_version: Option<String>,
 }
 
 impl std::fmt::Debug for ReplicationConnection {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ReplicationConnection")
             .field("backend_pid", &self.backend_pid)
-            .field("server_version", &self.server_version)
             .finish()
     }
 }
@@ -197,7 +195,6 @@ impl ReplicationConnection {
             read_buf: BytesMut::with_capacity(READ_CHUNK),
             write_buf: BytesMut::with_capacity(1024),
             backend_pid: 0,
-            server_version: None,
         };
         let params = [
             ("user", cfg.user.as_str()),
@@ -218,11 +215,6 @@ impl ReplicationConnection {
     /// The PID of the walsender serving this connection.
     pub fn backend_pid(&self) -> i32 {
         self.backend_pid
-    }
-
-    /// `server_version` as reported at startup.
-    pub fn server_version(&self) -> Option<&str> {
-        self.server_version.as_deref()
     }
 
     async fn flush(&mut self) -> Result<(), PgError> {
@@ -370,9 +362,6 @@ impl ReplicationConnection {
             match self.read_message().await? {
                 Message::ReadyForQuery(_) => return error.map_or(Ok(()), Err),
                 Message::BackendKeyData(k) => self.backend_pid = k.process_id(),
-                Message::ParameterStatus(p) if p.name()? == "server_version" => {
-                    self.server_version = Some(p.value()?.to_owned());
-                }
                 Message::ErrorResponse(body) => {
                     let e = PgError::Server(server_error(&body));
                     // Startup errors are followed by connection close, not ReadyForQuery.

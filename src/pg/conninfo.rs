@@ -70,13 +70,6 @@ impl FromStr for SslMode {
     }
 }
 
-impl SslMode {
-    /// True when the certificate chain must be verified.
-    pub fn verifies(self) -> bool {
-        matches!(self, SslMode::VerifyCa | SslMode::VerifyFull)
-    }
-}
-
 /// Where trusted CA certificates come from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum SslRootCert {
