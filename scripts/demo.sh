@@ -28,17 +28,7 @@ start_services
 echo "PostgreSQL on 127.0.0.1:$PG_PORT, broker on 127.0.0.1:$KAFKA_PORT"
 "${PSQL[@]}" -f migrations/0001_outbox.sql
 
-cat >"$WORK/outboxd.toml" <<TOML
-[postgres]
-url = "postgres://postgres@127.0.0.1:$PG_PORT/postgres?sslmode=disable"
-
-[kafka]
-brokers = "127.0.0.1:$KAFKA_PORT"
-topic_replication_factor = 1
-
-[http]
-listen = "127.0.0.1:0"
-TOML
+services_config
 
 log "outboxd check"
 "$target/outboxd" check --config "$WORK/outboxd.toml"

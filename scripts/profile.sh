@@ -2,7 +2,7 @@
 # Profiles outboxd draining a backlog under valgrind's callgrind (instruction
 # counts: repeatable on a busy machine). Usage: scripts/profile.sh [ROWS]
 # (default 20000). Prints the functions with the most instructions and
-# leaves the full profile in target/profile/callgrind.out.
+# leaves the full profile in target/profile/ (callgrind.out, annotate.txt).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rows=${1:-20000}
@@ -25,17 +25,7 @@ for ((t = 0; t < rows / 100; t++)); do
           FROM generate_series(1, 100) g;"
 done | "${PSQL[@]}" >/dev/null
 end=$("${PSQL[@]}" -At -c "SELECT pg_current_wal_lsn()")
-cat >"$WORK/outboxd.toml" <<TOML
-[postgres]
-url = "postgres://postgres@127.0.0.1:$PG_PORT/postgres?sslmode=disable"
-[kafka]
-brokers = "127.0.0.1:$KAFKA_PORT"
-topic_replication_factor = 1
-[http]
-listen = "127.0.0.1:0"
-[log]
-level = "warn"
-TOML
+services_config $'[log]\nlevel = "warn"'
 mkdir -p target/profile
 valgrind --tool=callgrind --callgrind-out-file=target/profile/callgrind.out \
   target/release/outboxd run --config "$WORK/outboxd.toml" 2>"$WORK/valgrind.log" &
@@ -44,4 +34,5 @@ until [ "$("${PSQL[@]}" -At -c "SELECT confirmed_flush_lsn >= '$end' FROM pg_rep
   sleep 0.5
 done
 kill -TERM "$pid"; wait "$pid" || true; pid=
-callgrind_annotate --inclusive=no target/profile/callgrind.out 2>/dev/null | head -n 40
+callgrind_annotate --inclusive=no target/profile/callgrind.out >target/profile/annotate.txt 2>/dev/null
+head -n 40 target/profile/annotate.txt

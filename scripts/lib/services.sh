@@ -2,6 +2,7 @@
 # with wal_level=logical and a tansu broker, on free ports, in a temporary
 # directory. Source this file, call start_services, and call
 # stop_services on exit. Sets: WORK, PG_PORT, KAFKA_PORT, PSQL (array).
+# services_config writes an outboxd config for them to $WORK/outboxd.toml.
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
@@ -22,6 +23,22 @@ start_services() {
   for _ in $(seq 100); do (echo >"/dev/tcp/127.0.0.1/$KAFKA_PORT") 2>/dev/null && return 0; sleep 0.1; done
   echo "the broker did not start: $(cat "$WORK/tansu.log")" >&2
   return 1
+}
+
+# Writes $WORK/outboxd.toml for these services, with optional extra TOML.
+services_config() {
+  cat >"$WORK/outboxd.toml" <<TOML
+[postgres]
+url = "postgres://postgres@127.0.0.1:$PG_PORT/postgres?sslmode=disable"
+
+[kafka]
+brokers = "127.0.0.1:$KAFKA_PORT"
+topic_replication_factor = 1
+
+[http]
+listen = "127.0.0.1:0"
+TOML
+  printf '%s\n' "${1:-}" >>"$WORK/outboxd.toml"
 }
 
 stop_services() {
