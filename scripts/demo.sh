@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Quick start: outboxd end to end on throwaway local services.
 #
-# Starts a PostgreSQL 15 with wal_level=logical and a local Kafka-protocol
-# broker (tansu) on free ports, applies the outbox migration, starts
+# Starts a PostgreSQL 15 with wal_level=logical and an Apache Kafka broker
+# (KRaft, one node, scripts/kafka.sh) on free ports, applies the outbox migration, starts
 # outboxd, writes sample events in transactions, prints them as consumed
 # from Kafka, shows the slot's confirmed LSN, and stops everything.
 set -euo pipefail
@@ -23,7 +23,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-log "PostgreSQL (wal_level=logical) and a Kafka-protocol broker (tansu)"
+log "PostgreSQL (wal_level=logical) and Apache Kafka $(scripts/kafka.sh version) (KRaft)"
 start_services
 echo "PostgreSQL on 127.0.0.1:$PG_PORT, broker on 127.0.0.1:$KAFKA_PORT"
 "${PSQL[@]}" -f migrations/0001_outbox.sql

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs what the tests, the demo and the benchmarks need on a fresh
 # Debian/Ubuntu machine: the PostgreSQL 15 server binaries, the C build
-# dependencies of librdkafka, the Rust toolchain components, and tansu (a
-# Kafka-protocol broker used as the local test broker). Safe to run again:
+# dependencies of librdkafka, the Rust toolchain components, a JDK (17+)
+# and Maven, and Apache Kafka's jars from Maven Central (the local test
+# broker, into ~/.cache/outboxd; see scripts/kafka.sh). Safe to run again:
 # it installs only what is missing.
 set -euo pipefail
 
@@ -49,14 +50,16 @@ if command -v rustup >/dev/null; then
   rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy
 fi
 
-# The local Kafka-protocol broker for the tests and the demo. A clean build
-# takes about 15 minutes on 2 cores, so it is installed once per machine.
-tansu_version=0.6.0
+# Apache Kafka, the local broker of the tests, the demo and the benchmark:
+# a JDK and Maven from Debian, the broker's jars from Maven Central.
 if [ -z "${OUTBOXD_TEST_KAFKA_BROKERS:-}" ]; then
-  tansu="${OUTBOXD_TANSU:-$HOME/.cargo/bin/tansu}"
-  if [ ! -x "$tansu" ]; then
-    log "installing tansu $tansu_version (the local test broker; this takes a while)"
-    cargo install tansu --version "$tansu_version" --locked --features dynostore
+  missing=()
+  command -v java >/dev/null || missing+=(openjdk-17-jre-headless)
+  command -v mvn >/dev/null || missing+=(maven)
+  if [ "${#missing[@]}" -gt 0 ]; then
+    log "installing ${missing[*]}"
+    apt_install "${missing[@]}"
   fi
-  log "broker: $tansu"
+  "$(dirname "$0")/kafka.sh" fetch
+  log "broker: Apache Kafka $("$(dirname "$0")/kafka.sh" version) (scripts/kafka.sh)"
 fi

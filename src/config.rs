@@ -179,6 +179,11 @@ pub struct KafkaConfig {
     /// Replication factor of created topics; -1 uses the broker default.
     #[serde(default = "default_replication_factor")]
     pub topic_replication_factor: i32,
+    /// Topic-level configs of created topics, for example
+    /// `"min.insync.replicas" = "2"`. Topics that already exist are left as
+    /// they are.
+    #[serde(default)]
+    pub topic_config: BTreeMap<String, String>,
     /// Most events sent but not yet acknowledged; reading pauses above it.
     #[serde(default = "default_max_inflight")]
     pub max_inflight: usize,

@@ -168,6 +168,7 @@ pub struct KafkaSink {
     create_topics: bool,
     partitions: i32,
     replication_factor: i32,
+    topic_config: Vec<(String, String)>,
     timeout: Duration,
 }
 
@@ -199,6 +200,7 @@ impl KafkaSink {
             create_topics: cfg.create_topics,
             partitions: cfg.topic_partitions,
             replication_factor: cfg.topic_replication_factor,
+            topic_config: cfg.topic_config.clone().into_iter().collect(),
             timeout,
         })
     }
@@ -232,10 +234,13 @@ impl KafkaSink {
                     topic: topic.to_owned(),
                 });
             }
-            let new = NewTopic::new(
-                topic,
-                self.partitions,
-                TopicReplication::Fixed(self.replication_factor),
+            let new = self.topic_config.iter().fold(
+                NewTopic::new(
+                    topic,
+                    self.partitions,
+                    TopicReplication::Fixed(self.replication_factor),
+                ),
+                |t, (k, v)| t.set(k, v),
             );
             let opts = AdminOptions::new().operation_timeout(Some(self.timeout));
             let results =

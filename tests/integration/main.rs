@@ -1,9 +1,10 @@
 //! The single integration-test binary: end-to-end tests against a real
-//! PostgreSQL and a real Kafka-protocol broker that the harness starts (see
+//! PostgreSQL and a real Apache Kafka broker that the harness starts (see
 //! `harness`).
 
 #![allow(clippy::unwrap_used)]
 
+mod cluster;
 mod harness;
 mod operations;
 mod relay;

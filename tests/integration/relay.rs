@@ -781,7 +781,10 @@ impl Daemon {
         let child = Command::new(bin())
             .args(["run", "--config"])
             .arg(config)
-            .env("RUST_LOG", "warn")
+            .env(
+                "RUST_LOG",
+                std::env::var("OUTBOXD_DAEMON_LOG").unwrap_or("warn".into()),
+            )
             .stdin(Stdio::null())
             .stdout(log_file.try_clone().unwrap())
             .stderr(log_file)
@@ -815,7 +818,7 @@ impl Daemon {
     }
 }
 
-fn env_usize(name: &str, default: usize) -> usize {
+pub(crate) fn env_usize(name: &str, default: usize) -> usize {
     std::env::var(name)
         .ok()
         .and_then(|v| v.parse().ok())
