@@ -56,7 +56,7 @@ impl KafkaSinkError {
         match self {
             KafkaSinkError::Unreachable { .. } | KafkaSinkError::Canceled => true,
             KafkaSinkError::Delivery { source, .. } | KafkaSinkError::Produce { source, .. } => {
-                !matches!(source.rdkafka_error_code(), Some(code) if is_permanent(code))
+                Refusal::of(source) == Refusal::Transient
             }
             KafkaSinkError::TopicNotVisible { .. } => true,
             KafkaSinkError::Config(_)
@@ -79,18 +79,52 @@ impl KafkaSinkError {
     }
 }
 
-/// Errors no retry of the same record can fix.
-pub fn is_permanent(code: RDKafkaErrorCode) -> bool {
-    matches!(
-        code,
-        RDKafkaErrorCode::MessageSizeTooLarge
-            | RDKafkaErrorCode::InvalidTopic
+/// What a Kafka error about a record means for the relay.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// A later try may succeed: the network, a leader change, a timeout, a
+    /// partition short of in-sync replicas.
+    Transient,
+    /// Kafka refuses the record, or the batch it travelled in, for good.
+    Record {
+        /// A bounded label for metrics and the dead letter's `dlq.reason`.
+        reason: &'static str,
+        /// The payload is what is too large: leave it out of the dead letter.
+        omit_payload: bool,
+    },
+    /// outboxd may not write there: an operator must grant access. Never a
+    /// reason to dead-letter a valid event.
+    Denied,
+}
+
+impl Refusal {
+    pub fn of(e: &KafkaError) -> Refusal {
+        let Some(code) = e.rdkafka_error_code() else {
+            return Refusal::Transient;
+        };
+        match code {
+            RDKafkaErrorCode::MessageSizeTooLarge
             | RDKafkaErrorCode::MessageBatchTooLarge
+            | RDKafkaErrorCode::InvalidMessageSize => Refusal::Record {
+                reason: "too_large",
+                omit_payload: true,
+            },
+            RDKafkaErrorCode::InvalidTimestamp => Refusal::Record {
+                reason: "bad_timestamp",
+                omit_payload: false,
+            },
+            RDKafkaErrorCode::InvalidTopic
             | RDKafkaErrorCode::InvalidRecord
-            | RDKafkaErrorCode::TopicAuthorizationFailed
-            | RDKafkaErrorCode::InvalidMessage
-            | RDKafkaErrorCode::InvalidMessageSize
-    )
+            | RDKafkaErrorCode::InvalidMessage => Refusal::Record {
+                reason: "refused",
+                omit_payload: false,
+            },
+            RDKafkaErrorCode::TopicAuthorizationFailed
+            | RDKafkaErrorCode::ClusterAuthorizationFailed
+            | RDKafkaErrorCode::TransactionalIdAuthorizationFailed => Refusal::Denied,
+            _ => Refusal::Transient,
+        }
+    }
 }
 
 /// The librdkafka settings for a config.
@@ -182,7 +216,21 @@ impl std::fmt::Debug for KafkaSink {
 
 impl KafkaSink {
     pub fn new(cfg: &KafkaConfig, timeout: Duration) -> Result<Self, KafkaSinkError> {
-        let client = client_config(cfg);
+        Self::build(cfg, timeout, false)
+    }
+
+    /// A sink whose producer sends one record per batch
+    /// (`batch.num.messages = 1`), so that a batch Kafka refuses is exactly
+    /// the record it refuses. The relay uses it, briefly, after a refusal.
+    pub fn one_per_batch(cfg: &KafkaConfig, timeout: Duration) -> Result<Self, KafkaSinkError> {
+        Self::build(cfg, timeout, true)
+    }
+
+    fn build(cfg: &KafkaConfig, timeout: Duration, one_per_batch: bool) -> Result<Self, KafkaSinkError> {
+        let mut client = client_config(cfg);
+        if one_per_batch {
+            client.set("batch.num.messages", "1");
+        }
         let producer: FutureProducer = client.create().map_err(KafkaSinkError::Config)?;
         let admin: AdminClient<DefaultClientContext> =
             client_config(cfg).create().map_err(KafkaSinkError::Config)?;

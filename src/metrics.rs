@@ -62,6 +62,37 @@ fn gauge(registry: &Registry, name: &str, help: &str) -> Result<IntGauge, promet
     register(registry, IntGauge::new(name, help)?)
 }
 
+/// Every `reason` of `outboxd_publish_errors_total`. Each starts at zero,
+/// so that `rate()` and `increase()` see the first error.
+pub const PUBLISH_ERROR_REASONS: &[&str] = &[
+    "postgres_setup",
+    "postgres_stream",
+    "decode",
+    "poison",
+    "batch_refused",
+    "denied",
+    "dead_letter",
+    "config",
+    "unreachable",
+    "topic_missing",
+    "topic_create",
+    "produce",
+    "delivery",
+    "canceled",
+];
+
+/// Every `reason` of `outboxd_dead_letters_total` (and of a dead letter's
+/// `dlq.reason` header), each starting at zero.
+pub const DEAD_LETTER_REASONS: &[&str] = &[
+    "too_large",
+    "bad_timestamp",
+    "refused",
+    "illegal_topic",
+    "empty_key",
+    "bad_headers",
+    "unreadable",
+];
+
 impl Metrics {
     /// Creates the metrics on a fresh registry.
     pub fn new() -> Result<Self, prometheus::Error> {
@@ -83,6 +114,12 @@ impl Metrics {
                 &["reason"],
             )?,
         )?;
+        for reason in PUBLISH_ERROR_REASONS {
+            publish_errors.with_label_values(&[reason]);
+        }
+        for reason in DEAD_LETTER_REASONS {
+            dead_letters.with_label_values(&[reason]);
+        }
         let commit_to_ack_seconds = register(
             &registry,
             Histogram::with_opts(
@@ -215,7 +252,20 @@ mod tests {
         ] {
             assert!(text.contains(name), "missing {name}");
         }
-        // Two registries do not share state.
-        assert!(!Metrics::new().unwrap().encode().contains("reason=\"delivery\""));
+        assert!(text.contains("outboxd_publish_errors_total{reason=\"delivery\"} 1"));
+        // Every reason is there from the start, at zero.
+        let fresh = Metrics::new().unwrap().encode();
+        for reason in PUBLISH_ERROR_REASONS {
+            assert!(
+                fresh.contains(&format!("outboxd_publish_errors_total{{reason=\"{reason}\"}} 0")),
+                "{reason}"
+            );
+        }
+        for reason in DEAD_LETTER_REASONS {
+            assert!(
+                fresh.contains(&format!("outboxd_dead_letters_total{{reason=\"{reason}\"}} 0")),
+                "{reason}"
+            );
+        }
     }
 }

@@ -24,13 +24,49 @@ pub struct OutboxRow {
     pub event_type: String,
     /// The payload as JSON text, exactly as PostgreSQL rendered the jsonb.
     pub payload: String,
-    /// The headers object as JSON text (`{}` when the table has no headers column).
+    /// The headers object as JSON text (`{}` when the table has no headers
+    /// column, or the row's `headers` is NULL).
     pub headers: String,
-    pub created_at: DateTime<Utc>,
+    pub created_at: CreatedAt,
+}
+
+/// `created_at` as PostgreSQL stored it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CreatedAt {
+    /// A point in time.
+    At(DateTime<Utc>),
+    /// A value PostgreSQL accepts but that is no point outboxd can write
+    /// (`infinity`, `-infinity`, a date BC), kept as PostgreSQL's text.
+    Unrepresentable(String),
+}
+
+impl CreatedAt {
+    /// Reads PostgreSQL's text; what is no point in time is kept as text.
+    pub fn parse(s: &str) -> CreatedAt {
+        parse_timestamptz(s).map_or_else(|_| CreatedAt::Unrepresentable(s.to_owned()), CreatedAt::At)
+    }
+
+    /// The time, when RFC 3339 can write it (years 0001 to 9999).
+    pub fn rfc3339(&self) -> Option<&DateTime<Utc>> {
+        use chrono::Datelike;
+        match self {
+            CreatedAt::At(t) if (1..=9999).contains(&t.year()) => Some(t),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for CreatedAt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CreatedAt::At(t) => write!(f, "{}", t.to_rfc3339_opts(chrono::SecondsFormat::Micros, true)),
+            CreatedAt::Unrepresentable(s) => f.write_str(s),
+        }
+    }
 }
 
 /// A row could not be read as an outbox event.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Clone, Debug, thiserror::Error, PartialEq, Eq)]
 pub enum RowError {
     #[error("outbox table {table} has no column {column:?}: it must follow migrations/0001_outbox.sql")]
     MissingColumn { table: String, column: &'static str },
@@ -46,9 +82,26 @@ pub enum RowError {
     },
 }
 
+/// An inserted row that cannot be read as an event (a NULL where a value
+/// must be, an id that is no UUID, text that is not UTF-8), with what can
+/// be read of it, so that it can be dead-lettered or named in a stop.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UnreadableRow {
+    /// The `id` column's text, or empty when it is unreadable too.
+    pub id: String,
+    /// The `aggregate_id` column's text, or empty.
+    pub aggregate_id: String,
+    pub error: RowError,
+    /// Every column as a JSON object: its text, or null for NULL and
+    /// non-text values.
+    pub columns_json: String,
+}
+
 /// Where the outbox columns are in a relation's tuples.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OutboxColumns {
+    /// Every column's name, in tuple order.
+    names: Vec<String>,
     width: usize,
     id: usize,
     aggregate_type: usize,
@@ -70,6 +123,7 @@ impl OutboxColumns {
             })
         };
         Ok(OutboxColumns {
+            names: rel.columns.iter().map(|c| c.name.clone()).collect(),
             width: rel.columns.len(),
             id: need(column::ID)?,
             aggregate_type: need(column::AGGREGATE_TYPE)?,
@@ -79,6 +133,34 @@ impl OutboxColumns {
             headers: find(column::HEADERS),
             created_at: find(column::CREATED_AT),
         })
+    }
+
+    /// What can be read of a tuple that [`OutboxColumns::row`] refused.
+    pub fn unreadable(&self, tuple: &Tuple, error: RowError) -> UnreadableRow {
+        let text = |i: usize| {
+            tuple
+                .get(i)
+                .and_then(TupleValue::as_text)
+                .unwrap_or_default()
+                .to_owned()
+        };
+        let columns: serde_json::Map<String, serde_json::Value> = self
+            .names
+            .iter()
+            .zip(tuple.iter())
+            .map(|(name, v)| {
+                let value = v
+                    .as_text()
+                    .map_or(serde_json::Value::Null, |t| t.to_owned().into());
+                (name.clone(), value)
+            })
+            .collect();
+        UnreadableRow {
+            id: text(self.id),
+            aggregate_id: text(self.aggregate_id),
+            error,
+            columns_json: serde_json::Value::Object(columns).to_string(),
+        }
     }
 
     /// Reads an inserted tuple.
@@ -105,13 +187,15 @@ impl OutboxColumns {
             value: id_text.to_owned(),
             reason: e.to_string(),
         })?;
+        // A NULL headers column (a schema without NOT NULL) means no headers.
         let headers = match self.headers {
+            Some(i) if tuple[i] == TupleValue::Null => "{}".to_owned(),
             Some(i) => text(i, column::HEADERS)?.to_owned(),
             None => "{}".to_owned(),
         };
         let created_at = match self.created_at {
-            Some(i) => parse_timestamptz(text(i, column::CREATED_AT)?)?,
-            None => Utc::now(),
+            Some(i) => CreatedAt::parse(text(i, column::CREATED_AT)?),
+            None => CreatedAt::At(Utc::now()),
         };
         Ok(OutboxRow {
             id,
@@ -281,7 +365,7 @@ mod tests {
         assert_eq!(row.aggregate_type, "Order");
         assert_eq!(row.event_type, "ordering.order-placed.v1");
         assert_eq!(row.payload, r#"{"a": 1}"#);
-        assert_eq!(row.created_at.to_rfc3339(), "2026-11-30T02:50:36.123456+00:00");
+        assert_eq!(row.created_at.to_string(), "2026-11-30T02:50:36.123456Z");
     }
 
     #[test]

@@ -39,6 +39,22 @@
 //! server restart, slot busy) restart the session with exponential backoff;
 //! the others (bad rows, missing topics that may not be created, bad
 //! settings) stop outboxd with a message saying what to do.
+//!
+//! # Rows Kafka refuses
+//!
+//! A row that can never become a record (see `routing`) or cannot be read
+//! (`Unreadable`) follows `routing.on_poison` at once: a dead letter in the
+//! same transaction's place, or a stop naming the row. A record the broker
+//! refuses is different: Kafka refuses whole batches (a batch larger than
+//! the topic's `max.message.bytes`, one bad timestamp), so the refused
+//! record may be innocent. The session then ends with `BatchRefused`, and
+//! the sessions after it send one record per batch until the slot has
+//! passed everything the failed session had read (`isolate_until`). In that
+//! mode a refusal is the record's own, and only that record follows
+//! `on_poison`. Once past, intake pauses until nothing is in flight and a
+//! new batching producer takes over, so nothing queued is purged.
+//! Authorization errors are never the record's fault: outboxd stops and
+//! names the grant to add.
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -50,17 +66,20 @@ use tokio::time::{Instant, MissedTickBehavior};
 
 use crate::config::{Config, OnPoison, Validated};
 use crate::health::Health;
-use crate::kafka::{is_permanent, BrokerProbe, KafkaSink, KafkaSinkError, SendOutcome};
+use crate::kafka::{BrokerProbe, KafkaSink, KafkaSinkError, Refusal, SendOutcome};
 use crate::leader::LeaderElection;
 use crate::lsn::Lsn;
 use crate::metrics::Metrics;
-use crate::outbox::OutboxRow;
+use crate::outbox::{OutboxRow, UnreadableRow};
 use crate::pg::admin::{self, AdminError, SlotState};
 use crate::pg::connection::{ReplicationConnection, StartOptions};
 use crate::pg::error::PgError;
 use crate::pg::outbox_stream::{OutboxStream, StreamError, StreamEvent};
 use crate::progress::{AckTracker, TxnId};
-use crate::routing::{build_record, dead_letter_for_record, dead_letter_for_row, KafkaRecord, Poison};
+use crate::routing::{
+    build_record, dead_letter_for_record, dead_letter_for_row, dead_letter_for_unreadable, KafkaRecord,
+    Poison,
+};
 
 /// Why the relay stopped or a session ended.
 #[derive(Debug, thiserror::Error)]
@@ -74,7 +93,18 @@ pub enum RelayError {
     #[error(transparent)]
     Kafka(#[from] KafkaSinkError),
     #[error("outbox row {id} at {lsn} can never be published: {error}; the slot has not moved past it. Fix the writer and restart after removing the cause, or set routing.on_poison = \"dead-letter\"")]
-    Poison { id: uuid::Uuid, lsn: Lsn, error: String },
+    Poison { id: String, lsn: Lsn, error: String },
+    #[error("Kafka refused the batch holding the record at {lsn} for topic {topic:?}: {source}; re-sending the records from there one per batch, to set aside only the record Kafka refuses")]
+    BatchRefused {
+        lsn: Lsn,
+        topic: String,
+        source: rdkafka::error::KafkaError,
+    },
+    #[error("Kafka denied outboxd access to topic {topic:?}: {source}; grant the principal outboxd uses WRITE and DESCRIBE on the topic (and CREATE if kafka.create_topics is true), then restart. No event was set aside and the slot has not moved past it")]
+    KafkaDenied {
+        topic: String,
+        source: rdkafka::error::KafkaError,
+    },
     #[error("the dead-letter topic failed, so a poison row cannot be set aside: {0}; outboxd stops rather than skip it")]
     DeadLetterFailed(String),
     #[error("publication {0} does not exist and postgres.create_publication is false: create it with CREATE PUBLICATION ... FOR TABLE ... WITH (publish = 'insert')")]
@@ -102,6 +132,8 @@ impl RelayError {
             RelayError::Stream(_) | RelayError::OutOfOrder(_) => "decode",
             RelayError::Kafka(e) => e.reason(),
             RelayError::Poison { .. } => "poison",
+            RelayError::BatchRefused { .. } => "batch_refused",
+            RelayError::KafkaDenied { .. } => "denied",
             RelayError::DeadLetterFailed(_) => "dead_letter",
         }
     }
@@ -114,8 +146,12 @@ impl RelayError {
             RelayError::Admin(_) => false,
             RelayError::Stream(e) => e.is_transient(),
             RelayError::Kafka(e) => e.is_transient(),
-            RelayError::StreamEnded | RelayError::OutOfOrder(_) | RelayError::LeadershipLost => true,
-            RelayError::Poison { .. }
+            RelayError::StreamEnded
+            | RelayError::OutOfOrder(_)
+            | RelayError::LeadershipLost
+            | RelayError::BatchRefused { .. } => true,
+            RelayError::KafkaDenied { .. }
+            | RelayError::Poison { .. }
             | RelayError::DeadLetterFailed(_)
             | RelayError::NoPublication(_)
             | RelayError::SlotInvalidated(_) => false,
@@ -150,22 +186,6 @@ struct DeadLetterJob {
     reason: &'static str,
 }
 
-/// Whether a Kafka error is about the record's size.
-fn is_size_error(e: &rdkafka::error::KafkaError) -> bool {
-    matches!(
-        e.rdkafka_error_code(),
-        Some(
-            rdkafka::types::RDKafkaErrorCode::MessageSizeTooLarge
-                | rdkafka::types::RDKafkaErrorCode::MessageBatchTooLarge
-                | rdkafka::types::RDKafkaErrorCode::InvalidMessageSize
-        )
-    )
-}
-
-fn permanent(e: &rdkafka::error::KafkaError) -> bool {
-    e.rdkafka_error_code().is_some_and(is_permanent)
-}
-
 /// The record a broker refused, rebuilt from what librdkafka handed back.
 fn record_from_message(msg: &rdkafka::message::OwnedMessage) -> KafkaRecord {
     use rdkafka::message::{Headers, Message};
@@ -193,6 +213,9 @@ pub struct Relay {
     metrics: Arc<Metrics>,
     health: Arc<Health>,
     election: LeaderElection,
+    /// Set after Kafka refused a batch: the insert LSN of the refused
+    /// record. Until the slot passes it, sessions send one record per batch.
+    isolate_until: Option<Lsn>,
 }
 
 impl std::fmt::Debug for Relay {
@@ -244,6 +267,12 @@ struct Session {
     tracker: AckTracker,
     received: Lsn,
     open: Option<TxnId>,
+    /// The open transaction's commit time, in ms since the Unix epoch.
+    open_commit_ms: i64,
+    /// This session's producer sends one record per batch (see
+    /// [`Relay::isolate_until`]); once the slot passes the refused record,
+    /// intake pauses until nothing is in flight, then batching resumes.
+    isolating: bool,
     deliveries: FuturesUnordered<futures::future::BoxFuture<'static, Delivery>>,
     /// Dead letters to send after the current step.
     dead_letters: std::collections::VecDeque<DeadLetterJob>,
@@ -286,8 +315,8 @@ impl Session {
     /// A record the broker refuses for good becomes a dead letter (or
     /// stops the relay, per `routing.on_poison`).
     fn delivered(&mut self, metrics: &Metrics, (txn, lsn, sent, result): Delivery) -> Result<(), RelayError> {
-        match (sent, result) {
-            (_, Ok(Ok(_delivery))) => {
+        let (e, msg) = match result {
+            Ok(Ok(_delivery)) => {
                 if let Sent::DeadLetter(reason) = sent {
                     metrics.dead_letters.with_label_values(&[reason]).inc();
                 }
@@ -295,43 +324,92 @@ impl Session {
                 self.acked += 1;
                 self.last_ack = Some(std::time::Instant::now());
                 self.observe_retired(metrics);
-                Ok(())
+                return Ok(());
             }
-            (Sent::DeadLetter(_), Ok(Err((e, _)))) => Err(RelayError::DeadLetterFailed(e.to_string())),
-            (Sent::Event, Ok(Err((e, msg)))) if permanent(&e) && self.on_poison == OnPoison::DeadLetter => {
+            Ok(Err(failed)) => failed,
+            Err(_) => return Err(KafkaSinkError::Canceled.into()),
+        };
+        let topic = rdkafka::message::Message::topic(&msg).to_owned();
+        match (sent, Refusal::of(&e)) {
+            (_, Refusal::Transient) => Err(KafkaSinkError::Delivery { topic, source: e }.into()),
+            (_, Refusal::Denied) => Err(RelayError::KafkaDenied { topic, source: e }),
+            (Sent::DeadLetter(_), Refusal::Record { .. }) => Err(RelayError::DeadLetterFailed(e.to_string())),
+            // Kafka refuses whole batches: the record may only have shared
+            // one with the record Kafka refuses. Find out, one per batch.
+            (Sent::Event, Refusal::Record { .. }) if !self.isolating => Err(RelayError::BatchRefused {
+                lsn,
+                topic,
+                source: e,
+            }),
+            (Sent::Event, Refusal::Record { reason, omit_payload }) => {
+                let record = record_from_message(&msg);
+                if self.on_poison == OnPoison::Stop {
+                    let id = record
+                        .headers
+                        .iter()
+                        .find(|(k, _)| k == crate::routing::header::ID)
+                        .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
+                        .unwrap_or_default();
+                    return Err(RelayError::Poison {
+                        id,
+                        lsn,
+                        error: format!("Kafka refused it for topic {topic:?}: {e}"),
+                    });
+                }
                 let poison = Poison {
-                    reason: if is_size_error(&e) { "too_large" } else { "refused" },
+                    reason,
                     error: e.to_string(),
                     lsn,
-                    intended_topic: Some(rdkafka::message::Message::topic(&msg).to_owned()),
-                    omit_payload: is_size_error(&e),
+                    intended_topic: Some(topic),
+                    omit_payload,
                 };
                 tracing::warn!(%lsn, error = %e, "Kafka refused a record for good; sending it to the dead-letter topic");
-                let record =
-                    dead_letter_for_record(record_from_message(&msg), &poison, &self.dead_letter_topic);
+                let record = dead_letter_for_record(record, &poison, &self.dead_letter_topic);
                 self.dead_letters.push_back(DeadLetterJob {
                     txn,
                     lsn,
                     record,
                     counted: true,
-                    reason: poison.reason,
+                    reason,
                 });
                 Ok(())
             }
-            (Sent::Event, Ok(Err((source, msg)))) => Err(KafkaSinkError::Delivery {
-                topic: rdkafka::message::Message::topic(&msg).to_owned(),
-                source,
-            }
-            .into()),
-            (_, Err(_)) => Err(KafkaSinkError::Canceled.into()),
         }
+    }
+
+    /// A row that cannot be read as an event: a dead letter, or a stop.
+    fn unreadable_row(&mut self, txn: TxnId, row: &UnreadableRow, lsn: Lsn) -> Result<(), RelayError> {
+        if self.on_poison == OnPoison::Stop {
+            return Err(RelayError::Poison {
+                id: row.id.clone(),
+                lsn,
+                error: row.error.to_string(),
+            });
+        }
+        let poison = Poison {
+            reason: "unreadable",
+            error: row.error.to_string(),
+            lsn,
+            intended_topic: None,
+            omit_payload: false,
+        };
+        tracing::warn!(id = %row.id, %lsn, error = %row.error,
+            "outbox row cannot be read as an event; sending it to the dead-letter topic");
+        self.dead_letters.push_back(DeadLetterJob {
+            txn,
+            lsn,
+            record: dead_letter_for_unreadable(row, &poison, &self.dead_letter_topic),
+            counted: false,
+            reason: poison.reason,
+        });
+        Ok(())
     }
 
     /// A row that can never be published: a dead letter, or a stop.
     fn poison_row(&mut self, txn: TxnId, row: &OutboxRow, poison: Poison) -> Result<(), RelayError> {
         if self.on_poison == OnPoison::Stop {
             return Err(RelayError::Poison {
-                id: row.id,
+                id: row.id.to_string(),
                 lsn: poison.lsn,
                 error: poison.error,
             });
@@ -379,6 +457,7 @@ impl Relay {
             metrics,
             health,
             election,
+            isolate_until: None,
         })
     }
 
@@ -536,6 +615,8 @@ impl Relay {
             tracker: AckTracker::new(start),
             received: start,
             open: None,
+            open_commit_ms: 0,
+            isolating: self.isolate_until.is_some(),
             deliveries: FuturesUnordered::new(),
             dead_letters: std::collections::VecDeque::new(),
             on_poison: self.config.routing.on_poison,
@@ -554,15 +635,48 @@ impl Relay {
                 Ok(SessionEnd::Shutdown)
             }
             Err(e) => {
+                // Whatever this session read may have shared a batch with
+                // the refused record: re-send all of it one per batch.
+                if let RelayError::BatchRefused { lsn, .. } = &e {
+                    let until = self.isolate_until.unwrap_or(Lsn::ZERO).max(*lsn).max(s.received);
+                    self.isolate_until = Some(until);
+                }
                 // Never let a record queued before the failure land after
                 // the replay: drop the producer (which purges its queue)
                 // and start the next session with a new one.
-                self.sink = KafkaSink::new(&self.config.kafka, self.config.kafka.admin_timeout.0)?;
+                self.sink = self.new_sink()?;
                 // Confirm what is safely acknowledged, best effort.
                 let _ = s.send_status(&mut stream, false).await;
                 Err(e)
             }
         }
+    }
+
+    /// A fresh sink: one record per batch while a refusal is being isolated.
+    fn new_sink(&self) -> Result<KafkaSink, KafkaSinkError> {
+        let (cfg, timeout) = (&self.config.kafka, self.config.kafka.admin_timeout.0);
+        match self.isolate_until {
+            Some(_) => KafkaSink::one_per_batch(cfg, timeout),
+            None => KafkaSink::new(cfg, timeout),
+        }
+    }
+
+    /// Ends isolation once the slot is past the refused record: intake
+    /// waits (`false`) until nothing is in flight, then batching resumes
+    /// with a new producer, which purges nothing because nothing is queued.
+    fn end_isolation(&mut self, s: &mut Session) -> Result<bool, RelayError> {
+        let passed = self.isolate_until.is_none_or(|until| s.tracker.flushed() > until);
+        if !s.isolating || !passed {
+            return Ok(true);
+        }
+        if s.tracker.inflight() > 0 || !s.deliveries.is_empty() || !s.dead_letters.is_empty() {
+            return Ok(false);
+        }
+        self.isolate_until = None;
+        self.sink = self.new_sink()?;
+        s.isolating = false;
+        tracing::info!("past the record Kafka refused; sending in batches again");
+        Ok(true)
     }
 
     async fn stream_loop(
@@ -580,6 +694,7 @@ impl Relay {
             return Ok(());
         }
         loop {
+            let intake = s.tracker.inflight() < max_inflight && self.end_isolation(s)?;
             tokio::select! {
                 biased;
                 _ = shutdown.changed() => return Ok(()),
@@ -598,7 +713,7 @@ impl Relay {
                         return Err(RelayError::LeadershipLost);
                     }
                 }
-                event = stream.next_event(), if s.tracker.inflight() < max_inflight => {
+                event = stream.next_event(), if intake => {
                     match event? {
                         Some(ev) => self.handle_event(stream, s, ev).await?,
                         None => return Err(RelayError::StreamEnded),
@@ -623,17 +738,24 @@ impl Relay {
         ev: StreamEvent,
     ) -> Result<(), RelayError> {
         match ev {
-            StreamEvent::Begin { .. } => {
+            StreamEvent::Begin { commit_time, .. } => {
                 if s.open.is_some() {
                     return Err(RelayError::OutOfOrder("Begin inside a transaction"));
                 }
                 s.open = Some(s.tracker.begin(now_micros()));
+                s.open_commit_ms = commit_time.unix_micros().div_euclid(1000);
             }
             StreamEvent::Insert { row, lsn } => {
                 let txn = s
                     .open
                     .ok_or(RelayError::OutOfOrder("INSERT outside a transaction"))?;
                 self.publish(s, txn, &row, lsn).await?;
+            }
+            StreamEvent::Unreadable { row, lsn } => {
+                let txn = s
+                    .open
+                    .ok_or(RelayError::OutOfOrder("INSERT outside a transaction"))?;
+                s.unreadable_row(txn, &row, lsn)?;
             }
             StreamEvent::Commit {
                 end_lsn, commit_time, ..
@@ -669,7 +791,12 @@ impl Relay {
         row: &OutboxRow,
         lsn: Lsn,
     ) -> Result<(), RelayError> {
-        let record = match build_record(row, &self.validated.topic, self.config.routing.value) {
+        let record = match build_record(
+            row,
+            &self.validated.topic,
+            self.config.routing.value,
+            s.open_commit_ms,
+        ) {
             Ok(r) => r,
             Err(e) => {
                 let poison = Poison {
@@ -684,22 +811,22 @@ impl Relay {
         };
         self.sink.ensure_topic(&record.topic).await?;
         match self.send(s, txn, lsn, &record, Sent::Event, true).await {
-            Err(RelayError::Kafka(KafkaSinkError::Produce { source, topic }))
-                if permanent(&source) && s.on_poison == OnPoison::DeadLetter =>
-            {
-                let poison = Poison {
-                    reason: if is_size_error(&source) {
-                        "too_large"
-                    } else {
-                        "refused"
-                    },
-                    error: source.to_string(),
-                    lsn,
-                    intended_topic: Some(topic),
-                    omit_payload: is_size_error(&source),
-                };
-                s.poison_row(txn, row, poison)
-            }
+            // Refused before it was sent (librdkafka's own checks, such as
+            // message.max.bytes): this record alone is the cause.
+            Err(RelayError::Kafka(KafkaSinkError::Produce { source, topic })) => match Refusal::of(&source) {
+                Refusal::Record { reason, omit_payload } => {
+                    let poison = Poison {
+                        reason,
+                        error: source.to_string(),
+                        lsn,
+                        intended_topic: Some(topic),
+                        omit_payload,
+                    };
+                    s.poison_row(txn, row, poison)
+                }
+                Refusal::Denied => Err(RelayError::KafkaDenied { topic, source }),
+                Refusal::Transient => Err(KafkaSinkError::Produce { source, topic }.into()),
+            },
             other => other,
         }
     }
@@ -733,14 +860,19 @@ impl Relay {
         }
     }
 
-    /// Sends the dead letters queued by the last step. Any failure here
-    /// stops outboxd: a poison row is never dropped.
+    /// Sends the dead letters queued by the last step. A transient failure
+    /// ends the session like any other (the replay sets the row aside
+    /// again); any other failure stops outboxd: a poison row is never dropped.
     async fn flush_dead_letters(&mut self, s: &mut Session) -> Result<(), RelayError> {
+        let definite = |e: RelayError| match e {
+            RelayError::Kafka(k) if !k.is_transient() => RelayError::DeadLetterFailed(k.to_string()),
+            other => other,
+        };
         while let Some(job) = s.dead_letters.pop_front() {
             self.sink
                 .ensure_topic(&job.record.topic)
                 .await
-                .map_err(|e| RelayError::DeadLetterFailed(e.to_string()))?;
+                .map_err(|e| definite(e.into()))?;
             self.send(
                 s,
                 job.txn,
@@ -750,10 +882,7 @@ impl Relay {
                 !job.counted,
             )
             .await
-            .map_err(|e| match e {
-                RelayError::Kafka(k) => RelayError::DeadLetterFailed(k.to_string()),
-                other => other,
-            })?;
+            .map_err(definite)?;
         }
         Ok(())
     }

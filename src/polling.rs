@@ -29,9 +29,9 @@ use uuid::Uuid;
 
 use crate::config::{Config, OnPoison, Validated};
 use crate::health::Health;
-use crate::kafka::{is_permanent, KafkaSink, KafkaSinkError, SendOutcome};
+use crate::kafka::{KafkaSink, KafkaSinkError, Refusal, SendOutcome};
 use crate::metrics::Metrics;
-use crate::outbox::{parse_timestamptz, OutboxRow};
+use crate::outbox::{CreatedAt, OutboxRow};
 use crate::pg::admin::{self, AdminError};
 use crate::routing::{build_record, dead_letter_for_row, KafkaRecord, Poison};
 use crate::Lsn;
@@ -182,6 +182,10 @@ impl PollingRelay {
     async fn round(&mut self, client: &mut Client) -> Result<Round, PollingError> {
         let table = self.validated.table.quoted().to_string();
         let tx = client.transaction().await?;
+        // created_at::text follows DateStyle; a role or database default
+        // such as 'SQL, DMY' must not change what outboxd reads.
+        tx.batch_execute("SET LOCAL DateStyle = 'ISO'; SET LOCAL TimeZone = 'UTC'")
+            .await?;
         let rows = tx
             .query(
                 &format!(
@@ -207,12 +211,12 @@ impl PollingRelay {
                 event_type: r.get(3),
                 payload: r.get(4),
                 headers: r.get(5),
-                created_at: parse_timestamptz(&created).map_err(|e| PollingError::Row {
-                    id,
-                    error: e.to_string(),
-                })?,
+                created_at: CreatedAt::parse(&created),
             };
-            let record = match build_record(&row, &self.validated.topic, self.config.routing.value) {
+            // No commit time here: a created_at Kafka cannot take gets the
+            // time of publishing.
+            let now_ms = chrono::Utc::now().timestamp_millis();
+            let record = match build_record(&row, &self.validated.topic, self.config.routing.value, now_ms) {
                 Ok(rec) => rec,
                 Err(e) => self.poison(&row, e.reason(), e.to_string())?,
             };
@@ -221,8 +225,11 @@ impl PollingRelay {
                 match self.sink.send(&record) {
                     Ok(SendOutcome::Sent(f)) => break f,
                     Ok(SendOutcome::QueueFull) => tokio::time::sleep(Duration::from_millis(1)).await,
-                    Err(KafkaSinkError::Produce { source, .. }) if permanent(&source) => {
-                        let dl = self.poison(&row, "refused", source.to_string())?;
+                    Err(KafkaSinkError::Produce { source, topic }) => {
+                        let Refusal::Record { reason, .. } = Refusal::of(&source) else {
+                            return Err(KafkaSinkError::Produce { source, topic }.into());
+                        };
+                        let dl = self.poison(&row, reason, source.to_string())?;
                         self.sink.ensure_topic(&dl.topic).await?;
                         match self.sink.send(&dl)? {
                             SendOutcome::Sent(f) => break f,
@@ -295,8 +302,4 @@ impl PollingRelay {
             &self.config.routing.dead_letter_topic,
         ))
     }
-}
-
-fn permanent(e: &rdkafka::error::KafkaError) -> bool {
-    e.rdkafka_error_code().is_some_and(is_permanent)
 }

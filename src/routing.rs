@@ -10,7 +10,9 @@
 //! * headers: `id`, `type`, `aggregateType`, `aggregateId`, then one header
 //!   per key of the row's `headers` object (strings raw, other values as
 //!   JSON text; keys that collide with the four above are skipped);
-//! * timestamp: `created_at`.
+//! * timestamp: `created_at`, when Kafka can take it: after the Unix epoch
+//!   and at most [`MAX_AHEAD_OF_COMMIT_MS`] after the transaction's commit.
+//!   Otherwise the commit time (see [`kafka_timestamp`]).
 //!
 //! A row that can never become a valid record (an illegal topic name, an
 //! empty key, headers that are not an object) is a [`RecordError`]; the
@@ -19,7 +21,7 @@
 use chrono::SecondsFormat;
 
 use crate::config::ValueFormat;
-use crate::outbox::OutboxRow;
+use crate::outbox::{CreatedAt, OutboxRow, UnreadableRow};
 
 /// Kafka's limit on topic name length.
 const MAX_TOPIC_LEN: usize = 249;
@@ -143,6 +145,8 @@ pub enum RecordError {
     EmptyKey,
     #[error("headers must be a JSON object, found {0}")]
     HeadersNotObject(String),
+    #[error("created_at {0} cannot be written as an RFC 3339 time (years 0001 to 9999) in the envelope's occurredAt")]
+    Timestamp(String),
 }
 
 impl RecordError {
@@ -152,6 +156,7 @@ impl RecordError {
             RecordError::IllegalTopic { .. } => "illegal_topic",
             RecordError::EmptyKey => "empty_key",
             RecordError::HeadersNotObject(_) => "bad_headers",
+            RecordError::Timestamp(_) => "bad_timestamp",
         }
     }
 }
@@ -166,11 +171,40 @@ pub struct KafkaRecord {
     pub timestamp_ms: i64,
 }
 
-/// Builds the record for a row.
+/// How far past its transaction's commit `created_at` may lie and still be
+/// the record's timestamp. A later `created_at` was set by the writer, not
+/// by the clock, and Kafka 4 refuses timestamps more than an hour ahead of
+/// the broker's clock (`log.message.timestamp.after.max.ms`).
+pub const MAX_AHEAD_OF_COMMIT_MS: i64 = 5 * 60 * 1000;
+
+/// The Kafka record timestamp (CreateTime) for a row committed at
+/// `commit_ms`: `created_at` when it lies after the Unix epoch and at most
+/// [`MAX_AHEAD_OF_COMMIT_MS`] after the commit; otherwise the commit time.
+/// Kafka takes neither negative timestamps nor far-future ones (and to
+/// librdkafka a timestamp of 0 means "now"), and a
+/// `created_at` out there (a date before 1970, year 20000, `infinity`) is
+/// still an event that happened when it committed.
+pub fn kafka_timestamp(created_at: &CreatedAt, commit_ms: i64) -> i64 {
+    match created_at {
+        CreatedAt::At(t) => {
+            let ms = t.timestamp_millis();
+            if (1..=commit_ms.saturating_add(MAX_AHEAD_OF_COMMIT_MS)).contains(&ms) {
+                ms
+            } else {
+                commit_ms
+            }
+        }
+        CreatedAt::Unrepresentable(_) => commit_ms,
+    }
+}
+
+/// Builds the record for a row whose transaction committed at `commit_ms`
+/// (milliseconds since the Unix epoch).
 pub fn build_record(
     row: &OutboxRow,
     topic: &TopicTemplate,
     format: ValueFormat,
+    commit_ms: i64,
 ) -> Result<KafkaRecord, RecordError> {
     if row.aggregate_id.is_empty() {
         return Err(RecordError::EmptyKey);
@@ -212,14 +246,20 @@ pub fn build_record(
     }
     let value = match format {
         ValueFormat::Payload => row.payload.as_bytes().to_vec(),
-        ValueFormat::Envelope => envelope(row, &id),
+        ValueFormat::Envelope => {
+            let at = row
+                .created_at
+                .rfc3339()
+                .ok_or_else(|| RecordError::Timestamp(row.created_at.to_string()))?;
+            envelope(row, &id, at)
+        }
     };
     Ok(KafkaRecord {
         topic,
         key: row.aggregate_id.clone(),
         value,
         headers,
-        timestamp_ms: row.created_at.timestamp_millis(),
+        timestamp_ms: kafka_timestamp(&row.created_at, commit_ms),
     })
 }
 
@@ -275,9 +315,16 @@ pub fn dead_letter_for_row(row: &OutboxRow, poison: &Poison, topic: &str) -> Kaf
     push_json_string(&mut out, &row.aggregate_id);
     out.extend_from_slice(b",\"type\":");
     push_json_string(&mut out, &row.event_type);
-    out.extend_from_slice(b",\"createdAt\":\"");
-    push_rfc3339_micros(&mut out, &row.created_at);
-    out.extend_from_slice(b"\",\"headers\":");
+    out.extend_from_slice(b",\"createdAt\":");
+    match row.created_at.rfc3339() {
+        Some(t) => {
+            out.push(b'"');
+            push_rfc3339_micros(&mut out, t);
+            out.push(b'"');
+        }
+        None => push_json_string(&mut out, &row.created_at.to_string()),
+    }
+    out.extend_from_slice(b",\"headers\":");
     out.extend_from_slice(row.headers.as_bytes());
     if poison.omit_payload {
         out.extend_from_slice(format!(",\"payloadBytes\":{}}}", row.payload.len()).as_bytes());
@@ -303,7 +350,27 @@ pub fn dead_letter_for_row(row: &OutboxRow, poison: &Poison, topic: &str) -> Kaf
         key: row.aggregate_id.clone(),
         value: out,
         headers: dlq_headers(poison, ids),
-        timestamp_ms: row.created_at.timestamp_millis(),
+        timestamp_ms: dead_letter_time(),
+    }
+}
+
+/// A dead letter for a row that could not be read as an event: its id and
+/// every column as text (`{"id", "columns": {...}}`), with the `dlq.*`
+/// headers. The key is the row's aggregate_id text, as an event's would be.
+pub fn dead_letter_for_unreadable(row: &UnreadableRow, poison: &Poison, topic: &str) -> KafkaRecord {
+    let mut out = Vec::with_capacity(row.columns_json.len() + 64);
+    out.extend_from_slice(b"{\"id\":");
+    push_json_string(&mut out, &row.id);
+    out.extend_from_slice(b",\"columns\":");
+    out.extend_from_slice(row.columns_json.as_bytes());
+    out.push(b'}');
+    let ids = vec![(header::ID.to_owned(), row.id.as_bytes().to_vec())];
+    KafkaRecord {
+        topic: topic.to_owned(),
+        key: row.aggregate_id.clone(),
+        value: out,
+        headers: dlq_headers(poison, ids),
+        timestamp_ms: dead_letter_time(),
     }
 }
 
@@ -319,8 +386,14 @@ pub fn dead_letter_for_record(rec: KafkaRecord, poison: &Poison, topic: &str) ->
         },
         headers: dlq_headers(poison, rec.headers),
         key: rec.key,
-        timestamp_ms: rec.timestamp_ms,
+        timestamp_ms: dead_letter_time(),
     }
+}
+
+/// Dead letters carry the time they were written: the row's own time may
+/// be what Kafka refused, and the dead-letter topic's limits are its own.
+fn dead_letter_time() -> i64 {
+    chrono::Utc::now().timestamp_millis()
 }
 
 /// `2026-11-30T01:02:03.000000Z`, as `to_rfc3339_opts(Micros, true)` writes
@@ -362,14 +435,14 @@ fn push_json_string(out: &mut Vec<u8>, s: &str) {
 }
 
 /// The seed relay's envelope, with the payload embedded without re-encoding.
-fn envelope(row: &OutboxRow, id: &str) -> Vec<u8> {
+fn envelope(row: &OutboxRow, id: &str, occurred_at: &chrono::DateTime<chrono::Utc>) -> Vec<u8> {
     let mut out = Vec::with_capacity(row.payload.len() + 192);
     out.extend_from_slice(b"{\"eventId\":\"");
     out.extend_from_slice(id.as_bytes());
     out.extend_from_slice(b"\",\"type\":");
     push_json_string(&mut out, &row.event_type);
     out.extend_from_slice(b",\"occurredAt\":\"");
-    push_rfc3339_micros(&mut out, &row.created_at);
+    push_rfc3339_micros(&mut out, occurred_at);
     out.extend_from_slice(b"\",\"aggregateType\":");
     push_json_string(&mut out, &row.aggregate_type);
     out.extend_from_slice(b",\"aggregateId\":");
@@ -394,9 +467,12 @@ mod tests {
             event_type: "ordering.order-placed.v1".into(),
             payload: r#"{"total": 12.5, "name": "김 \"q\""}"#.into(),
             headers: r#"{"correlationId": "c-1", "attempt": 2, "id": "spoof"}"#.into(),
-            created_at: chrono::Utc.with_ymd_and_hms(2026, 11, 30, 1, 2, 3).unwrap(),
+            created_at: CreatedAt::At(chrono::Utc.with_ymd_and_hms(2026, 11, 30, 1, 2, 3).unwrap()),
         }
     }
+
+    /// A commit a second after the row's created_at.
+    const COMMIT_MS: i64 = 1_796_000_524_000;
 
     fn default_topic() -> TopicTemplate {
         TopicTemplate::parse("{aggregate_type}.events", true).unwrap()
@@ -404,7 +480,7 @@ mod tests {
 
     #[test]
     fn envelope_record() {
-        let r = build_record(&row(), &default_topic(), ValueFormat::Envelope).unwrap();
+        let r = build_record(&row(), &default_topic(), ValueFormat::Envelope, COMMIT_MS).unwrap();
         assert_eq!(r.topic, "order.events");
         assert_eq!(r.key, "1001");
         assert_eq!(r.timestamp_ms, 1_796_000_523_000);
@@ -455,19 +531,23 @@ mod tests {
 
     #[test]
     fn payload_record_is_byte_for_byte() {
-        let r = build_record(&row(), &default_topic(), ValueFormat::Payload).unwrap();
+        let r = build_record(&row(), &default_topic(), ValueFormat::Payload, COMMIT_MS).unwrap();
         assert_eq!(r.value, row().payload.as_bytes());
     }
 
-    #[test]
-    fn dead_letters_carry_the_row_and_the_reason() {
-        let poison = Poison {
+    fn poison() -> Poison {
+        Poison {
             reason: "illegal_topic",
             error: "bad".into(),
             lsn: crate::Lsn(0x10),
             intended_topic: None,
             omit_payload: false,
-        };
+        }
+    }
+
+    #[test]
+    fn dead_letters_carry_the_row_and_the_reason() {
+        let poison = poison();
         let d = dead_letter_for_row(&row(), &poison, "outboxd.dead-letter");
         assert_eq!(d.topic, "outboxd.dead-letter");
         let v: serde_json::Value = serde_json::from_slice(&d.value).unwrap();
@@ -503,22 +583,99 @@ mod tests {
     fn poison_rows_are_errors() {
         let mut r = row();
         r.aggregate_type = "Bad Type!".into();
-        let e = build_record(&r, &default_topic(), ValueFormat::Envelope).unwrap_err();
+        let e = build_record(&r, &default_topic(), ValueFormat::Envelope, COMMIT_MS).unwrap_err();
         assert!(matches!(e, RecordError::IllegalTopic { .. }), "{e}");
         assert_eq!(e.reason(), "illegal_topic");
         let mut r = row();
         r.aggregate_id = String::new();
         assert_eq!(
-            build_record(&r, &default_topic(), ValueFormat::Envelope),
+            build_record(&r, &default_topic(), ValueFormat::Envelope, COMMIT_MS),
             Err(RecordError::EmptyKey)
         );
         let mut r = row();
         r.headers = "[1]".into();
         assert_eq!(
-            build_record(&r, &default_topic(), ValueFormat::Envelope),
+            build_record(&r, &default_topic(), ValueFormat::Envelope, COMMIT_MS),
             Err(RecordError::HeadersNotObject("an array".into()))
         );
         assert!(validate_topic(&"a".repeat(250)).is_err());
         assert!(validate_topic("..").is_err());
+    }
+
+    #[test]
+    fn kafka_timestamp_is_created_at_only_where_kafka_takes_it() {
+        let at = |y, mo, d| CreatedAt::At(chrono::Utc.with_ymd_and_hms(y, mo, d, 0, 0, 0).unwrap());
+        let commit = COMMIT_MS;
+        assert_eq!(kafka_timestamp(&row().created_at, commit), 1_796_000_523_000);
+        // Before the epoch, far ahead of the commit, beyond year 9999, infinity.
+        assert_eq!(kafka_timestamp(&at(1960, 1, 1), commit), commit);
+        assert_eq!(kafka_timestamp(&at(2026, 12, 2), commit), commit);
+        assert_eq!(kafka_timestamp(&at(20000, 1, 1), commit), commit);
+        assert_eq!(kafka_timestamp(&CreatedAt::parse("infinity"), commit), commit);
+        assert_eq!(
+            kafka_timestamp(&CreatedAt::parse("0044-03-15 00:00:00+00 BC"), commit),
+            commit
+        );
+        // A little ahead of the commit (clock skew between writers) is kept.
+        let ahead = commit + MAX_AHEAD_OF_COMMIT_MS;
+        let t = CreatedAt::At(chrono::DateTime::from_timestamp_millis(ahead).unwrap());
+        assert_eq!(kafka_timestamp(&t, commit), ahead);
+        assert_eq!(
+            kafka_timestamp(&at(1970, 1, 1), commit),
+            commit,
+            "0 is \"now\" to librdkafka"
+        );
+        let first = CreatedAt::At(chrono::DateTime::from_timestamp_millis(1).unwrap());
+        assert_eq!(kafka_timestamp(&first, commit), 1);
+    }
+
+    #[test]
+    fn the_envelope_refuses_what_rfc3339_cannot_write_and_payload_mode_publishes_it() {
+        for text in [
+            "infinity",
+            "-infinity",
+            "0044-03-15 00:00:00+00 BC",
+            "20000-01-01 00:00:00+00",
+        ] {
+            let mut r = row();
+            r.created_at = CreatedAt::parse(text);
+            let e = build_record(&r, &default_topic(), ValueFormat::Envelope, COMMIT_MS).unwrap_err();
+            assert_eq!(e.reason(), "bad_timestamp", "{text}");
+            assert!(e.to_string().contains(text), "{e}");
+            let rec = build_record(&r, &default_topic(), ValueFormat::Payload, COMMIT_MS).unwrap();
+            assert_eq!(rec.timestamp_ms, COMMIT_MS, "{text}");
+            let dl = dead_letter_for_row(&r, &poison(), "dlq");
+            let v: serde_json::Value = serde_json::from_slice(&dl.value).unwrap();
+            assert_eq!(v["createdAt"], text, "the dead letter keeps PostgreSQL's text");
+        }
+    }
+
+    #[test]
+    fn every_reason_is_a_known_metric_label() {
+        use crate::metrics::DEAD_LETTER_REASONS;
+        let errors = [
+            RecordError::IllegalTopic {
+                topic: "x".into(),
+                reason: "r",
+            },
+            RecordError::EmptyKey,
+            RecordError::HeadersNotObject("array".into()),
+            RecordError::Timestamp("infinity".into()),
+        ];
+        for e in errors {
+            assert!(DEAD_LETTER_REASONS.contains(&e.reason()), "{}", e.reason());
+        }
+        for code in [
+            rdkafka::types::RDKafkaErrorCode::MessageSizeTooLarge,
+            rdkafka::types::RDKafkaErrorCode::InvalidTimestamp,
+            rdkafka::types::RDKafkaErrorCode::InvalidRecord,
+        ] {
+            let e = rdkafka::error::KafkaError::MessageProduction(code);
+            let crate::kafka::Refusal::Record { reason, .. } = crate::kafka::Refusal::of(&e) else {
+                panic!("{code:?} is a record refusal");
+            };
+            assert!(DEAD_LETTER_REASONS.contains(&reason), "{reason}");
+        }
+        assert!(DEAD_LETTER_REASONS.contains(&"unreadable"));
     }
 }

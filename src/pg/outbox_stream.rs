@@ -16,7 +16,7 @@
 use std::collections::HashMap;
 
 use crate::lsn::Lsn;
-use crate::outbox::{OutboxColumns, OutboxRow, RowError};
+use crate::outbox::{OutboxColumns, OutboxRow, RowError, UnreadableRow};
 use crate::pg::connection::ReplicationStream;
 use crate::pg::copy_both::{ReplicationMessage, StandbyStatusUpdate};
 use crate::pg::error::PgError;
@@ -35,6 +35,12 @@ pub enum StreamEvent {
     Insert {
         row: OutboxRow,
         /// WAL position of the INSERT.
+        lsn: Lsn,
+    },
+    /// A row of the outbox table that cannot be read as an event; the relay
+    /// applies `routing.on_poison` to it.
+    Unreadable {
+        row: UnreadableRow,
         lsn: Lsn,
     },
     Commit {
@@ -154,12 +160,18 @@ impl OutboxStream {
                 None
             }
             LogicalMessage::Insert(ins) => match self.relations.get(&ins.relation_id) {
-                Some(Some(columns)) => {
-                    let row = columns
-                        .row(&ins.new)
-                        .map_err(|source| StreamError::Row { lsn, source })?;
-                    Some(StreamEvent::Insert { row, lsn })
-                }
+                Some(Some(columns)) => match columns.row(&ins.new) {
+                    Ok(row) => Some(StreamEvent::Insert { row, lsn }),
+                    // A tuple of another width: the stream is out of step
+                    // with its relation, which no row-level handling fixes.
+                    Err(source @ RowError::ColumnCount { .. }) => {
+                        return Err(StreamError::Row { lsn, source })
+                    }
+                    Err(error) => Some(StreamEvent::Unreadable {
+                        row: columns.unreadable(&ins.new, error),
+                        lsn,
+                    }),
+                },
                 Some(None) => None,
                 None => {
                     return Err(StreamError::UnknownRelation {

@@ -6,6 +6,7 @@
 
 mod cluster;
 mod harness;
+mod kafka_rules;
 mod operations;
 mod relay;
 mod reliability;

@@ -58,6 +58,7 @@ drain_timeout = "10s"
 }
 
 pub(crate) fn spawn_relay(text: &str) -> (JoinHandle<Result<(), RelayError>>, watch::Sender<bool>) {
+    crate::harness::init_logs();
     let (config, validated) = Config::from_toml(text, |_| None).expect("test config is valid");
     let metrics = Arc::new(Metrics::new().unwrap());
     let health = Arc::new(Health::new(config.health.thresholds()));

@@ -186,7 +186,11 @@ async fn thousand_rows_in_hundred_transactions_decode_exactly() {
             assert_eq!(payload, w.payload, "payload of {t}/{r}");
             let headers: serde_json::Value = serde_json::from_str(&row.headers).unwrap();
             assert_eq!(headers, w.headers);
-            assert_eq!(row.created_at, created[&w.id], "created_at of {t}/{r}");
+            assert_eq!(
+                row.created_at,
+                outboxd::outbox::CreatedAt::At(created[&w.id]),
+                "created_at of {t}/{r}"
+            );
         }
         let StreamEvent::Commit {
             commit_lsn, end_lsn, ..

@@ -1,0 +1,377 @@
+//! Apache Kafka's own rules on records, and rows PostgreSQL accepts that
+//! Kafka or the envelope cannot take: every row is published or
+//! dead-lettered with its reason, none stops a relay in dead-letter mode,
+//! and one refused record never takes its batch neighbours with it.
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use outboxd::pipeline::RelayError;
+use uuid::Uuid;
+
+use crate::harness::broker::{broker, consume, Consumed};
+use crate::harness::{wait_for, TestDb};
+use crate::relay::{config_text, confirmed_flush, spawn_relay, stop_relay};
+
+fn now_ms() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as i64
+}
+
+/// Reads `topics` until `want` records are there (or 60 s).
+async fn read(topics: &[&str], want: usize) -> Vec<Consumed> {
+    let topics: Vec<String> = topics.iter().map(|t| (*t).to_owned()).collect();
+    let brokers = broker().brokers.clone();
+    wait_for("records in Kafka", Duration::from_secs(60), || {
+        let (topics, brokers) = (topics.clone(), brokers.clone());
+        async move {
+            let recs = tokio::task::spawn_blocking(move || {
+                let refs: Vec<&str> = topics.iter().map(String::as_str).collect();
+                consume(&brokers, &refs, want, Duration::from_secs(5))
+            })
+            .await
+            .unwrap();
+            (recs.len() >= want).then_some(recs)
+        }
+    })
+    .await
+}
+
+fn by_id(records: &[Consumed]) -> HashMap<String, Consumed> {
+    records
+        .iter()
+        .map(|r| (r.header("id").unwrap_or_default().to_owned(), r.clone()))
+        .collect()
+}
+
+/// `created_at` values PostgreSQL accepts, each with what must become of
+/// it: published with created_at as the Kafka timestamp, published with the
+/// commit time, or (envelope mode only) dead-lettered as `bad_timestamp`.
+const EDGE_TIMESTAMPS: &[(&str, Edge)] = &[
+    ("now()", Edge::CreatedAt),
+    ("'1970-01-01 00:00:00.001+00'", Edge::CreatedAt),
+    ("'1970-01-01 00:00:00+00'", Edge::CommitTime),
+    ("now() + interval '2 days'", Edge::CommitTime),
+    ("'1960-06-01 12:00:00+00'", Edge::CommitTime),
+    ("'0001-01-01 00:00:00+00'", Edge::CommitTime),
+    ("'9999-12-31 23:59:59.999999+00'", Edge::CommitTime),
+    ("'20000-01-01 00:00:00+00'", Edge::NotInEnvelope),
+    ("'0044-03-15 00:00:00+00 BC'", Edge::NotInEnvelope),
+    ("'infinity'", Edge::NotInEnvelope),
+    ("'-infinity'", Edge::NotInEnvelope),
+];
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Edge {
+    CreatedAt,
+    CommitTime,
+    NotInEnvelope,
+}
+
+/// Inserts one row per edge timestamp in one transaction; returns the ids
+/// and the wall-clock window around the commit.
+async fn write_edges(client: &tokio_postgres::Client, prefix: &str) -> (Vec<Uuid>, i64, i64) {
+    let ids: Vec<Uuid> = EDGE_TIMESTAMPS.iter().map(|_| Uuid::now_v7()).collect();
+    let values: Vec<String> = EDGE_TIMESTAMPS
+        .iter()
+        .zip(&ids)
+        .enumerate()
+        .map(|(i, ((ts, _), id))| format!("('{id}', 'Clock', '{prefix}-{i}', 't', '{{\"i\": {i}}}', {ts})"))
+        .collect();
+    let before = now_ms();
+    client
+        .batch_execute(&format!(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload, created_at) VALUES {}",
+            values.join(",")
+        ))
+        .await
+        .unwrap();
+    (ids, before, now_ms())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn timestamps_at_every_edge_are_published_or_dead_lettered_in_both_value_modes() {
+    for (mode, value) in [("envelope", "envelope"), ("payload", "payload")] {
+        let db = TestDb::new(&format!("rules_ts_{mode}")).await;
+        let client = db.client().await;
+        let slot = format!("rules_ts_{mode}");
+        let topic = format!("ts-{mode}.clock");
+        let dlq = format!("ts-{mode}.dead-letter");
+        let text = config_text(
+            &db.superuser_url(),
+            &slot,
+            &broker().brokers,
+            &format!(
+                "topic = \"ts-{mode}.{{aggregate_type}}\"\nvalue = \"{value}\"\non_poison = \"dead-letter\"\ndead_letter_topic = \"{dlq}\""
+            ),
+            "",
+        );
+        let (handle, stop) = spawn_relay(&text);
+        wait_for("the slot", Duration::from_secs(30), || async {
+            confirmed_flush(&client, &slot).await
+        })
+        .await;
+        let (ids, before, after) = write_edges(&client, mode).await;
+        let dead: Vec<usize> = (0..ids.len())
+            .filter(|&i| mode == "envelope" && EDGE_TIMESTAMPS[i].1 == Edge::NotInEnvelope)
+            .collect();
+        let published = read(&[&topic], ids.len() - dead.len()).await;
+        let published = by_id(&published);
+        let dead_letters = if dead.is_empty() {
+            HashMap::new()
+        } else {
+            by_id(&read(&[&dlq], dead.len()).await)
+        };
+        for (i, (ts, edge)) in EDGE_TIMESTAMPS.iter().enumerate() {
+            let id = ids[i].to_string();
+            if dead.contains(&i) {
+                let d = dead_letters
+                    .get(&id)
+                    .unwrap_or_else(|| panic!("{mode}: no dead letter for created_at {ts}"));
+                assert_eq!(d.header("dlq.reason"), Some("bad_timestamp"), "{mode} {ts}");
+                assert!(d.header("dlq.error").unwrap().contains("RFC 3339"), "{mode} {ts}");
+                assert!(!published.contains_key(&id), "{mode} {ts}: not published as well");
+                continue;
+            }
+            let r = published
+                .get(&id)
+                .unwrap_or_else(|| panic!("{mode}: created_at {ts} was not published"));
+            let kafka_ts = r.timestamp_ms.unwrap();
+            match edge {
+                Edge::CreatedAt if ts.contains("1970") => assert_eq!(kafka_ts, 1, "{mode} {ts}"),
+                Edge::CreatedAt | Edge::CommitTime | Edge::NotInEnvelope => assert!(
+                    (before - 1000..=after + 1000).contains(&kafka_ts),
+                    "{mode} {ts}: Kafka timestamp {kafka_ts} is not the commit time (between {before} and {after})"
+                ),
+            }
+            if mode == "envelope" {
+                let v: serde_json::Value = serde_json::from_slice(&r.value).unwrap();
+                let at = v["occurredAt"].as_str().unwrap();
+                assert!(
+                    at.ends_with('Z') && at.len() == 27,
+                    "{mode} {ts}: occurredAt {at}"
+                );
+            }
+        }
+        let last = crate::relay::current_lsn(&client).await;
+        wait_for("the slot past every row", Duration::from_secs(30), || async {
+            (confirmed_flush(&client, &slot).await? >= last).then_some(())
+        })
+        .await;
+        assert!(!handle.is_finished(), "{mode}: the relay keeps running");
+        stop_relay(handle, stop).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unrepresentable_timestamp_under_on_poison_stop_names_the_row() {
+    let db = TestDb::new("rules_ts_stop").await;
+    let client = db.client().await;
+    let slot = "rules_ts_stop";
+    let text = config_text(
+        &db.superuser_url(),
+        slot,
+        &broker().brokers,
+        "topic = \"ts-stop.{aggregate_type}\"\non_poison = \"stop\"",
+        "",
+    );
+    let (handle, _stop) = spawn_relay(&text);
+    wait_for("the slot", Duration::from_secs(30), || async {
+        confirmed_flush(&client, slot).await
+    })
+    .await;
+    let before_row = crate::relay::current_lsn(&client).await;
+    let id = Uuid::now_v7();
+    client
+        .execute(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload, created_at)
+             VALUES ($1, 'Clock', 'a', 't', '{}', 'infinity')",
+            &[&id],
+        )
+        .await
+        .unwrap();
+    let err = tokio::time::timeout(Duration::from_secs(30), handle)
+        .await
+        .expect("the relay stops")
+        .unwrap()
+        .unwrap_err();
+    assert!(matches!(err, RelayError::Poison { .. }), "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains(&id.to_string()) && text.contains("infinity"),
+        "{text}"
+    );
+    let confirmed = confirmed_flush(&client, slot).await.unwrap();
+    assert!(
+        confirmed <= before_row,
+        "confirmed {confirmed} past the poison row at {before_row}"
+    );
+}
+
+/// A topic whose `max.message.bytes` is below what librdkafka batches: the
+/// broker refuses whole batches. Only the one record that is too large on
+/// its own is dead-lettered; its neighbours are published, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_batch_sets_aside_only_the_record_that_is_too_large() {
+    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+    use rdkafka::client::DefaultClientContext;
+    let db = TestDb::new("rules_batch").await;
+    let client = db.client().await;
+    let slot = "rules_batch";
+    let topic = "batch.order";
+    let admin: AdminClient<DefaultClientContext> = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", &broker().brokers)
+        .create()
+        .unwrap();
+    let new = NewTopic::new(topic, 1, TopicReplication::Fixed(1)).set("max.message.bytes", "4000");
+    admin
+        .create_topics([&new], &AdminOptions::new())
+        .await
+        .unwrap()
+        .into_iter()
+        .for_each(|r| {
+            r.unwrap();
+        });
+    let text = config_text(
+        &db.superuser_url(),
+        slot,
+        &broker().brokers,
+        "topic = \"batch.{aggregate_type}\"\nvalue = \"payload\"\non_poison = \"dead-letter\"\ndead_letter_topic = \"batch.dead-letter\"",
+        // Batches of many records, well past the topic's limit.
+        "[kafka.options]\n\"linger.ms\" = \"200\"",
+    );
+    let (handle, stop) = spawn_relay(&text);
+    wait_for("the slot", Duration::from_secs(30), || async {
+        confirmed_flush(&client, slot).await
+    })
+    .await;
+    // 60 rows of ~300 bytes in one transaction, the 31st of 6,000 bytes.
+    let ids: Vec<Uuid> = (0..60).map(|_| Uuid::now_v7()).collect();
+    let payloads: Vec<serde_json::Value> = (0..60)
+        .map(|i| {
+            let size = if i == 30 { 6_000 } else { 250 };
+            serde_json::json!({ "i": i, "pad": "x".repeat(size) })
+        })
+        .collect();
+    let ats: Vec<&str> = vec!["Order"; 60];
+    let ais: Vec<String> = (0..60).map(|i| format!("agg-{}", i % 3)).collect();
+    let tys: Vec<&str> = vec!["t"; 60];
+    client
+        .execute(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload)
+             SELECT a, b, c, d, e FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::jsonb[])
+                    WITH ORDINALITY AS u(a, b, c, d, e, o) ORDER BY o",
+            &[&ids, &ats, &ais, &tys, &payloads],
+        )
+        .await
+        .unwrap();
+    let dlq = read(&["batch.dead-letter"], 1).await;
+    assert_eq!(
+        dlq.len(),
+        1,
+        "exactly one dead letter: {:?}",
+        dlq.iter().map(|d| d.header("id")).collect::<Vec<_>>()
+    );
+    assert_eq!(dlq[0].header("id"), Some(ids[30].to_string().as_str()));
+    assert_eq!(dlq[0].header("dlq.reason"), Some("too_large"));
+    let published = read(&[topic], 59).await;
+    let got: Vec<Uuid> = published
+        .iter()
+        .map(|r| r.header("id").unwrap().parse().unwrap())
+        .collect();
+    let unique: HashSet<Uuid> = got.iter().copied().collect();
+    let want: HashSet<Uuid> = ids
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != 30)
+        .map(|(_, id)| *id)
+        .collect();
+    assert_eq!(unique, want, "every other row is published");
+    let mut seen = HashSet::new();
+    let first: Vec<Uuid> = got.into_iter().filter(|id| seen.insert(*id)).collect();
+    let expected: Vec<Uuid> = ids
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != 30)
+        .map(|(_, id)| *id)
+        .collect();
+    assert_eq!(first, expected, "in commit order (one partition)");
+    let last = crate::relay::current_lsn(&client).await;
+    wait_for(
+        "the slot past the transaction",
+        Duration::from_secs(30),
+        || async { (confirmed_flush(&client, slot).await? >= last).then_some(()) },
+    )
+    .await;
+    stop_relay(handle, stop).await;
+}
+
+/// A user's own outbox table with text ids and nullable columns: a NULL
+/// `headers` means no headers; an id that is no UUID or a NULL payload is a
+/// row outboxd cannot read, so it is dead-lettered with every column, and
+/// the rows around it flow on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreadable_rows_of_a_custom_schema_are_dead_lettered_with_their_columns() {
+    let db = TestDb::empty("rules_custom").await;
+    let client = db.client().await;
+    client
+        .batch_execute(
+            "CREATE TABLE events_out (id text PRIMARY KEY, aggregate_type text, aggregate_id text,
+                                      type text, payload jsonb, headers jsonb,
+                                      created_at timestamptz NOT NULL DEFAULT now())",
+        )
+        .await
+        .unwrap();
+    let slot = "rules_custom";
+    let text = config_text(
+        &db.superuser_url(),
+        slot,
+        &broker().brokers,
+        "topic = \"custom.{aggregate_type}\"\non_poison = \"dead-letter\"\ndead_letter_topic = \"custom.dead-letter\"",
+        "",
+    )
+    .replace("[postgres]\n", "[postgres]\ntable = \"public.events_out\"\n");
+    let (handle, stop) = spawn_relay(&text);
+    wait_for("the slot", Duration::from_secs(30), || async {
+        confirmed_flush(&client, slot).await
+    })
+    .await;
+    let good = Uuid::now_v7().to_string();
+    let after = Uuid::now_v7().to_string();
+    let null_payload = Uuid::now_v7().to_string();
+    client
+        .batch_execute(&format!(
+            "INSERT INTO events_out (id, aggregate_type, aggregate_id, type, payload, headers) VALUES
+               ('{good}', 'Order', 'a-1', 't', '{{\"n\": 1}}', NULL),
+               ('order-42', 'Order', 'a-1', 't', '{{\"n\": 2}}', '{{}}'),
+               ('{null_payload}', 'Order', 'a-1', 't', NULL, '{{}}'),
+               ('{after}', 'Order', 'a-1', 't', '{{\"n\": 3}}', '{{\"k\": \"v\"}}')"
+        ))
+        .await
+        .unwrap();
+    let published = read(&["custom.order"], 2).await;
+    let ids: Vec<&str> = published.iter().map(|r| r.header("id").unwrap()).collect();
+    assert_eq!(
+        ids,
+        [good.as_str(), after.as_str()],
+        "the readable rows, in order"
+    );
+    assert_eq!(published[0].headers.len(), 4, "NULL headers: no user headers");
+    assert_eq!(published[1].header("k"), Some("v"));
+    let dlq = by_id(&read(&["custom.dead-letter"], 2).await);
+    let text_id = &dlq["order-42"];
+    assert_eq!(text_id.header("dlq.reason"), Some("unreadable"));
+    assert!(
+        text_id.header("dlq.error").unwrap().contains("\"id\""),
+        "names the column"
+    );
+    let v: serde_json::Value = serde_json::from_slice(&text_id.value).unwrap();
+    assert_eq!(v["columns"]["aggregate_id"], "a-1");
+    assert_eq!(v["columns"]["payload"], "{\"n\": 2}");
+    assert_eq!(text_id.key, "a-1", "keyed like the event would be");
+    let np = &dlq[null_payload.as_str()];
+    assert_eq!(np.header("dlq.reason"), Some("unreadable"));
+    let v: serde_json::Value = serde_json::from_slice(&np.value).unwrap();
+    assert!(v["columns"]["payload"].is_null());
+    assert!(!handle.is_finished());
+    stop_relay(handle, stop).await;
+}
