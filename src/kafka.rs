@@ -38,8 +38,13 @@ pub enum KafkaSinkError {
     Unreachable { brokers: String, source: KafkaError },
     #[error("topic {topic:?} does not exist and kafka.create_topics is false: create it (for example kafka-topics.sh --create --topic {topic} --partitions N --replication-factor N) or set kafka.create_topics = true")]
     TopicMissing { topic: String },
-    #[error("cannot create topic {topic:?}: {reason}; create it by hand or fix the broker's permissions")]
-    TopicCreate { topic: String, reason: String },
+    #[error("cannot create topic {topic:?}: {reason}")]
+    TopicCreate {
+        topic: String,
+        reason: String,
+        /// The cluster was busy or unreachable; a later try may succeed.
+        transient: bool,
+    },
     #[error("topic {topic:?} was created but is not yet visible in the cluster metadata")]
     TopicNotVisible { topic: String },
     #[error("Kafka refused record for topic {topic:?}: {source}")]
@@ -59,9 +64,8 @@ impl KafkaSinkError {
                 Refusal::of(source) == Refusal::Transient
             }
             KafkaSinkError::TopicNotVisible { .. } => true,
-            KafkaSinkError::Config(_)
-            | KafkaSinkError::TopicMissing { .. }
-            | KafkaSinkError::TopicCreate { .. } => false,
+            KafkaSinkError::TopicCreate { transient, .. } => *transient,
+            KafkaSinkError::Config(_) | KafkaSinkError::TopicMissing { .. } => false,
         }
     }
 
@@ -297,17 +301,13 @@ impl KafkaSink {
                     .await
                     .map_err(|e| KafkaSinkError::TopicCreate {
                         topic: topic.to_owned(),
-                        reason: e.to_string(),
+                        reason: format!("{e}; retrying"),
+                        transient: true,
                     })?;
             for r in results {
                 match r {
                     Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
-                    Err((_, code)) => {
-                        return Err(KafkaSinkError::TopicCreate {
-                            topic: topic.to_owned(),
-                            reason: code.to_string(),
-                        })
-                    }
+                    Err((_, code)) => return Err(self.topic_create_error(topic, code)),
                 }
             }
             tracing::info!(topic, partitions = self.partitions, "created topic");
@@ -324,6 +324,41 @@ impl KafkaSink {
         }
         self.known_topics.insert(topic.to_owned());
         Ok(())
+    }
+
+    /// What a refused topic creation means, and what the operator can do.
+    fn topic_create_error(&self, topic: &str, code: RDKafkaErrorCode) -> KafkaSinkError {
+        let (hint, transient) = match code {
+            RDKafkaErrorCode::InvalidReplicationFactor => (
+                format!(
+                    "kafka.topic_replication_factor = {} is more than the cluster has brokers; lower it, or use -1 for the broker default",
+                    self.replication_factor
+                ),
+                false,
+            ),
+            RDKafkaErrorCode::InvalidPartitions => (
+                "check kafka.topic_partitions".to_owned(),
+                false,
+            ),
+            RDKafkaErrorCode::InvalidConfig | RDKafkaErrorCode::PolicyViolation => (
+                "the cluster refused the topic's settings: check kafka.topic_partitions, kafka.topic_replication_factor and [kafka.topic_config]".to_owned(),
+                false,
+            ),
+            RDKafkaErrorCode::TopicAuthorizationFailed | RDKafkaErrorCode::ClusterAuthorizationFailed => (
+                "grant outboxd's principal CREATE on the topic (or the cluster), or create the topic yourself and set kafka.create_topics = false".to_owned(),
+                false,
+            ),
+            RDKafkaErrorCode::InvalidTopic => (
+                "the name is not a legal Kafka topic name".to_owned(),
+                false,
+            ),
+            _ => ("retrying".to_owned(), true),
+        };
+        KafkaSinkError::TopicCreate {
+            topic: topic.to_owned(),
+            reason: format!("{code}; {hint}"),
+            transient,
+        }
     }
 
     /// Forgets which topics exist, so the next session checks (and, if

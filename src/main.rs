@@ -60,7 +60,9 @@ enum Command {
         /// Rows per DELETE statement (each statement is short and skips locked rows).
         #[arg(long, default_value_t = 5_000)]
         batch: i64,
-        /// Keep rows whose published_at is NULL (for tables fed by a polling relay).
+        /// Keep rows whose published_at is NULL (for a table that a polling
+        /// relay also reads). Always on when the configuration's mode is
+        /// "polling": retention never deletes what that relay has not published.
         #[arg(long)]
         published_only: bool,
     },
@@ -173,10 +175,10 @@ async fn check(path: PathBuf, config_only: bool) -> ExitCode {
 
 async fn sql_client(
     path: &std::path::Path,
-) -> Result<(tokio_postgres::Client, outboxd::config::Validated), ExitCode> {
-    let (_, validated) = load(path)?;
+) -> Result<(tokio_postgres::Client, Config, outboxd::config::Validated), ExitCode> {
+    let (config, validated) = load(path)?;
     match outboxd::pg::admin::connect(&validated.pg).await {
-        Ok(c) => Ok((c, validated)),
+        Ok(c) => Ok((c, config, validated)),
         Err(e) => {
             eprintln!("outboxd: {e}");
             Err(ExitCode::FAILURE)
@@ -212,7 +214,7 @@ async fn status(path: PathBuf, json: bool) -> ExitCode {
 }
 
 async fn migrate(path: PathBuf) -> ExitCode {
-    let (mut client, _) = match sql_client(&path).await {
+    let (mut client, _, _) = match sql_client(&path).await {
         Ok(c) => c,
         Err(code) => return code,
     };
@@ -240,11 +242,13 @@ async fn retention(
     batch: i64,
     published_only: bool,
 ) -> ExitCode {
-    let (client, validated) = match sql_client(&path).await {
+    let (client, config, validated) = match sql_client(&path).await {
         Ok(c) => c,
         Err(code) => return code,
     };
-    let retain = if published_only {
+    // In polling mode published_at is the relay's progress: a row without
+    // it has not been published yet, whatever its age.
+    let retain = if published_only || config.mode == outboxd::config::Mode::Polling {
         outbox_sdk::retention::Retain::PublishedOnly
     } else {
         outbox_sdk::retention::Retain::Cdc

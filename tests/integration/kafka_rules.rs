@@ -11,7 +11,7 @@ use uuid::Uuid;
 
 use crate::harness::broker::{broker, consume, Consumed};
 use crate::harness::{wait_for, TestDb};
-use crate::relay::{config_text, confirmed_flush, spawn_relay, stop_relay};
+use crate::relay::{config_text, confirmed_flush, pending_in_released_slot, spawn_relay, stop_relay};
 
 fn now_ms() -> i64 {
     SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as i64
@@ -34,6 +34,17 @@ async fn read(topics: &[&str], want: usize) -> Vec<Consumed> {
         }
     })
     .await
+}
+
+/// The slot still holds the row's transaction (BEGIN, INSERT, COMMIT at
+/// least): nothing confirmed past it. Other databases' WAL may legitimately
+/// move the slot, so a peek, not an LSN bound, is the proof.
+async fn assert_row_still_in_slot(client: &tokio_postgres::Client, slot: &str) {
+    let pending = pending_in_released_slot(client, slot).await;
+    assert!(
+        pending >= 3,
+        "the slot moved past the row: {pending} messages pending"
+    );
 }
 
 fn by_id(records: &[Consumed]) -> HashMap<String, Consumed> {
@@ -179,7 +190,6 @@ async fn an_unrepresentable_timestamp_under_on_poison_stop_names_the_row() {
         confirmed_flush(&client, slot).await
     })
     .await;
-    let before_row = crate::relay::current_lsn(&client).await;
     let id = Uuid::now_v7();
     client
         .execute(
@@ -200,11 +210,7 @@ async fn an_unrepresentable_timestamp_under_on_poison_stop_names_the_row() {
         text.contains(&id.to_string()) && text.contains("infinity"),
         "{text}"
     );
-    let confirmed = confirmed_flush(&client, slot).await.unwrap();
-    assert!(
-        confirmed <= before_row,
-        "confirmed {confirmed} past the poison row at {before_row}"
-    );
+    assert_row_still_in_slot(&client, slot).await;
 }
 
 /// A topic whose `max.message.bytes` is below what librdkafka batches: the
@@ -374,4 +380,97 @@ async fn unreadable_rows_of_a_custom_schema_are_dead_lettered_with_their_columns
     assert!(v["columns"]["payload"].is_null());
     assert!(!handle.is_finished());
     stop_relay(handle, stop).await;
+}
+
+/// A replication factor the cluster cannot meet stops outboxd at the
+/// first topic it must create, naming the setting; the slot holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_impossible_replication_factor_stops_naming_the_setting() {
+    let db = TestDb::new("rules_rf").await;
+    let client = db.client().await;
+    let slot = "rules_rf";
+    let text = config_text(
+        &db.superuser_url(),
+        slot,
+        &broker().brokers,
+        "topic = \"rf.{aggregate_type}\"",
+        "",
+    )
+    .replace("topic_replication_factor = 1", "topic_replication_factor = 3");
+    let (handle, _stop) = spawn_relay(&text);
+    wait_for("the slot", Duration::from_secs(30), || async {
+        confirmed_flush(&client, slot).await
+    })
+    .await;
+    client
+        .execute(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload) VALUES (gen_random_uuid(), 'Order', 'a', 't', '{}')",
+            &[],
+        )
+        .await
+        .unwrap();
+    let err = tokio::time::timeout(Duration::from_secs(30), handle)
+        .await
+        .expect("the relay stops")
+        .unwrap()
+        .unwrap_err();
+    let text = err.to_string();
+    assert!(!err.is_transient(), "{text}");
+    assert!(text.contains("kafka.topic_replication_factor = 3"), "{text}");
+    assert_row_still_in_slot(&client, slot).await;
+}
+
+/// Kafka denying outboxd a topic (TopicAuthorizationFailed on produce) is
+/// an operator problem: outboxd stops naming the grant, sets no valid event
+/// aside as a dead letter, and does not confirm past it. The broker's
+/// answer is injected with MockCluster: ACLs need an authorizer and SASL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_denied_topic_stops_without_dead_letters() {
+    use rdkafka::mocking::MockCluster;
+    use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+    let db = TestDb::new("rules_denied").await;
+    let client = db.client().await;
+    let mock = MockCluster::new(1).unwrap();
+    mock.create_topic("denied.order", 1, 1).unwrap();
+    mock.request_errors(
+        RDKafkaApiKey::Produce,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_TOPIC_AUTHORIZATION_FAILED; 50],
+    );
+    let slot = "rules_denied";
+    let (handle, _stop) = spawn_relay(&config_text(
+        &db.superuser_url(),
+        slot,
+        &mock.bootstrap_servers(),
+        "topic = \"denied.{aggregate_type}\"\non_poison = \"dead-letter\"\ndead_letter_topic = \"denied.dead-letter\"",
+        "",
+    ));
+    wait_for("the slot", Duration::from_secs(30), || async {
+        confirmed_flush(&client, slot).await
+    })
+    .await;
+    client
+        .execute(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload) VALUES (gen_random_uuid(), 'Order', 'a', 't', '{}')",
+            &[],
+        )
+        .await
+        .unwrap();
+    let err = tokio::time::timeout(Duration::from_secs(60), handle)
+        .await
+        .expect("the relay stops")
+        .unwrap()
+        .unwrap_err();
+    let text = err.to_string();
+    assert!(matches!(err, RelayError::KafkaDenied { .. }), "{text}");
+    assert!(text.contains("grant") && text.contains("denied.order"), "{text}");
+    assert_row_still_in_slot(&client, slot).await;
+    let md = {
+        let brokers = mock.bootstrap_servers();
+        tokio::task::spawn_blocking(move || {
+            consume(&brokers, &["denied.dead-letter"], 1, Duration::from_secs(3))
+        })
+        .await
+        .unwrap()
+    };
+    assert!(md.is_empty(), "no dead letter for a valid event");
 }

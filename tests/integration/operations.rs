@@ -384,3 +384,56 @@ async fn status_shows_the_real_slot_and_secrets_stay_hidden() {
         }
     }
 }
+
+/// `outboxd retention` under a polling configuration never deletes a row
+/// the polling relay has not published, whatever its age; in CDC mode it
+/// trims every old row (the WAL already carried them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_keeps_what_a_polling_relay_has_not_published() {
+    let db = TestDb::new("ops_retention").await;
+    let client = db.client().await;
+    client
+        .batch_execute(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload, created_at, published_at)
+             SELECT gen_random_uuid(), 'Order', 'a', 't', '{}', now() - interval '10 days',
+                    CASE WHEN g % 2 = 0 THEN now() END
+               FROM generate_series(1, 10) g",
+        )
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, mode: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(
+            &path,
+            format!(
+                "mode = \"{mode}\"\n[postgres]\nurl = \"{}\"\n[kafka]\nbrokers = \"127.0.0.1:9\"\n",
+                db.superuser_url()
+            ),
+        )
+        .unwrap();
+        path.display().to_string()
+    };
+    let polling = write("polling.toml", "polling");
+    let cdc = write("cdc.toml", "cdc");
+    let count = |sql: &'static str| {
+        let client = &client;
+        async move { client.query_one(sql, &[]).await.unwrap().get::<_, i64>(0) }
+    };
+    let (ok, out, err) = outboxd(&["retention", "--config", &polling, "--older-than", "1d"]);
+    assert!(ok, "{out}{err}");
+    assert!(out.contains("deleted 5"), "{out}");
+    assert_eq!(
+        count("SELECT count(*) FROM outbox WHERE published_at IS NULL").await,
+        5,
+        "unpublished rows stay"
+    );
+    assert_eq!(count("SELECT count(*) FROM outbox").await, 5);
+    let (ok, out, err) = outboxd(&["retention", "--config", &cdc, "--older-than", "1d"]);
+    assert!(ok, "{out}{err}");
+    assert_eq!(
+        count("SELECT count(*) FROM outbox").await,
+        0,
+        "CDC mode trims every old row"
+    );
+}
