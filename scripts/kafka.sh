@@ -40,7 +40,7 @@ fetch() {
   command -v mvn >/dev/null || die "Maven is missing: install it (apt-get install maven; scripts/setup.sh does)"
   printf 'kafka.sh: fetching Apache Kafka %s from Maven Central into %s\n' "$version" "$home" >&2
   rm -rf "$home/libs.new"
-  mvn -B -q -Dmaven.repo.local="$m2" -f "$pom" \
+  mvn -B -q -Dstyle.color=never -Dmaven.repo.local="$m2" -f "$pom" \
     org.apache.maven.plugins:maven-dependency-plugin:3.8.1:copy-dependencies \
     -DincludeScope=runtime -DoutputDirectory="$home/libs.new" >&2
   [ -f "$home/libs.new/kafka_2.13-$version.jar" ] || die "Maven did not deliver kafka_2.13-$version.jar"

@@ -172,67 +172,29 @@ async fn postgres_checks(config: &Config, v: &Validated) -> Vec<CheckLine> {
         Err(e) => out.push(line("privileges", false, e.to_string())),
     }
 
-    let publication = client
-        .query_opt(
-            "SELECT pubinsert, EXISTS (SELECT 1 FROM pg_catalog.pg_publication_tables t
-                                        WHERE t.pubname = p.pubname AND t.schemaname = $2 AND t.tablename = $3)
-               FROM pg_catalog.pg_publication p WHERE pubname = $1",
-            &[&v.publication.as_str(), &v.table.schema, &v.table.name],
-        )
-        .await;
-    out.push(match publication {
-        Ok(None) if config.postgres.create_publication => line(
-            "publication",
-            true,
-            format!(
-                "{} is missing and will be created at start",
-                v.publication.as_str()
+    // The same proof the relay makes at start and keeps making.
+    out.push(
+        match crate::pg::publication::inspect(&client, &v.publication, &v.table).await {
+            Ok(_) => line(
+                "publication",
+                true,
+                format!(
+                    "{} delivers every INSERT on {} with every column",
+                    v.publication.as_str(),
+                    v.table
+                ),
             ),
-        ),
-        Ok(None) => line(
-            "publication",
-            false,
-            format!(
-                "{} is missing: CREATE PUBLICATION {} FOR TABLE {} WITH (publish = 'insert');",
-                v.publication.as_str(),
-                v.publication.quoted(),
-                v.table.quoted()
+            Err(admin::AdminError::NoPublication { .. }) if config.postgres.create_publication => line(
+                "publication",
+                true,
+                format!(
+                    "{} is missing and will be created at start",
+                    v.publication.as_str()
+                ),
             ),
-        ),
-        Ok(Some(r)) => {
-            let inserts: bool = r.get(0);
-            let has_table: bool = r.get(1);
-            if !has_table {
-                line(
-                    "publication",
-                    false,
-                    format!(
-                        "{} lacks the table: ALTER PUBLICATION {} ADD TABLE {};",
-                        v.publication.as_str(),
-                        v.publication.quoted(),
-                        v.table.quoted()
-                    ),
-                )
-            } else if !inserts {
-                line(
-                    "publication",
-                    false,
-                    format!(
-                        "{} does not publish inserts: ALTER PUBLICATION {} SET (publish = 'insert');",
-                        v.publication.as_str(),
-                        v.publication.quoted()
-                    ),
-                )
-            } else {
-                line(
-                    "publication",
-                    true,
-                    format!("{} publishes inserts of {}", v.publication.as_str(), v.table),
-                )
-            }
-        }
-        Err(e) => line("publication", false, e.to_string()),
-    });
+            Err(e) => line("publication", false, e.to_string()),
+        },
+    );
 
     out.push(match admin::slot_info(&client, &v.slot).await {
         Ok(None) => line("slot", true, format!("{} is missing and will be created at start", v.slot.as_str())),

@@ -2,10 +2,12 @@
 //!
 //! Every key is documented in `config/outboxd.toml`. Loading goes:
 //!
-//! 1. read the file;
-//! 2. replace `${VAR}` and `${VAR:-default}` from the environment (`$$`
-//!    writes a literal `$`); an unset variable without a default is an error;
-//!    comment lines are left alone;
+//! 1. read the file and parse it as TOML;
+//! 2. in every string value, replace `${VAR}` and `${VAR:-default}` from
+//!    the environment (`$$` writes a literal `$`); an unset variable without
+//!    a default is an error naming the key. Replacing *after* parsing means
+//!    a secret holding `"`, `\` or a newline can never break the TOML, and
+//!    no parse error can quote it;
 //! 3. deserialize with `deny_unknown_fields`, so a misspelt key fails;
 //! 4. [`Config::validate`] checks values that types cannot (URLs, names,
 //!    templates, ranges).
@@ -29,12 +31,10 @@ use crate::routing::TopicTemplate;
 pub enum ConfigError {
     #[error("cannot read config file {path}: {source}")]
     Read { path: String, source: std::io::Error },
-    #[error(
-        "config: environment variable {var} is not set (line {line}); set it or write ${{{var}:-default}}"
-    )]
-    MissingEnv { var: String, line: usize },
-    #[error("config: unterminated ${{ on line {line}")]
-    Unterminated { line: usize },
+    #[error("config key {path}: environment variable {var} is not set; set it or write ${{{var}:-default}}")]
+    MissingEnv { var: String, path: String },
+    #[error("config key {path}: unterminated ${{")]
+    Unterminated { path: String },
     #[error("config key {path}: {reason}")]
     Invalid { path: String, reason: String },
     #[error("config: {0}")]
@@ -138,12 +138,27 @@ pub struct Config {
     pub log: LogConfig,
 }
 
+/// A value that is never printed: `Debug` shows `***`.
+#[derive(Clone, Deserialize, PartialEq, Eq)]
+#[serde(transparent)]
+pub struct Secret(pub String);
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("***")
+    }
+}
+
 /// `[postgres]`
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PostgresConfig {
     /// libpq-style URL; the role needs REPLICATION.
     pub url: String,
+    /// The password, when the URL has none: any characters, no URL
+    /// encoding (for example `"${PGPASSWORD}"`).
+    #[serde(default)]
+    pub password: Option<Secret>,
     /// The outbox table, `schema.table`.
     #[serde(default = "default_table")]
     pub table: String,
@@ -417,50 +432,76 @@ pub struct Validated {
     pub listen: SocketAddr,
 }
 
-/// Replaces `${VAR}` and `${VAR:-default}`; `$$` is a literal `$`.
-pub fn interpolate(text: &str, env: impl Fn(&str) -> Option<String>) -> Result<String, ConfigError> {
+/// Replaces `${VAR}` and `${VAR:-default}` in one string value (at the
+/// dotted key `path`, for errors); `$$` is a literal `$`.
+pub fn interpolate(
+    text: &str,
+    path: &str,
+    env: &impl Fn(&str) -> Option<String>,
+) -> Result<String, ConfigError> {
     let mut out = String::with_capacity(text.len());
-    for (i, line) in text.split_inclusive('\n').enumerate() {
-        let line_no = i + 1;
-        if line.trim_start().starts_with('#') {
-            out.push_str(line); // comments are not interpolated
-            continue;
-        }
-        let mut rest = line;
-        while let Some(pos) = rest.find('$') {
-            out.push_str(&rest[..pos]);
-            let after = &rest[pos + 1..];
-            if let Some(stripped) = after.strip_prefix('$') {
-                out.push('$');
-                rest = stripped;
-            } else if let Some(body) = after.strip_prefix('{') {
-                let end = body
-                    .find('}')
-                    .ok_or(ConfigError::Unterminated { line: line_no })?;
-                let expr = &body[..end];
-                let (var, default) = match expr.split_once(":-") {
-                    Some((v, d)) => (v, Some(d)),
-                    None => (expr, None),
-                };
-                match (env(var).filter(|v| !v.is_empty() || default.is_none()), default) {
-                    (Some(v), _) => out.push_str(&v),
-                    (None, Some(d)) => out.push_str(d),
-                    (None, None) => {
-                        return Err(ConfigError::MissingEnv {
-                            var: var.to_owned(),
-                            line: line_no,
-                        })
-                    }
+    let mut rest = text;
+    while let Some(pos) = rest.find('$') {
+        out.push_str(&rest[..pos]);
+        let after = &rest[pos + 1..];
+        if let Some(stripped) = after.strip_prefix('$') {
+            out.push('$');
+            rest = stripped;
+        } else if let Some(body) = after.strip_prefix('{') {
+            let end = body.find('}').ok_or_else(|| ConfigError::Unterminated {
+                path: path.to_owned(),
+            })?;
+            let expr = &body[..end];
+            let (var, default) = match expr.split_once(":-") {
+                Some((v, d)) => (v, Some(d)),
+                None => (expr, None),
+            };
+            match (env(var).filter(|v| !v.is_empty() || default.is_none()), default) {
+                (Some(v), _) => out.push_str(&v),
+                (None, Some(d)) => out.push_str(d),
+                (None, None) => {
+                    return Err(ConfigError::MissingEnv {
+                        var: var.to_owned(),
+                        path: path.to_owned(),
+                    })
                 }
-                rest = &body[end + 1..];
-            } else {
-                out.push('$');
-                rest = after;
+            }
+            rest = &body[end + 1..];
+        } else {
+            out.push('$');
+            rest = after;
+        }
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+/// Interpolates every string in a parsed TOML value, in place.
+fn interpolate_value(
+    value: &mut toml::Value,
+    path: &str,
+    env: &impl Fn(&str) -> Option<String>,
+) -> Result<(), ConfigError> {
+    match value {
+        toml::Value::String(s) => *s = interpolate(s, path, env)?,
+        toml::Value::Array(items) => {
+            for (i, v) in items.iter_mut().enumerate() {
+                interpolate_value(v, &format!("{path}[{i}]"), env)?;
             }
         }
-        out.push_str(rest);
+        toml::Value::Table(t) => {
+            for (k, v) in t.iter_mut() {
+                let child = if path.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{path}.{k}")
+                };
+                interpolate_value(v, &child, env)?;
+            }
+        }
+        _ => {}
     }
-    Ok(out)
+    Ok(())
 }
 
 impl Config {
@@ -478,9 +519,10 @@ impl Config {
         text: &str,
         env: impl Fn(&str) -> Option<String>,
     ) -> Result<(Config, Validated), ConfigError> {
-        let text = interpolate(text, env)?;
-        let de = toml::Deserializer::parse(&text).map_err(|e| ConfigError::Syntax(e.to_string()))?;
-        let config: Config = serde_path_to_error::deserialize(de).map_err(|e| {
+        let table: toml::Table = toml::from_str(text).map_err(|e| ConfigError::Syntax(e.to_string()))?;
+        let mut value = toml::Value::Table(table);
+        interpolate_value(&mut value, "", &env)?;
+        let config: Config = serde_path_to_error::deserialize(value).map_err(|e| {
             let path = e.path().to_string();
             let reason = e.into_inner().message().to_owned();
             if path == "." || path.is_empty() {
@@ -495,11 +537,20 @@ impl Config {
 
     /// Checks what the types cannot.
     pub fn validate(&self) -> Result<Validated, ConfigError> {
-        let pg: PgConnectConfig = self
+        let mut pg: PgConnectConfig = self
             .postgres
             .url
             .parse()
             .map_err(|e: crate::pg::conninfo::ConnInfoError| invalid("postgres.url", e.to_string()))?;
+        if let Some(password) = &self.postgres.password {
+            if pg.password.is_some() {
+                return Err(invalid(
+                    "postgres.password",
+                    "the url has a password too; keep one of them",
+                ));
+            }
+            pg.password = Some(password.0.clone());
+        }
         let table =
             TableName::new(&self.postgres.table).map_err(|e| invalid("postgres.table", e.to_string()))?;
         let slot = SlotName::new(&self.postgres.slot).map_err(|e| invalid("postgres.slot", e.to_string()))?;
@@ -587,16 +638,63 @@ mod tests {
     #[test]
     fn interpolation() {
         let e = env(&[("A", "x"), ("EMPTY", "")]);
-        assert_eq!(interpolate("${A}-${B:-d}-$$-$x", &e).unwrap(), "x-d-$-$x");
-        assert_eq!(interpolate("${EMPTY:-fallback}", &e).unwrap(), "fallback");
-        assert_eq!(interpolate("${EMPTY}", &e).unwrap(), "");
-        let err = interpolate("a\n${MISSING}", &e).unwrap_err().to_string();
-        assert!(err.contains("MISSING") && err.contains("line 2"), "{err}");
-        assert!(interpolate("${A", &e).is_err());
-        assert_eq!(
-            interpolate("  # ${UNSET} in a comment\n", &e).unwrap(),
-            "  # ${UNSET} in a comment\n"
-        );
+        let i = |t: &str| interpolate(t, "k", &e);
+        assert_eq!(i("${A}-${B:-d}-$$-$x").unwrap(), "x-d-$-$x");
+        assert_eq!(i("${EMPTY:-fallback}").unwrap(), "fallback");
+        assert_eq!(i("${EMPTY}").unwrap(), "");
+        let err = interpolate("a${MISSING}", "postgres.url", &e)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("MISSING") && err.contains("postgres.url"), "{err}");
+        assert!(i("${A").is_err());
+        // Comments are gone after parsing: an unset variable there is fine.
+        let text = format!("# ${{UNSET}} in a comment\n{MINIMAL}");
+        assert!(Config::from_toml(&text, env(&[])).is_ok());
+    }
+
+    /// Secrets that break each parser on the way (TOML, the URL, librdkafka)
+    /// work where they may, and no error ever quotes them.
+    #[test]
+    fn no_error_echoes_a_secret() {
+        let secrets = [
+            "pa\"ss",
+            "back\\slash",
+            "new\nline",
+            "p@ss/w?rd#1",
+            "%zz%",
+            "tab\tand ]] [[ ''' \"\"\"",
+            "${NESTED}",
+        ];
+        for secret in secrets {
+            let e = env(&[("PGPASSWORD", secret), ("KAFKA_PASSWORD", secret)]);
+            // In postgres.password: any characters work.
+            let text = "[postgres]\nurl = \"postgres://u@h/db\"\npassword = \"${PGPASSWORD}\"\n[kafka]\nbrokers = \"k:9092\"\n";
+            let (_, v) = Config::from_toml(text, &e).unwrap_or_else(|err| panic!("{secret:?}: {err}"));
+            assert_eq!(v.pg.password.as_deref(), Some(secret));
+            // In the URL, unencoded: may fail, but never quotes it.
+            let text =
+                "[postgres]\nurl = \"postgres://u:${PGPASSWORD}@h/db\"\n[kafka]\nbrokers = \"k:9092\"\n";
+            if let Err(err) = Config::from_toml(text, &e) {
+                assert!(!err.to_string().contains(secret), "{secret:?} in {err}");
+            }
+            // Bad values for librdkafka properties.
+            for key in ["sasl.password", "message.max.bytes", "sasl.mechanisms"] {
+                let text = format!(
+                    "[postgres]\nurl = \"postgres://u@h/db\"\n[kafka]\nbrokers = \"k:9092\"\n[kafka.options]\n\"{key}\" = \"${{KAFKA_PASSWORD}}\"\n"
+                );
+                let (c, _) = Config::from_toml(&text, &e).unwrap();
+                if let Err(err) = crate::kafka::KafkaSink::new(&c.kafka, Duration::from_secs(1)) {
+                    let err = err.to_string();
+                    assert!(!err.contains(secret), "{key}={secret:?} in {err}");
+                    assert!(err.contains(key), "{key}: {err}");
+                }
+            }
+            // A TOML syntax error elsewhere in the file quotes the file,
+            // which holds ${VAR}, never the value.
+            let text = "[postgres]\nurl = \"postgres://u:${PGPASSWORD}@h/db\"\nbad = = 1\n";
+            let err = Config::from_toml(text, &e).unwrap_err().to_string();
+            assert!(!err.contains(secret), "{secret:?} in {err}");
+        }
     }
 
     #[test]

@@ -33,7 +33,7 @@ use crate::routing::KafkaRecord;
 #[derive(Debug, thiserror::Error)]
 pub enum KafkaSinkError {
     #[error("invalid Kafka client settings: {0}; check kafka.brokers and kafka.options")]
-    Config(KafkaError),
+    Config(String),
     #[error("cannot reach the Kafka brokers {brokers}: {source}; check kafka.brokers and the network")]
     Unreachable { brokers: String, source: KafkaError },
     #[error("topic {topic:?} does not exist and kafka.create_topics is false: create it (for example kafka-topics.sh --create --topic {topic} --partitions N --replication-factor N) or set kafka.create_topics = true")]
@@ -129,6 +129,26 @@ impl Refusal {
             _ => Refusal::Transient,
         }
     }
+}
+
+/// librdkafka's complaint about a setting, naming the key but never its
+/// value: librdkafka quotes values, and `kafka.options` holds passwords.
+fn describe_config_error(e: &KafkaError, cfg: &KafkaConfig) -> String {
+    let mut text = match e {
+        KafkaError::ClientConfig(_, description, key, _) => format!("{description} (key {key:?})"),
+        other => other.to_string(),
+    };
+    let mut values: Vec<&str> = cfg
+        .options
+        .values()
+        .map(String::as_str)
+        .filter(|v| v.len() > 1)
+        .collect();
+    values.sort_by_key(|v| std::cmp::Reverse(v.len()));
+    for v in values {
+        text = text.replace(v, "<redacted>");
+    }
+    text
 }
 
 /// The librdkafka settings for a config.
@@ -235,11 +255,11 @@ impl KafkaSink {
         if one_per_batch {
             client.set("batch.num.messages", "1");
         }
-        let producer: FutureProducer = client.create().map_err(KafkaSinkError::Config)?;
-        let admin: AdminClient<DefaultClientContext> =
-            client_config(cfg).create().map_err(KafkaSinkError::Config)?;
+        let bad_config = |e| KafkaSinkError::Config(describe_config_error(&e, cfg));
+        let producer: FutureProducer = client.create().map_err(bad_config)?;
+        let admin: AdminClient<DefaultClientContext> = client_config(cfg).create().map_err(bad_config)?;
         let probe_client: AdminClient<DefaultClientContext> =
-            client_config(cfg).create().map_err(KafkaSinkError::Config)?;
+            client_config(cfg).create().map_err(bad_config)?;
         Ok(KafkaSink {
             probe: BrokerProbe {
                 client: std::sync::Arc::new(probe_client),

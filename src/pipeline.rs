@@ -75,6 +75,7 @@ use crate::pg::admin::{self, AdminError, SlotState};
 use crate::pg::connection::{ReplicationConnection, StartOptions};
 use crate::pg::error::PgError;
 use crate::pg::outbox_stream::{OutboxStream, StreamError, StreamEvent};
+use crate::pg::publication::{self, GuardState};
 use crate::progress::{AckTracker, TxnId};
 use crate::routing::{
     build_record, dead_letter_for_record, dead_letter_for_row, dead_letter_for_unreadable, KafkaRecord,
@@ -107,8 +108,10 @@ pub enum RelayError {
     },
     #[error("the dead-letter topic failed, so a poison row cannot be set aside: {0}; outboxd stops rather than skip it")]
     DeadLetterFailed(String),
-    #[error("publication {0} does not exist and postgres.create_publication is false: create it with CREATE PUBLICATION ... FOR TABLE ... WITH (publish = 'insert')")]
-    NoPublication(String),
+    #[error("{reason}. The publication changed while outboxd streamed, so outbox rows committed after WAL {verified} may never have been sent; outboxd has not confirmed past {verified}. Fix the publication, then re-publish the outbox rows committed since then (consumers deduplicate by id) before you restart: a restart streams that WAL with the publication as it was, and would skip such rows again")]
+    PublicationChanged { verified: Lsn, reason: String },
+    #[error("cannot read the publication's state to prove delivery: {0}")]
+    GuardFailed(String),
     #[error("the server ended the replication stream")]
     StreamEnded,
     #[error("replication protocol out of order: {0}")]
@@ -125,10 +128,13 @@ impl RelayError {
     /// A short, bounded label for `outboxd_publish_errors_total{reason}`.
     pub fn reason(&self) -> &'static str {
         match self {
-            RelayError::Admin(_) | RelayError::NoPublication(_) | RelayError::SlotInvalidated(_) => {
+            RelayError::Admin(_) | RelayError::PublicationChanged { .. } | RelayError::SlotInvalidated(_) => {
                 "postgres_setup"
             }
-            RelayError::Pg(_) | RelayError::StreamEnded | RelayError::LeadershipLost => "postgres_stream",
+            RelayError::Pg(_)
+            | RelayError::StreamEnded
+            | RelayError::LeadershipLost
+            | RelayError::GuardFailed(_) => "postgres_stream",
             RelayError::Stream(_) | RelayError::OutOfOrder(_) => "decode",
             RelayError::Kafka(e) => e.reason(),
             RelayError::Poison { .. } => "poison",
@@ -149,11 +155,12 @@ impl RelayError {
             RelayError::StreamEnded
             | RelayError::OutOfOrder(_)
             | RelayError::LeadershipLost
-            | RelayError::BatchRefused { .. } => true,
+            | RelayError::BatchRefused { .. }
+            | RelayError::GuardFailed(_) => true,
             RelayError::KafkaDenied { .. }
             | RelayError::Poison { .. }
             | RelayError::DeadLetterFailed(_)
-            | RelayError::NoPublication(_)
+            | RelayError::PublicationChanged { .. }
             | RelayError::SlotInvalidated(_) => false,
         }
     }
@@ -267,6 +274,8 @@ struct Session {
     tracker: AckTracker,
     received: Lsn,
     open: Option<TxnId>,
+    /// The publication guard: nothing past its verified LSN is confirmed.
+    guard: watch::Receiver<GuardState>,
     /// The open transaction's commit time, in ms since the Unix epoch.
     open_commit_ms: i64,
     /// This session's producer sends one record per batch (see
@@ -299,9 +308,15 @@ fn now_micros() -> i64 {
 const EAGER_CONFIRM: Duration = Duration::from_millis(100);
 
 impl Session {
-    /// Reports write = received and flush = apply = the tracker's flushed LSN.
+    /// What may be confirmed: acknowledged (the tracker) and proven to
+    /// have reached outboxd if it was an outbox row (the guard).
+    fn confirmable(&self) -> Lsn {
+        self.tracker.flushed().min(self.guard.borrow().verified())
+    }
+
+    /// Reports write = received and flush = apply = the confirmable LSN.
     async fn send_status(&mut self, stream: &mut OutboxStream, reply_requested: bool) -> Result<(), PgError> {
-        let flushed = self.tracker.flushed();
+        let flushed = self.confirmable();
         stream
             .send_status(self.received, flushed, reply_requested)
             .await?;
@@ -540,23 +555,14 @@ impl Relay {
         }
     }
 
-    async fn connect(&self) -> Result<(OutboxStream, Lsn), RelayError> {
+    async fn connect(&self) -> Result<(OutboxStream, Lsn, watch::Receiver<GuardState>), RelayError> {
         let v = &self.validated;
         let client = admin::connect(&v.pg).await?;
-        if self.config.postgres.create_publication {
-            admin::ensure_publication(&client, &v.publication, &v.table).await?;
+        let verified = if self.config.postgres.create_publication {
+            admin::ensure_publication(&client, &v.publication, &v.table).await?
         } else {
-            let exists = client
-                .query_opt(
-                    "SELECT 1 FROM pg_catalog.pg_publication WHERE pubname = $1",
-                    &[&v.publication.as_str()],
-                )
-                .await
-                .map_err(AdminError::from)?;
-            if exists.is_none() {
-                return Err(RelayError::NoPublication(v.publication.as_str().to_owned()));
-            }
-        }
+            publication::inspect(&client, &v.publication, &v.table).await?
+        };
         let mut repl = ReplicationConnection::connect(&v.pg).await?;
         let start = match admin::ensure_slot(&client, &mut repl, &v.slot, &v.pg.dbname).await? {
             SlotState::Created { consistent_point } => {
@@ -590,7 +596,13 @@ impl Relay {
                 }
                 _ => RelayError::Pg(e),
             })?;
-        Ok((OutboxStream::new(stream, v.table.clone()), start))
+        let table_oid = verified.table_oid;
+        let guard = publication::spawn_guard(client, v.publication.clone(), v.table.clone(), verified, start);
+        Ok((
+            OutboxStream::new(stream, v.table.clone(), table_oid),
+            start,
+            guard,
+        ))
     }
 
     async fn session(
@@ -602,7 +614,7 @@ impl Relay {
             return Ok(SessionEnd::Shutdown);
         }
         self.sink.forget_topics();
-        let (mut stream, start) = self.connect().await?;
+        let (mut stream, start, guard) = self.connect().await?;
         *streamed = true;
         tracing::info!(
             slot = self.validated.slot.as_str(),
@@ -615,6 +627,7 @@ impl Relay {
             tracker: AckTracker::new(start),
             received: start,
             open: None,
+            guard,
             open_commit_ms: 0,
             isolating: self.isolate_until.is_some(),
             deliveries: FuturesUnordered::new(),
@@ -708,6 +721,17 @@ impl Relay {
                     s.send_status(stream, idle).await?;
                     self.report(stream, s);
                 }
+                changed = s.guard.changed() => {
+                    let state = s.guard.borrow_and_update().clone();
+                    match (changed, state) {
+                        (Err(_), state) => return Err(RelayError::GuardFailed(format!("the guard ended at {}", state.verified()))),
+                        (_, GuardState::Changed { verified, reason }) => {
+                            return Err(RelayError::PublicationChanged { verified, reason })
+                        }
+                        (_, GuardState::Failed { reason, .. }) => return Err(RelayError::GuardFailed(reason)),
+                        (_, GuardState::Verified(_)) => {}
+                    }
+                }
                 _ = leader_check.tick() => {
                     if !self.election.still_held().await {
                         return Err(RelayError::LeadershipLost);
@@ -725,7 +749,7 @@ impl Relay {
             }
             // Confirm soon after acknowledgements move the flush position,
             // not only on the timer, but at most every EAGER_CONFIRM.
-            if s.tracker.flushed() > s.reported_flush && s.last_status.elapsed() >= EAGER_CONFIRM {
+            if s.confirmable() > s.reported_flush && s.last_status.elapsed() >= EAGER_CONFIRM {
                 s.send_status(stream, false).await?;
             }
         }
@@ -894,7 +918,7 @@ impl Relay {
         let m = &self.metrics;
         m.events_published.inc_by(std::mem::take(&mut s.acked));
         m.transactions.inc_by(std::mem::take(&mut s.retired));
-        let flushed = s.tracker.flushed();
+        let flushed = s.confirmable();
         // The server's WAL end: the stream reports the decoded position,
         // the poller pg_current_wal_lsn(); the WAL end only grows.
         let wal_end = stream
@@ -950,11 +974,21 @@ impl Relay {
                 }
             }
         }
+        // The guard proves WAL one round behind: give it the moment it
+        // needs to cover what was acknowledged, so a clean stop replays
+        // nothing.
+        let proof_deadline = deadline.min(Instant::now() + 4 * publication::GUARD_INTERVAL);
+        while s.confirmable() < s.tracker.flushed() && Instant::now() < proof_deadline {
+            if !matches!(*s.guard.borrow(), GuardState::Verified(_)) {
+                break;
+            }
+            let _ = tokio::time::timeout_at(proof_deadline, s.guard.changed()).await;
+        }
         if let Err(e) = s.send_status(stream, false).await {
             tracing::warn!(error = %e, "could not send the final status update");
         }
         self.report(stream, s);
-        tracing::info!(confirmed = %s.tracker.flushed(), "stopped streaming");
+        tracing::info!(confirmed = %s.confirmable(), "stopped streaming");
     }
 }
 

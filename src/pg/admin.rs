@@ -1,9 +1,10 @@
 //! Slot and publication management on an ordinary SQL connection.
 //!
-//! The publication must contain the outbox table and publish INSERTs. When
-//! it is missing outboxd creates it (`FOR TABLE … WITH (publish = 'insert')`).
-//! When it exists but is wrong, outboxd does not alter it behind the
-//! operator's back: it stops and prints the exact SQL to run.
+//! The publication must deliver every INSERT on the outbox table with every
+//! column (`publication`). When it is missing outboxd creates it (`FOR
+//! TABLE … WITH (publish = 'insert')`, unless `postgres.create_publication`
+//! is false). When it exists but is wrong, outboxd does not alter it behind
+//! the operator's back: it stops and prints the exact SQL to run.
 //!
 //! The slot is created on the replication connection (only there can a
 //! logical slot be created without holding a snapshot), after checking here
@@ -17,6 +18,7 @@ use crate::pg::connection::ReplicationConnection;
 use crate::pg::conninfo::PgConnectConfig;
 use crate::pg::error::PgError;
 use crate::pg::ident::{PublicationName, SlotName, TableName};
+use crate::pg::publication::{self, Verified};
 use crate::pg::tls;
 
 /// Setting up the publication or slot failed.
@@ -44,11 +46,29 @@ pub enum AdminError {
         publication_sql: String,
         table_sql: String,
     },
-    #[error("publication {publication} does not publish INSERTs; run: ALTER PUBLICATION {publication_sql} SET (publish = 'insert');")]
+    #[error("publication {publication} does not publish INSERTs; run: ALTER PUBLICATION {publication_sql} SET (publish = '{publish}');")]
     InsertsNotPublished {
         publication: String,
         publication_sql: String,
+        /// What it publishes now, with `insert` added.
+        publish: String,
     },
+    #[error("publication {publication} does not exist and postgres.create_publication is false; run: CREATE PUBLICATION {publication_sql} FOR TABLE {table_sql} WITH (publish = 'insert');")]
+    NoPublication {
+        publication: String,
+        publication_sql: String,
+        table_sql: String,
+    },
+    #[error("publication {publication} has {what}; outbox rows would be lost. Run: {fix}")]
+    PublicationFilters {
+        publication: String,
+        what: String,
+        fix: String,
+    },
+    #[error("outbox table {table} was renamed or replaced (it is now {now:?}); rename it back, or set postgres.table to the table the application writes and restart")]
+    TableReplaced { table: String, now: String },
+    #[error("outbox table {table} has no column {column:?}: it must follow migrations/0001_outbox.sql")]
+    NoColumn { table: String, column: &'static str },
     #[error("replication slot {slot} exists but {problem}; drop it with SELECT pg_drop_replication_slot('{slot}') or configure another slot name")]
     ForeignSlot { slot: String, problem: String },
 }
@@ -102,67 +122,40 @@ pub async fn table_exists(client: &Client, table: &TableName) -> Result<bool, Ad
     Ok(row.get(0))
 }
 
-/// What [`ensure_publication`] did.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PublicationState {
-    Created,
-    AlreadyCorrect,
-}
-
-/// Creates the publication if missing; checks it if present.
+/// Creates the publication if it is missing (`FOR TABLE … WITH (publish =
+/// 'insert')`), then proves that it delivers every outbox INSERT (see
+/// [`publication::inspect`]). An existing publication is never altered.
 pub async fn ensure_publication(
     client: &Client,
     publication: &PublicationName,
     table: &TableName,
-) -> Result<PublicationState, AdminError> {
+) -> Result<Verified, AdminError> {
     if !table_exists(client, table).await? {
         return Err(AdminError::NoTable {
             table: table.to_string(),
         });
     }
-    let existing = client
+    let exists = client
         .query_opt(
-            "SELECT pubinsert FROM pg_catalog.pg_publication WHERE pubname = $1",
+            "SELECT 1 FROM pg_catalog.pg_publication WHERE pubname = $1",
             &[&publication.as_str()],
         )
-        .await?;
-    let Some(row) = existing else {
+        .await?
+        .is_some();
+    if !exists {
         let sql = format!(
             "CREATE PUBLICATION {} FOR TABLE {} WITH (publish = 'insert')",
             publication.quoted(),
             table.quoted()
         );
         match client.batch_execute(&sql).await {
-            Ok(()) => return Ok(PublicationState::Created),
-            // Another process created it first: fall through to the checks.
+            Ok(()) => tracing::info!(publication = publication.as_str(), "created publication"),
+            // Another process created it first: inspect what it made.
             Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::DUPLICATE_OBJECT) => {}
             Err(e) => return Err(e.into()),
         }
-        return Box::pin(ensure_publication(client, publication, table)).await;
-    };
-    let publishes_inserts: bool = row.get(0);
-    if !publishes_inserts {
-        return Err(AdminError::InsertsNotPublished {
-            publication: publication.as_str().to_owned(),
-            publication_sql: publication.quoted().to_string(),
-        });
     }
-    let included = client
-        .query_one(
-            "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_publication_tables
-                             WHERE pubname = $1 AND schemaname = $2 AND tablename = $3)",
-            &[&publication.as_str(), &table.schema, &table.name],
-        )
-        .await?;
-    if !included.get::<_, bool>(0) {
-        return Err(AdminError::TableNotPublished {
-            publication: publication.as_str().to_owned(),
-            table: table.to_string(),
-            publication_sql: publication.quoted().to_string(),
-            table_sql: table.quoted().to_string(),
-        });
-    }
-    Ok(PublicationState::AlreadyCorrect)
+    publication::inspect(client, publication, table).await
 }
 
 /// A row of `pg_replication_slots`.

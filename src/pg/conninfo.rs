@@ -120,11 +120,24 @@ pub enum ConnInfoError {
     UnknownParam(String),
 }
 
+/// Percent-decoding as libpq does it: `%XX` only. A `+` stays a plus (it
+/// is a space only in HTML form encoding, which libpq does not use).
 fn decode(s: &str) -> String {
-    url::form_urlencoded::parse(format!("x={s}").as_bytes())
-        .next()
-        .map(|(_, v)| v.into_owned())
+    percent_encoding::percent_decode_str(s)
+        .decode_utf8_lossy()
+        .into_owned()
+}
+
+/// The query's `key=value` pairs, percent-decoded as libpq does.
+fn query_pairs(url: &url::Url) -> impl Iterator<Item = (String, String)> + '_ {
+    url.query()
         .unwrap_or_default()
+        .split('&')
+        .filter(|kv| !kv.is_empty())
+        .map(|kv| {
+            let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
+            (decode(k), decode(v))
+        })
 }
 
 impl FromStr for PgConnectConfig {
@@ -150,9 +163,8 @@ impl FromStr for PgConnectConfig {
         let mut application_name = "outboxd".to_owned();
         let mut connect_timeout = Duration::from_secs(10);
 
-        for (k, v) in url.query_pairs() {
-            let v = v.into_owned();
-            match k.as_ref() {
+        for (k, v) in query_pairs(&url) {
+            match k.as_str() {
                 "host" => host = Some(v),
                 "port" => {
                     port = Some(v.parse().map_err(|_| ConnInfoError::Invalid {
@@ -309,5 +321,19 @@ mod tests {
         assert!(err("postgres://a@h/db?port=x").contains("port"));
         assert!(err("postgres://a@h1,h2/db").contains("several hosts"));
         assert!(err("not a url").contains("not a valid URL"));
+    }
+
+    #[test]
+    fn decoding_follows_libpq_not_html_forms() {
+        // '+' is a plus; %2B, %26, %3D, %40, %2F, %25 and UTF-8 decode.
+        let c =
+            parse("postgres://us%2Ber+1:p+w%26d%3D%40%2F%25%C3%BC@db/or+ders%20x?application_name=a+b%26c");
+        assert_eq!(c.user, "us+er+1");
+        assert_eq!(c.password.as_deref(), Some("p+w&d=@/%ü"));
+        assert_eq!(c.dbname, "or+ders x");
+        assert_eq!(c.application_name, "a+b&c");
+        let q = parse("postgres://app@h/db?password=a%2Bb+c%26d&user=x%3Dy");
+        assert_eq!(q.password.as_deref(), Some("a+b+c&d"));
+        assert_eq!(q.user, "x=y");
     }
 }

@@ -7,6 +7,8 @@
 //! * [`pgoutput`]: the pure pgoutput decoder;
 //! * [`outbox_stream`]: the decoded stream reduced to outbox transactions;
 //! * [`admin`]: publication and slot management on an ordinary connection;
+//! * [`publication`]: proof that the publication delivers every outbox
+//!   INSERT, at start and, through a guard, while streaming;
 //! * [`ident`]: validated, quoted SQL names.
 
 pub mod admin;
@@ -17,4 +19,5 @@ pub mod error;
 pub mod ident;
 pub mod outbox_stream;
 pub mod pgoutput;
+pub mod publication;
 pub mod tls;

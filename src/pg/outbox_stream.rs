@@ -65,6 +65,8 @@ pub enum StreamError {
     Row { lsn: Lsn, source: RowError },
     #[error("INSERT at {lsn} refers to relation {relation_id}, which was never described; the stream is out of sync")]
     UnknownRelation { lsn: Lsn, relation_id: u32 },
+    #[error("the stream describes {found} where the outbox table {table} was (the table was renamed, or dropped and created again): rename it back, or set postgres.table and restart; outbox rows written meanwhile may need to be re-published")]
+    TableChanged { lsn: Lsn, table: String, found: String },
 }
 
 impl StreamError {
@@ -73,7 +75,7 @@ impl StreamError {
         match self {
             StreamError::Pg(e) => e.is_transient(),
             StreamError::UnknownRelation { .. } => true,
-            StreamError::Row { .. } => false,
+            StreamError::Row { .. } | StreamError::TableChanged { .. } => false,
         }
     }
 }
@@ -84,6 +86,8 @@ pub struct OutboxStream {
     stream: ReplicationStream,
     decoder: PgOutputDecoder,
     table: TableName,
+    /// The outbox table's oid, as proven at start: rows are matched by it.
+    table_oid: u32,
     /// Relation id → outbox column positions; `None` for other tables.
     relations: HashMap<u32, Option<OutboxColumns>>,
     /// The server's WAL end, from the latest XLogData or keepalive.
@@ -91,11 +95,12 @@ pub struct OutboxStream {
 }
 
 impl OutboxStream {
-    pub fn new(stream: ReplicationStream, table: TableName) -> Self {
+    pub fn new(stream: ReplicationStream, table: TableName, table_oid: u32) -> Self {
         OutboxStream {
             stream,
             decoder: PgOutputDecoder::new(),
             table,
+            table_oid,
             relations: HashMap::new(),
             server_wal_end: Lsn::ZERO,
         }
@@ -147,7 +152,17 @@ impl OutboxStream {
                 commit_time: c.commit_time,
             }),
             LogicalMessage::Relation(rel) => {
-                let is_outbox = rel.namespace == self.table.schema && rel.name == self.table.name;
+                let same_name = rel.namespace == self.table.schema && rel.name == self.table.name;
+                let is_outbox = rel.id == self.table_oid;
+                // A renamed outbox table would otherwise look like another
+                // table, and its rows would be skipped without a trace.
+                if is_outbox != same_name {
+                    return Err(StreamError::TableChanged {
+                        lsn,
+                        table: self.table.to_string(),
+                        found: format!("{}.{} (oid {})", rel.namespace, rel.name, rel.id),
+                    });
+                }
                 let columns = if is_outbox {
                     Some(
                         OutboxColumns::from_relation(&rel)

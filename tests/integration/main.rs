@@ -8,6 +8,7 @@ mod cluster;
 mod harness;
 mod kafka_rules;
 mod operations;
+mod publication;
 mod relay;
 mod reliability;
 mod replication;

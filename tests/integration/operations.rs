@@ -437,3 +437,80 @@ async fn retention_keeps_what_a_polling_relay_has_not_published() {
         "CDC mode trims every old row"
     );
 }
+
+/// A password that breaks TOML, URLs and HTML-form decoding authenticates
+/// with SCRAM through `postgres.password` (from `${VAR}`, no encoding) and
+/// through a libpq-encoded URL (a literal `+` is a plus), and no output of
+/// `outboxd check` ever shows it, not even when it is wrong.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_passwords_authenticate_and_never_show() {
+    let db = TestDb::new("ops_hostile").await;
+    let client = db.client().await;
+    let password = "p\"a\\s+s&w%o=r d@/#ü'";
+    client
+        .batch_execute(&format!(
+            "CREATE ROLE hostile LOGIN REPLICATION PASSWORD '{}'; GRANT SELECT ON outbox TO hostile;",
+            password.replace('\'', "''")
+        ))
+        .await
+        .unwrap();
+    let base = db.url("hostile", None);
+    // Every reserved character percent-encoded, the '+' left as it is.
+    let encoded: String = password
+        .chars()
+        .map(|c| match c {
+            '+' => "+".to_owned(),
+            c if c.is_ascii_alphanumeric() => c.to_string(),
+            c => c.to_string().bytes().map(|b| format!("%{b:02X}")).collect(),
+        })
+        .collect();
+    let in_url = base.replace("hostile@", &format!("hostile:{encoded}@"));
+    let dir = tempfile::tempdir().unwrap();
+    let run = |name: &str, postgres: String, env_pw: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(
+            &path,
+            format!(
+                "[postgres]\n{postgres}\ncreate_publication = true\n[kafka]\nbrokers = \"{}\"\n",
+                broker().brokers
+            ),
+        )
+        .unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_outboxd"))
+            .args(["check", "--config"])
+            .arg(&path)
+            .env("HOSTILE_PW", env_pw)
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(!text.contains(password), "{name}: the password is shown:\n{text}");
+        assert!(
+            !text.contains(&encoded),
+            "{name}: the encoded password is shown:\n{text}"
+        );
+        (out.status.success(), text)
+    };
+    let (ok, text) = run(
+        "password_key.toml",
+        format!("url = \"{base}\"\npassword = \"${{HOSTILE_PW}}\""),
+        password,
+    );
+    assert!(ok, "postgres.password:\n{text}");
+    let (ok, text) = run("url.toml", format!("url = \"{in_url}\""), "");
+    assert!(ok, "libpq-encoded url:\n{text}");
+    let wrong = "p\"a\\s+s&w%o=r d@/#";
+    let (ok, text) = run(
+        "wrong.toml",
+        format!("url = \"{base}\"\npassword = \"${{HOSTILE_PW}}\""),
+        wrong,
+    );
+    assert!(
+        !ok && text.contains("28P01"),
+        "a wrong password fails with 28P01:\n{text}"
+    );
+    assert!(!text.contains(wrong), "the wrong password is shown:\n{text}");
+}

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use outboxd::pg::admin::{self, AdminError, PublicationState, SlotState};
+use outboxd::pg::admin::{self, AdminError, SlotState};
 use outboxd::pg::connection::{ReplicationConnection, StartOptions};
 use outboxd::pg::conninfo::PgConnectConfig;
 use outboxd::pg::error::PgError;
@@ -26,7 +26,7 @@ async fn open_stream(db: &TestDb, publication: &str, slot: &str) -> (OutboxStrea
     let publication = PublicationName::new(publication).unwrap();
     let slot = SlotName::new(slot).unwrap();
     let table = TableName::new("public.outbox").unwrap();
-    admin::ensure_publication(&client, &publication, &table)
+    let verified = admin::ensure_publication(&client, &publication, &table)
         .await
         .expect("publication");
     let mut repl = ReplicationConnection::connect(&cfg)
@@ -45,7 +45,7 @@ async fn open_stream(db: &TestDb, publication: &str, slot: &str) -> (OutboxStrea
         })
         .await
         .expect("START_REPLICATION");
-    (OutboxStream::new(stream, table), client)
+    (OutboxStream::new(stream, table, verified.table_oid), client)
 }
 
 async fn next(stream: &mut OutboxStream) -> StreamEvent {
@@ -420,13 +420,11 @@ async fn publication_problems_name_the_fix() {
     let client = admin::connect(&cfg(&db.superuser_url())).await.unwrap();
     let table = TableName::new("public.outbox").unwrap();
     let p = PublicationName::new("outboxd").unwrap();
+    let first = admin::ensure_publication(&client, &p, &table).await.unwrap();
     assert_eq!(
         admin::ensure_publication(&client, &p, &table).await.unwrap(),
-        PublicationState::Created
-    );
-    assert_eq!(
-        admin::ensure_publication(&client, &p, &table).await.unwrap(),
-        PublicationState::AlreadyCorrect
+        first,
+        "a second call finds the same proven publication"
     );
     let published: i64 = client
         .query_one(
@@ -459,7 +457,10 @@ async fn publication_problems_name_the_fix() {
     let err = admin::ensure_publication(&client, &PublicationName::new("no_inserts").unwrap(), &table)
         .await
         .unwrap_err();
-    assert!(err.to_string().contains("SET (publish = 'insert')"), "{err}");
+    assert!(
+        err.to_string().contains("SET (publish = 'insert, update')"),
+        "{err}"
+    );
     let err = admin::ensure_publication(&client, &p, &TableName::new("public.missing").unwrap())
         .await
         .unwrap_err();
