@@ -18,9 +18,9 @@ struct Args {
     /// Bootstrap brokers.
     #[arg(long, default_value = "localhost:9092")]
     brokers: String,
-    /// Stop after this many records.
-    #[arg(long, default_value_t = usize::MAX)]
-    count: usize,
+    /// Stop after this many records; exit non-zero if fewer arrive.
+    #[arg(long)]
+    count: Option<usize>,
     /// Stop when no record arrived for this many seconds.
     #[arg(long, default_value_t = 5)]
     idle_secs: u64,
@@ -38,17 +38,30 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .create()?;
     let mut tpl = TopicPartitionList::new();
     for topic in &args.topics {
-        let md = consumer.fetch_metadata(Some(topic), Duration::from_secs(10))?;
-        for t in md.topics() {
-            for p in t.partitions() {
-                tpl.add_partition_offset(topic, p.id(), Offset::Beginning)?;
+        // outboxd creates a topic with its first event: wait for it.
+        let waiting = Instant::now();
+        loop {
+            let md = consumer.fetch_metadata(Some(topic), Duration::from_secs(10))?;
+            let partitions: Vec<i32> = md
+                .topics()
+                .iter()
+                .filter(|t| t.name() == topic && t.error().is_none())
+                .flat_map(|t| t.partitions().iter().map(|p| p.id()))
+                .collect();
+            for p in &partitions {
+                tpl.add_partition_offset(topic, *p, Offset::Beginning)?;
             }
+            if !partitions.is_empty() || waiting.elapsed() > Duration::from_secs(args.idle_secs) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(200));
         }
     }
     consumer.assign(&tpl)?;
     let mut seen = 0;
     let mut last = Instant::now();
-    while seen < args.count && last.elapsed() < Duration::from_secs(args.idle_secs) {
+    let want = args.count.unwrap_or(usize::MAX);
+    while seen < want && last.elapsed() < Duration::from_secs(args.idle_secs) {
         let Some(m) = consumer.poll(Duration::from_millis(200)) else {
             continue;
         };
@@ -80,5 +93,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         );
     }
     eprintln!("{seen} record(s)");
+    if let Some(want) = args.count.filter(|want| seen < *want) {
+        let idle = args.idle_secs;
+        return Err(
+            format!("expected {want} record(s), {seen} arrived within {idle}s of the last one").into(),
+        );
+    }
     Ok(())
 }

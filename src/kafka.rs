@@ -24,7 +24,7 @@ use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord};
+use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
 
 use crate::config::KafkaConfig;
 use crate::routing::KafkaRecord;
@@ -295,7 +295,33 @@ impl KafkaSink {
             .any(|t| t.name() == topic && t.error().is_none() && !t.partitions().is_empty()))
     }
 
-    /// Makes sure `topic` exists, creating it when allowed. Cached.
+    /// Whether every partition of `topic` has a leader that serves it (it
+    /// answers ListOffsets). Asked through the producer's own client, so
+    /// that the producer's metadata is current before its first record.
+    async fn topic_ready(&self, topic: &str) -> bool {
+        let producer = self.producer.clone();
+        let (topic, timeout) = (topic.to_owned(), self.timeout);
+        tokio::task::spawn_blocking(move || {
+            let client = producer.client();
+            let Ok(md) = client.fetch_metadata(Some(&topic), timeout) else {
+                return false;
+            };
+            let Some(t) = md.topics().iter().find(|t| t.name() == topic) else {
+                return false;
+            };
+            let served = |p: &rdkafka::metadata::MetadataPartition| {
+                p.leader() >= 0
+                    && p.error().is_none()
+                    && client.fetch_watermarks(&topic, p.id(), timeout).is_ok()
+            };
+            t.error().is_none() && !t.partitions().is_empty() && t.partitions().iter().all(served)
+        })
+        .await
+        .unwrap_or(false)
+    }
+
+    /// Makes sure `topic` exists, creating it when allowed, and that every
+    /// partition is served. Cached per session.
     pub async fn ensure_topic(&mut self, topic: &str) -> Result<(), KafkaSinkError> {
         if self.known_topics.contains(topic) {
             return Ok(());
@@ -331,16 +357,22 @@ impl KafkaSink {
                 }
             }
             tracing::info!(topic, partitions = self.partitions, "created topic");
-            // Wait until metadata shows it, so the first record finds a leader.
-            let deadline = tokio::time::Instant::now() + self.timeout;
-            while !self.topic_exists(topic).await? {
-                if tokio::time::Instant::now() > deadline {
-                    return Err(KafkaSinkError::TopicNotVisible {
-                        topic: topic.to_owned(),
-                    });
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        // No record goes to a topic before every partition is served. A
+        // broker creates a new topic's partitions one after another, and
+        // librdkafka's idempotent producer, seeing a partition come and go,
+        // resets its sequence numbers: the broker then took a record sent
+        // later as a duplicate of one it never stored, and the delivery
+        // report said "delivered". Seen on Kafka 4.4 with librdkafka 2.12
+        // (the quick start lost the first order on a fresh broker).
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        while !self.topic_ready(topic).await {
+            if tokio::time::Instant::now() > deadline {
+                return Err(KafkaSinkError::TopicNotVisible {
+                    topic: topic.to_owned(),
+                });
             }
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
         self.known_topics.insert(topic.to_owned());
         Ok(())
