@@ -40,9 +40,11 @@ fetch() {
   command -v mvn >/dev/null || die "Maven is missing: install it (apt-get install maven; scripts/setup.sh does)"
   printf 'kafka.sh: fetching Apache Kafka %s from Maven Central into %s\n' "$version" "$home" >&2
   rm -rf "$home/libs.new"
+  mkdir -p "$home"
   mvn -B -q -Dstyle.color=never -Dmaven.repo.local="$m2" -f "$pom" \
     org.apache.maven.plugins:maven-dependency-plugin:3.8.1:copy-dependencies \
-    -DincludeScope=runtime -DoutputDirectory="$home/libs.new" >&2
+    -DincludeScope=runtime -DoutputDirectory="$home/libs.new" >"$home/fetch.log" 2>&1 \
+    || die "Maven could not fetch the broker's jars: $(tail -n 20 "$home/fetch.log")"
   [ -f "$home/libs.new/kafka_2.13-$version.jar" ] || die "Maven did not deliver kafka_2.13-$version.jar"
   rm -rf "$home/libs"
   mv "$home/libs.new" "$home/libs"

@@ -51,15 +51,15 @@ if command -v rustup >/dev/null; then
 fi
 
 # Apache Kafka, the local broker of the tests, the demo and the benchmark:
-# a JDK and Maven from Debian, the broker's jars from Maven Central.
-if [ -z "${OUTBOXD_TEST_KAFKA_BROKERS:-}" ]; then
-  missing=()
-  command -v java >/dev/null || missing+=(openjdk-17-jre-headless)
-  command -v mvn >/dev/null || missing+=(maven)
-  if [ "${#missing[@]}" -gt 0 ]; then
-    log "installing ${missing[*]}"
-    apt_install "${missing[@]}"
-  fi
-  "$(dirname "$0")/kafka.sh" fetch
-  log "broker: Apache Kafka $("$(dirname "$0")/kafka.sh" version) (scripts/kafka.sh)"
+# a JDK and Maven from Debian, the broker's jars from Maven Central. Also
+# with OUTBOXD_TEST_KAFKA_BROKERS set: the tests that stop brokers, and the
+# cluster test, start brokers of their own.
+missing=()
+command -v java >/dev/null || missing+=(openjdk-17-jre-headless)
+command -v mvn >/dev/null || missing+=(maven)
+if [ "${#missing[@]}" -gt 0 ]; then
+  log "installing ${missing[*]}"
+  apt_install "${missing[@]}"
 fi
+"$(dirname "$0")/kafka.sh" fetch
+log "broker: Apache Kafka $("$(dirname "$0")/kafka.sh" version) (scripts/kafka.sh)"
