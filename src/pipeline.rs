@@ -978,11 +978,14 @@ impl Relay {
         // needs to cover what was acknowledged, so a clean stop replays
         // nothing.
         let proof_deadline = deadline.min(Instant::now() + 4 * publication::GUARD_INTERVAL);
-        while s.confirmable() < s.tracker.flushed() && Instant::now() < proof_deadline {
-            if !matches!(*s.guard.borrow(), GuardState::Verified(_)) {
+        while s.confirmable() < s.tracker.flushed() && matches!(*s.guard.borrow(), GuardState::Verified(_)) {
+            // Stop waiting at the deadline, or when the guard has ended.
+            if !matches!(
+                tokio::time::timeout_at(proof_deadline, s.guard.changed()).await,
+                Ok(Ok(()))
+            ) {
                 break;
             }
-            let _ = tokio::time::timeout_at(proof_deadline, s.guard.changed()).await;
         }
         if let Err(e) = s.send_status(stream, false).await {
             tracing::warn!(error = %e, "could not send the final status update");

@@ -345,13 +345,7 @@ pub fn dead_letter_for_row(row: &OutboxRow, poison: &Poison, topic: &str) -> Kaf
             row.aggregate_id.as_bytes().to_vec(),
         ),
     ];
-    KafkaRecord {
-        topic: topic.to_owned(),
-        key: row.aggregate_id.clone(),
-        value: out,
-        headers: dlq_headers(poison, ids),
-        timestamp_ms: dead_letter_time(),
-    }
+    dead_letter(topic, row.aggregate_id.clone(), out, dlq_headers(poison, ids))
 }
 
 /// A dead letter for a row that could not be read as an event: its id and
@@ -365,35 +359,31 @@ pub fn dead_letter_for_unreadable(row: &UnreadableRow, poison: &Poison, topic: &
     out.extend_from_slice(row.columns_json.as_bytes());
     out.push(b'}');
     let ids = vec![(header::ID.to_owned(), row.id.as_bytes().to_vec())];
-    KafkaRecord {
-        topic: topic.to_owned(),
-        key: row.aggregate_id.clone(),
-        value: out,
-        headers: dlq_headers(poison, ids),
-        timestamp_ms: dead_letter_time(),
-    }
+    dead_letter(topic, row.aggregate_id.clone(), out, dlq_headers(poison, ids))
 }
 
 /// A dead letter for a record the broker refused: the record as it was
 /// (key, value, headers), plus the `dlq.*` headers.
 pub fn dead_letter_for_record(rec: KafkaRecord, poison: &Poison, topic: &str) -> KafkaRecord {
-    KafkaRecord {
-        topic: topic.to_owned(),
-        value: if poison.omit_payload {
-            Vec::new()
-        } else {
-            rec.value
-        },
-        headers: dlq_headers(poison, rec.headers),
-        key: rec.key,
-        timestamp_ms: dead_letter_time(),
-    }
+    let value = if poison.omit_payload {
+        Vec::new()
+    } else {
+        rec.value
+    };
+    dead_letter(topic, rec.key, value, dlq_headers(poison, rec.headers))
 }
 
-/// Dead letters carry the time they were written: the row's own time may
-/// be what Kafka refused, and the dead-letter topic's limits are its own.
-fn dead_letter_time() -> i64 {
-    chrono::Utc::now().timestamp_millis()
+/// A record for the dead-letter topic. Dead letters carry the time they
+/// were written: the row's own time may be what Kafka refused, and the
+/// dead-letter topic's limits are its own.
+fn dead_letter(topic: &str, key: String, value: Vec<u8>, headers: Vec<(String, Vec<u8>)>) -> KafkaRecord {
+    KafkaRecord {
+        topic: topic.to_owned(),
+        key,
+        value,
+        headers,
+        timestamp_ms: chrono::Utc::now().timestamp_millis(),
+    }
 }
 
 /// `2026-11-30T01:02:03.000000Z`, as `to_rfc3339_opts(Micros, true)` writes

@@ -36,6 +36,29 @@ async fn read(topics: &[&str], want: usize) -> Vec<Consumed> {
     .await
 }
 
+/// Starts a relay from `text`, writes one row with `insert` once its slot
+/// exists, and returns the error it stops with (within 60 s).
+async fn stop_after_one_row(
+    client: &tokio_postgres::Client,
+    slot: &str,
+    text: &str,
+    insert: &str,
+) -> RelayError {
+    let (handle, _stop) = spawn_relay(text);
+    wait_for("the slot", Duration::from_secs(30), || async {
+        confirmed_flush(client, slot).await
+    })
+    .await;
+    client.batch_execute(insert).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(60), handle)
+        .await
+        .expect("the relay stops")
+        .unwrap()
+        .unwrap_err()
+}
+
+const ONE_ROW: &str = "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload) VALUES (gen_random_uuid(), 'Order', 'a', 't', '{}')";
+
 /// The slot still holds the row's transaction (BEGIN, INSERT, COMMIT at
 /// least): nothing confirmed past it. Other databases' WAL may legitimately
 /// move the slot, so a peek, not an LSN bound, is the proof.
@@ -185,26 +208,12 @@ async fn an_unrepresentable_timestamp_under_on_poison_stop_names_the_row() {
         "topic = \"ts-stop.{aggregate_type}\"\non_poison = \"stop\"",
         "",
     );
-    let (handle, _stop) = spawn_relay(&text);
-    wait_for("the slot", Duration::from_secs(30), || async {
-        confirmed_flush(&client, slot).await
-    })
-    .await;
     let id = Uuid::now_v7();
-    client
-        .execute(
-            "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload, created_at)
-             VALUES ($1, 'Clock', 'a', 't', '{}', 'infinity')",
-            &[&id],
-        )
-        .await
-        .unwrap();
-    let err = tokio::time::timeout(Duration::from_secs(30), handle)
-        .await
-        .expect("the relay stops")
-        .unwrap()
-        .unwrap_err();
-    assert!(matches!(err, RelayError::Poison { .. }), "{err}");
+    let insert = format!(
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload, created_at)
+         VALUES ('{id}', 'Clock', 'a', 't', '{{}}', 'infinity')"
+    );
+    let err = stop_after_one_row(&client, slot, &text, &insert).await;
     let text = err.to_string();
     assert!(
         text.contains(&id.to_string()) && text.contains("infinity"),
@@ -397,23 +406,7 @@ async fn an_impossible_replication_factor_stops_naming_the_setting() {
         "",
     )
     .replace("topic_replication_factor = 1", "topic_replication_factor = 3");
-    let (handle, _stop) = spawn_relay(&text);
-    wait_for("the slot", Duration::from_secs(30), || async {
-        confirmed_flush(&client, slot).await
-    })
-    .await;
-    client
-        .execute(
-            "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload) VALUES (gen_random_uuid(), 'Order', 'a', 't', '{}')",
-            &[],
-        )
-        .await
-        .unwrap();
-    let err = tokio::time::timeout(Duration::from_secs(30), handle)
-        .await
-        .expect("the relay stops")
-        .unwrap()
-        .unwrap_err();
+    let err = stop_after_one_row(&client, slot, &text, ONE_ROW).await;
     let text = err.to_string();
     assert!(!err.is_transient(), "{text}");
     assert!(text.contains("kafka.topic_replication_factor = 3"), "{text}");
@@ -437,29 +430,14 @@ async fn a_denied_topic_stops_without_dead_letters() {
         &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_TOPIC_AUTHORIZATION_FAILED; 50],
     );
     let slot = "rules_denied";
-    let (handle, _stop) = spawn_relay(&config_text(
+    let text = config_text(
         &db.superuser_url(),
         slot,
         &mock.bootstrap_servers(),
         "topic = \"denied.{aggregate_type}\"\non_poison = \"dead-letter\"\ndead_letter_topic = \"denied.dead-letter\"",
         "",
-    ));
-    wait_for("the slot", Duration::from_secs(30), || async {
-        confirmed_flush(&client, slot).await
-    })
-    .await;
-    client
-        .execute(
-            "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload) VALUES (gen_random_uuid(), 'Order', 'a', 't', '{}')",
-            &[],
-        )
-        .await
-        .unwrap();
-    let err = tokio::time::timeout(Duration::from_secs(60), handle)
-        .await
-        .expect("the relay stops")
-        .unwrap()
-        .unwrap_err();
+    );
+    let err = stop_after_one_row(&client, slot, &text, ONE_ROW).await;
     let text = err.to_string();
     assert!(matches!(err, RelayError::KafkaDenied { .. }), "{text}");
     assert!(text.contains("grant") && text.contains("denied.order"), "{text}");

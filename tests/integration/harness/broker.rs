@@ -374,26 +374,29 @@ impl Broker {
             .unwrap_or_else(|e| panic!("restart broker {node_id}: {e}"));
     }
 
-    /// The leader of `topic`/`partition` as the cluster reports it now.
-    pub fn leader_of(&self, topic: &str, partition: i32) -> Option<u32> {
-        let consumer = metadata_client(&self.brokers);
-        let md = consumer
+    /// A partition's metadata as the cluster reports it now.
+    fn partition<T>(
+        &self,
+        topic: &str,
+        partition: i32,
+        read: impl FnOnce(&rdkafka::metadata::MetadataPartition) -> T,
+    ) -> Option<T> {
+        let md = metadata_client(&self.brokers)
             .fetch_metadata(Some(topic), Duration::from_secs(10))
             .ok()?;
         let t = md.topics().iter().find(|t| t.name() == topic)?;
-        let p = t.partitions().iter().find(|p| p.id() == partition)?;
-        u32::try_from(p.leader()).ok()
+        t.partitions().iter().find(|p| p.id() == partition).map(read)
+    }
+
+    /// The leader of `topic`/`partition` as the cluster reports it now.
+    pub fn leader_of(&self, topic: &str, partition: i32) -> Option<u32> {
+        self.partition(topic, partition, |p| u32::try_from(p.leader()).ok())
+            .flatten()
     }
 
     /// The in-sync replica count of `topic`/`partition` as reported now.
     pub fn isr_count(&self, topic: &str, partition: i32) -> Option<usize> {
-        let consumer = metadata_client(&self.brokers);
-        let md = consumer
-            .fetch_metadata(Some(topic), Duration::from_secs(10))
-            .ok()?;
-        let t = md.topics().iter().find(|t| t.name() == topic)?;
-        let p = t.partitions().iter().find(|p| p.id() == partition)?;
-        Some(p.isr().len())
+        self.partition(topic, partition, |p| p.isr().len())
     }
 
     fn wait_brokers_registered(&self, n: usize, timeout: Duration) -> Result<(), String> {
