@@ -251,6 +251,11 @@ pub struct RoutingConfig {
     /// Where dead letters go.
     #[serde(default = "default_dead_letter_topic")]
     pub dead_letter_topic: String,
+    /// The aggregate types that may become topics: exact names, or
+    /// prefixes ending in `*`. A row of another type follows `on_poison`
+    /// and creates no topic. Unset: any aggregate type.
+    #[serde(default)]
+    pub allowed_aggregate_types: Option<Vec<String>>,
 }
 
 impl Default for RoutingConfig {
@@ -261,6 +266,7 @@ impl Default for RoutingConfig {
             value: ValueFormat::Envelope,
             on_poison: OnPoison::Stop,
             dead_letter_topic: default_dead_letter_topic(),
+            allowed_aggregate_types: None,
         }
     }
 }
@@ -603,8 +609,17 @@ impl Config {
                 "must be longer than postgres.status_interval, or outboxd is never ready",
             ));
         }
-        let topic = TopicTemplate::parse(&self.routing.topic, self.routing.lowercase_aggregate_type)
+        let mut topic = TopicTemplate::parse(&self.routing.topic, self.routing.lowercase_aggregate_type)
             .map_err(|e| invalid("routing.topic", e))?;
+        if let Some(allowed) = &self.routing.allowed_aggregate_types {
+            if allowed.is_empty() || allowed.iter().any(|a| a.is_empty() || a == "*") {
+                return Err(invalid(
+                    "routing.allowed_aggregate_types",
+                    "list the aggregate types (or prefixes ending in *); leave it out to allow any",
+                ));
+            }
+            topic = topic.allowing(allowed.clone());
+        }
         crate::routing::validate_topic(&self.routing.dead_letter_topic)
             .map_err(|e| invalid("routing.dead_letter_topic", e.to_string()))?;
         let listen: SocketAddr = self.http.listen.parse().map_err(|_| {

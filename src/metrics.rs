@@ -91,6 +91,7 @@ pub const DEAD_LETTER_REASONS: &[&str] = &[
     "empty_key",
     "bad_headers",
     "unreadable",
+    "aggregate_type_not_allowed",
 ];
 
 impl Metrics {

@@ -46,6 +46,9 @@ enum Part {
 pub struct TopicTemplate {
     parts: Vec<Part>,
     lowercase_aggregate_type: bool,
+    /// `routing.allowed_aggregate_types`: exact names, or prefixes ending
+    /// in `*`. `None` allows any aggregate type.
+    allowed: Option<Vec<String>>,
 }
 
 fn topic_char(c: char) -> bool {
@@ -92,12 +95,32 @@ impl TopicTemplate {
         }
         Ok(TopicTemplate {
             parts,
+            allowed: None,
             lowercase_aggregate_type,
         })
     }
 
     /// The topic for a row; checked against Kafka's naming rules.
+    /// Only these aggregate types may become topics: exact names, or
+    /// prefixes ending in `*` (`Order*`).
+    pub fn allowing(mut self, allowed: Vec<String>) -> Self {
+        self.allowed = Some(allowed);
+        self
+    }
+
+    fn allows(&self, aggregate_type: &str) -> bool {
+        self.allowed.as_ref().is_none_or(|list| {
+            list.iter().any(|a| match a.strip_suffix('*') {
+                Some(prefix) => aggregate_type.starts_with(prefix),
+                None => a == aggregate_type,
+            })
+        })
+    }
+
     pub fn render(&self, aggregate_type: &str, event_type: &str) -> Result<String, RecordError> {
+        if !self.allows(aggregate_type) {
+            return Err(RecordError::AggregateTypeNotAllowed(aggregate_type.to_owned()));
+        }
         let mut topic = String::with_capacity(32);
         for p in &self.parts {
             match p {
@@ -147,6 +170,8 @@ pub enum RecordError {
     HeadersNotObject(String),
     #[error("created_at {0} cannot be written as an RFC 3339 time (years 0001 to 9999) in the envelope's occurredAt")]
     Timestamp(String),
+    #[error("aggregate_type {0:?} is not in routing.allowed_aggregate_types, so no topic is made for it")]
+    AggregateTypeNotAllowed(String),
 }
 
 impl RecordError {
@@ -157,6 +182,7 @@ impl RecordError {
             RecordError::EmptyKey => "empty_key",
             RecordError::HeadersNotObject(_) => "bad_headers",
             RecordError::Timestamp(_) => "bad_timestamp",
+            RecordError::AggregateTypeNotAllowed(_) => "aggregate_type_not_allowed",
         }
     }
 }
@@ -667,5 +693,21 @@ mod tests {
             assert!(DEAD_LETTER_REASONS.contains(&reason), "{reason}");
         }
         assert!(DEAD_LETTER_REASONS.contains(&"unreadable"));
+    }
+
+    #[test]
+    fn only_allowed_aggregate_types_become_topics() {
+        let t = default_topic().allowing(vec!["Order".into(), "Pay*".into()]);
+        assert_eq!(t.render("Order", "x").unwrap(), "order.events");
+        assert_eq!(t.render("Payment", "x").unwrap(), "payment.events");
+        for bad in ["order", "Orders", "Spam", "", "Pa"] {
+            let e = t.render(bad, "x").unwrap_err();
+            assert_eq!(e.reason(), "aggregate_type_not_allowed", "{bad:?}");
+            assert!(crate::metrics::DEAD_LETTER_REASONS.contains(&e.reason()));
+        }
+        assert!(
+            default_topic().render("Anything", "x").is_ok(),
+            "no list: any type"
+        );
     }
 }

@@ -548,3 +548,68 @@ async fn the_first_records_to_new_topics_all_land() {
         "topics without their 2 records after the slot confirmed them: {short:?}"
     );
 }
+
+/// With `routing.allowed_aggregate_types`, a row of another aggregate type
+/// creates no topic: it follows `on_poison` (here a dead letter) and the
+/// rows around it flow on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aggregate_types_outside_the_allow_list_create_no_topic() {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    let db = TestDb::new("rules_allow").await;
+    let client = db.client().await;
+    let slot = "rules_allow";
+    let (handle, stop) = spawn_relay(&config_text(
+        &db.superuser_url(),
+        slot,
+        &broker().brokers,
+        "topic = \"allow.{aggregate_type}\"\nallowed_aggregate_types = [\"Order\", \"Pay*\"]\non_poison = \"dead-letter\"\ndead_letter_topic = \"allow.dead-letter\"",
+        "",
+    ));
+    wait_for("the slot", Duration::from_secs(30), || async {
+        confirmed_flush(&client, slot).await
+    })
+    .await;
+    client
+        .batch_execute(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload) VALUES
+               (gen_random_uuid(), 'Order', 'a', 't', '{}'),
+               (gen_random_uuid(), 'Spam', 'a', 't', '{}'),
+               (gen_random_uuid(), 'Payment', 'a', 't', '{}'),
+               (gen_random_uuid(), 'spam-typo', 'a', 't', '{}'),
+               (gen_random_uuid(), 'Order', 'a', 't', '{}')",
+        )
+        .await
+        .unwrap();
+    let dlq = read(&["allow.dead-letter"], 2).await;
+    assert_eq!(dlq.len(), 2);
+    assert!(dlq
+        .iter()
+        .all(|d| d.header("dlq.reason") == Some("aggregate_type_not_allowed")));
+    assert_eq!(read(&["allow.order"], 2).await.len(), 2);
+    assert_eq!(read(&["allow.payment"], 1).await.len(), 1);
+    let last = crate::relay::current_lsn(&client).await;
+    wait_for("the slot past the rows", Duration::from_secs(30), || async {
+        (confirmed_flush(&client, slot).await? >= last).then_some(())
+    })
+    .await;
+    let brokers = broker().brokers.clone();
+    let made: Vec<String> = tokio::task::spawn_blocking(move || {
+        let c: BaseConsumer = rdkafka::ClientConfig::new()
+            .set("bootstrap.servers", &brokers)
+            .create()
+            .unwrap();
+        let md = c.fetch_metadata(None, Duration::from_secs(10)).unwrap();
+        md.topics()
+            .iter()
+            .map(|t| t.name().to_owned())
+            .filter(|n| n.starts_with("allow."))
+            .collect()
+    })
+    .await
+    .unwrap();
+    assert!(
+        !made.iter().any(|t| t.contains("spam")),
+        "no topic for a type outside the list: {made:?}"
+    );
+    stop_relay(handle, stop).await;
+}
