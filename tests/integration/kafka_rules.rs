@@ -11,7 +11,9 @@ use uuid::Uuid;
 
 use crate::harness::broker::{broker, consume, Consumed};
 use crate::harness::{wait_for, TestDb};
-use crate::relay::{config_text, confirmed_flush, pending_in_released_slot, spawn_relay, stop_relay};
+use crate::relay::{
+    config_text, confirmed_flush, pending_in_released_slot, spawn_relay_with_slot, stop_relay,
+};
 
 fn now_ms() -> i64 {
     SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as i64
@@ -44,11 +46,7 @@ async fn stop_after_one_row(
     text: &str,
     insert: &str,
 ) -> RelayError {
-    let (handle, _stop) = spawn_relay(text);
-    wait_for("the slot", Duration::from_secs(30), || async {
-        confirmed_flush(client, slot).await
-    })
-    .await;
+    let (handle, _stop) = spawn_relay_with_slot(client, slot, text).await;
     client.batch_execute(insert).await.unwrap();
     tokio::time::timeout(Duration::from_secs(60), handle)
         .await
@@ -139,11 +137,7 @@ async fn timestamps_at_every_edge_are_published_or_dead_lettered_in_both_value_m
             ),
             "",
         );
-        let (handle, stop) = spawn_relay(&text);
-        wait_for("the slot", Duration::from_secs(30), || async {
-            confirmed_flush(&client, &slot).await
-        })
-        .await;
+        let (handle, stop) = spawn_relay_with_slot(&client, &slot, &text).await;
         let (ids, before, after) = write_edges(&client, mode).await;
         let dead: Vec<usize> = (0..ids.len())
             .filter(|&i| mode == "envelope" && EDGE_TIMESTAMPS[i].1 == Edge::NotInEnvelope)
@@ -254,11 +248,7 @@ async fn a_refused_batch_sets_aside_only_the_record_that_is_too_large() {
         // Batches of many records, well past the topic's limit.
         "[kafka.options]\n\"linger.ms\" = \"200\"",
     );
-    let (handle, stop) = spawn_relay(&text);
-    wait_for("the slot", Duration::from_secs(30), || async {
-        confirmed_flush(&client, slot).await
-    })
-    .await;
+    let (handle, stop) = spawn_relay_with_slot(&client, slot, &text).await;
     // 60 rows of ~300 bytes in one transaction, the 31st of 6,000 bytes.
     let ids: Vec<Uuid> = (0..60).map(|_| Uuid::now_v7()).collect();
     let payloads: Vec<serde_json::Value> = (0..60)
@@ -345,11 +335,7 @@ async fn unreadable_rows_of_a_custom_schema_are_dead_lettered_with_their_columns
         "",
     )
     .replace("[postgres]\n", "[postgres]\ntable = \"public.events_out\"\n");
-    let (handle, stop) = spawn_relay(&text);
-    wait_for("the slot", Duration::from_secs(30), || async {
-        confirmed_flush(&client, slot).await
-    })
-    .await;
+    let (handle, stop) = spawn_relay_with_slot(&client, slot, &text).await;
     let good = Uuid::now_v7().to_string();
     let after = Uuid::now_v7().to_string();
     let null_payload = Uuid::now_v7().to_string();
@@ -475,16 +461,17 @@ async fn the_first_records_to_new_topics_all_land() {
         let client = db.client().await;
         let slot = format!("rules_fresh_{round}");
         let prefix = format!("fresh{round}");
-        let (handle, stop) = spawn_relay(&config_text(
-            &db.superuser_url(),
+        let (handle, stop) = spawn_relay_with_slot(
+            &client,
             &slot,
-            &own.brokers,
-            &format!("topic = \"{prefix}.{{aggregate_type}}\""),
-            "",
-        ));
-        wait_for("the slot", Duration::from_secs(30), || async {
-            confirmed_flush(&client, &slot).await
-        })
+            &config_text(
+                &db.superuser_url(),
+                &slot,
+                &own.brokers,
+                &format!("topic = \"{prefix}.{{aggregate_type}}\""),
+                "",
+            ),
+        )
         .await;
         for t in 0..TOPICS {
             client
@@ -558,17 +545,13 @@ async fn aggregate_types_outside_the_allow_list_create_no_topic() {
     let db = TestDb::new("rules_allow").await;
     let client = db.client().await;
     let slot = "rules_allow";
-    let (handle, stop) = spawn_relay(&config_text(
+    let (handle, stop) = spawn_relay_with_slot(&client, slot, &config_text(
         &db.superuser_url(),
         slot,
         &broker().brokers,
         "topic = \"allow.{aggregate_type}\"\nallowed_aggregate_types = [\"Order\", \"Pay*\"]\non_poison = \"dead-letter\"\ndead_letter_topic = \"allow.dead-letter\"",
         "",
-    ));
-    wait_for("the slot", Duration::from_secs(30), || async {
-        confirmed_flush(&client, slot).await
-    })
-    .await;
+    )).await;
     client
         .batch_execute(
             "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload) VALUES

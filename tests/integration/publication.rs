@@ -11,7 +11,9 @@ use outboxd::Lsn;
 
 use crate::harness::broker::broker;
 use crate::harness::{wait_for, TestDb};
-use crate::relay::{bin, config_text, confirmed_flush, current_lsn, spawn_relay, stop_relay, write_config};
+use crate::relay::{
+    bin, config_text, confirmed_flush, current_lsn, spawn_relay_with_slot, stop_relay, write_config,
+};
 
 /// The statement an error names: what follows its last "run: ".
 fn statement(message: &str) -> String {
@@ -124,16 +126,17 @@ async fn change_while_streaming(name: &str, change: &str, after: &str) -> (Relay
     let slot = &format!("pub_live_{name}");
     let (change, after) = (change.replace("{pub}", slot), after.replace("{pub}", slot));
     let (change, after) = (change.as_str(), after.as_str());
-    let (handle, stop) = spawn_relay(&config_text(
-        &db.superuser_url(),
+    let (handle, stop) = spawn_relay_with_slot(
+        &client,
         slot,
-        &broker().brokers,
-        &format!("topic = \"pub-{name}.{{aggregate_type}}\""),
-        "",
-    ));
-    wait_for("the slot", Duration::from_secs(30), || async {
-        confirmed_flush(&client, slot).await
-    })
+        &config_text(
+            &db.superuser_url(),
+            slot,
+            &broker().brokers,
+            &format!("topic = \"pub-{name}.{{aggregate_type}}\""),
+            "",
+        ),
+    )
     .await;
     let insert = "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload) VALUES (gen_random_uuid(), 'Order', 'a', 't', '{}')";
     client.batch_execute(insert).await.unwrap();
@@ -231,16 +234,17 @@ async fn harmless_changes_keep_the_relay_running() {
     let client = db.client().await;
     client.batch_execute("CREATE TABLE other (id int)").await.unwrap();
     let slot = "pub_harmless";
-    let (handle, stop) = spawn_relay(&config_text(
-        &db.superuser_url(),
+    let (handle, stop) = spawn_relay_with_slot(
+        &client,
         slot,
-        &broker().brokers,
-        "topic = \"pub-harmless.{aggregate_type}\"",
-        "",
-    ));
-    wait_for("the slot", Duration::from_secs(30), || async {
-        confirmed_flush(&client, slot).await
-    })
+        &config_text(
+            &db.superuser_url(),
+            slot,
+            &broker().brokers,
+            "topic = \"pub-harmless.{aggregate_type}\"",
+            "",
+        ),
+    )
     .await;
     client
         .batch_execute(

@@ -70,6 +70,20 @@ pub(crate) fn spawn_relay(text: &str) -> (JoinHandle<Result<(), RelayError>>, wa
     (handle, tx)
 }
 
+/// Spawns a relay and waits until its slot exists.
+pub(crate) async fn spawn_relay_with_slot(
+    client: &tokio_postgres::Client,
+    slot: &str,
+    text: &str,
+) -> (JoinHandle<Result<(), RelayError>>, watch::Sender<bool>) {
+    let relay = spawn_relay(text);
+    wait_for("the slot", Duration::from_secs(30), || async {
+        confirmed_flush(client, slot).await
+    })
+    .await;
+    relay
+}
+
 pub(crate) async fn stop_relay(handle: JoinHandle<Result<(), RelayError>>, tx: watch::Sender<bool>) {
     tx.send(true).unwrap();
     let result = tokio::time::timeout(Duration::from_secs(30), handle)
