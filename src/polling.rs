@@ -47,8 +47,6 @@ pub enum PollingError {
         "outbox row {id} can never be published: {error}; fix it, or set routing.on_poison = \"dead-letter\""
     )]
     Poison { id: Uuid, error: String },
-    #[error("outbox row {id} is unreadable: {error}")]
-    Row { id: Uuid, error: String },
 }
 
 impl PollingError {
@@ -57,7 +55,7 @@ impl PollingError {
             PollingError::Admin(AdminError::Connect { .. } | AdminError::Query(_)) => true,
             PollingError::Admin(_) => false,
             PollingError::Kafka(e) => e.is_transient(),
-            PollingError::Poison { .. } | PollingError::Row { .. } => false,
+            PollingError::Poison { .. } => false,
         }
     }
 }

@@ -29,6 +29,7 @@ use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 
 use super::postgres::free_port;
+use super::spawn_watchdog;
 
 /// How long a node may take from `run` to "Kafka Server started".
 const START_TIMEOUT: Duration = Duration::from_secs(120);
@@ -122,6 +123,7 @@ fn start_single() -> Result<Broker, String> {
 
 fn start_cluster(n: u32, settings: &[&str]) -> Result<Broker, String> {
     let root = temp_dir("cluster")?;
+    spawn_dir_cleanup(&root);
     let cport = free_port();
     let voters = format!("100@127.0.0.1:{cport}");
     let cluster_id = {
@@ -432,20 +434,6 @@ fn spawn_kill_watchdog(pid: u32) {
 /// Removes `dir` as soon as this test process is gone (after the JVMs die).
 fn spawn_dir_cleanup(dir: &Path) {
     spawn_watchdog(&format!("sleep 2; rm -rf '{}'", dir.display()));
-}
-
-fn spawn_watchdog(then: &str) {
-    let script = format!(
-        "while kill -0 {} 2>/dev/null; do sleep 0.5; done; {then}",
-        std::process::id()
-    );
-    let _ = Command::new("sh")
-        .arg("-c")
-        .arg(script)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn();
 }
 
 /// One consumed record, with everything the tests compare.

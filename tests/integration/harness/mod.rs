@@ -68,6 +68,23 @@ pub fn init_logs() {
     }
 }
 
+/// Runs the shell command `then` as soon as this test process is gone,
+/// however it goes (normal end, panic, SIGKILL): stopping the servers the
+/// harness started and removing their directories.
+pub fn spawn_watchdog(then: &str) {
+    let script = format!(
+        "while kill -0 {} 2>/dev/null; do sleep 0.5; done; {then}",
+        std::process::id()
+    );
+    let _ = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(script)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn();
+}
+
 /// Polls `check` until it returns `Some`, or panics after `timeout` with `what`.
 pub async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> T
 where

@@ -330,18 +330,10 @@ fn spawn_watchdog(server: &PgServer, root: &Path) {
     } else {
         stop
     };
-    let script = format!(
-        "while kill -0 {pid} 2>/dev/null; do sleep 0.5; done; {stop} >/dev/null 2>&1; rm -rf '{root}'",
-        pid = std::process::id(),
+    super::spawn_watchdog(&format!(
+        "{stop} >/dev/null 2>&1; rm -rf '{root}'",
         root = root.display()
-    );
-    let _ = Command::new("sh")
-        .arg("-c")
-        .arg(script)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn();
+    ));
 }
 
 fn wait_accepting(server: &PgServer) -> Result<(), String> {
