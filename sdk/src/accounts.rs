@@ -31,11 +31,16 @@ use serde_json::{json, Value};
 use tokio_postgres::{Client, GenericClient, Transaction};
 
 use crate::error::SdkError;
-use crate::event_store::{EventStore, EventStoreError, NewEvent, RecordedEvent};
+use crate::event_store::{AggregateKey, EventStore, EventStoreError, NewEvent, RecordedEvent};
 use crate::outbox::Headers;
 
 /// The aggregate type of accounts: outboxd publishes to `account.events`.
 pub const AGGREGATE_TYPE: &str = "Account";
+
+/// The event-store key of account `id`.
+pub fn key(id: &str) -> AggregateKey<'_> {
+    AggregateKey::new(AGGREGATE_TYPE, id)
+}
 
 /// Whether an account accepts money movements.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -365,14 +370,36 @@ impl AccountStore {
         client: &C,
         id: &str,
     ) -> Result<Option<(Account, LoadInfo)>, EventStoreError> {
-        let (mut account, snapshot_version) = match self.events.latest_snapshot(client, id).await? {
-            Some((version, state)) => {
-                let state: AccountState = serde_json::from_value(state).map_err(SdkError::from)?;
-                (Account::from_snapshot(state), Some(version))
-            }
-            None => (Account::empty(id.to_owned()), None),
-        };
-        let events = self.events.read(client, id, account.version()).await?;
+        self.load_up_to(client, id, i64::MAX).await
+    }
+
+    /// The account at version `up_to` (or its latest, if lower): the latest
+    /// snapshot at or below it plus the events after the snapshot.
+    async fn load_up_to<C: GenericClient>(
+        &self,
+        client: &C,
+        id: &str,
+        up_to: i64,
+    ) -> Result<Option<(Account, LoadInfo)>, EventStoreError> {
+        let (mut account, snapshot_version) =
+            match self.events.latest_snapshot(client, key(id), up_to).await? {
+                Some((version, state)) => {
+                    let state: AccountState = serde_json::from_value(state).map_err(SdkError::from)?;
+                    if state.version != version || state.id != id {
+                        return Err(SdkError::InvalidEvent(format!(
+                            "snapshot of account {id} at version {version} holds account {} at version {}",
+                            state.id, state.version
+                        ))
+                        .into());
+                    }
+                    (Account::from_snapshot(state), Some(version))
+                }
+                None => (Account::empty(id.to_owned()), None),
+            };
+        let events = self
+            .events
+            .read_range(client, key(id), account.version(), up_to)
+            .await?;
         if snapshot_version.is_none() && events.is_empty() {
             return Ok(None);
         }
@@ -410,12 +437,12 @@ impl AccountStore {
             .collect();
         let recorded = self
             .events
-            .append(tx, AGGREGATE_TYPE, &account.state.id, expected, &new, headers)
+            .append(tx, key(&account.state.id), expected, &new, headers)
             .await?;
         if self.events.crosses_snapshot(expected, account.version()) {
             let state = serde_json::to_value(&account.state).map_err(SdkError::from)?;
             self.events
-                .save_snapshot(tx, &account.state.id, account.version(), &state)
+                .save_snapshot(tx, key(&account.state.id), account.version(), &state)
                 .await?;
         }
         account.pending.clear();
@@ -460,21 +487,27 @@ impl AccountStore {
         })
     }
 
-    /// The account as it was at `at` (`None` if it did not exist yet).
+    /// The account as it was at `at` (`None` if it did not exist yet): the
+    /// state after [`EventStore::version_at`], which is always a prefix of
+    /// its history, loaded from the latest snapshot at or below it.
     pub async fn state_at<C: GenericClient>(
         &self,
         client: &C,
         id: &str,
         at: DateTime<Utc>,
     ) -> Result<Option<AccountState>, EventStoreError> {
-        let events = self.events.read_until(client, id, at).await?;
-        if events.is_empty() {
+        let version = self.events.version_at(client, key(id), at).await?;
+        if version == 0 {
             return Ok(None);
         }
-        Ok(Some(Account::from_history(id, &events)?.state))
+        Ok(self
+            .load_up_to(client, id, version)
+            .await?
+            .map(|(account, _)| account.state))
     }
 
-    /// The account's events between two moments, inclusive.
+    /// The events that took the account from its state just before `from`
+    /// to its state at `to` (see [`EventStore::events_between`]).
     pub async fn events_between<C: GenericClient>(
         &self,
         client: &C,
@@ -482,7 +515,7 @@ impl AccountStore {
         from: DateTime<Utc>,
         to: DateTime<Utc>,
     ) -> Result<Vec<RecordedEvent>, EventStoreError> {
-        self.events.events_between(client, id, from, to).await
+        self.events.events_between(client, key(id), from, to).await
     }
 }
 

@@ -1,16 +1,31 @@
 //! An event store on PostgreSQL (seed 004), with its events published
 //! through the outbox.
 //!
+//! An aggregate's history is keyed by [`AggregateKey`]: its type *and* its
+//! id, so `Account 42` and `Customer 42` are two histories.
+//!
 //! [`EventStore::append`] writes an aggregate's new events to `events` and
 //! one outbox row per event, in the caller's transaction. Optimistic
 //! concurrency: the append succeeds only if the aggregate is still at
 //! `expected_version`. A writer that loaded a stale version gets
 //! [`EventStoreError::ConcurrencyConflict`]. The check is an `INSERT … WHERE
-//! max(version) = expected`, and `UNIQUE (aggregate_id, version)` settles
-//! the race between two writers that both saw the same version.
+//! max(version) = expected`, and `UNIQUE (aggregate_type, aggregate_id,
+//! version)` settles the race between two writers that both saw the same
+//! version.
 //!
-//! Reads filter in SQL: after a version (for loading from a snapshot), up
-//! to a moment (time travel), or between two moments.
+//! ## Time travel
+//!
+//! `occurred_at` is the moment of the insert (`clock_timestamp()`), which
+//! is before the commit. The events that had occurred by a moment `at` are
+//! therefore not always a prefix of the versions: a writer whose transaction
+//! started earlier can still append the next version after a quicker one
+//! committed, and rows written before migration 0004 carry the start of
+//! their transaction. So reads by time never filter rows by time. They take
+//! [`EventStore::version_at`]: the versions *before the first one that
+//! occurred after `at`*. An event that occurred after `at` had not
+//! committed at `at`, and neither had any later version (each commits after
+//! the one before it), so that prefix is always a state the aggregate
+//! really passed through, and never includes an event recorded after `at`.
 
 use chrono::{DateTime, Utc};
 use serde_json::Value;
@@ -24,6 +39,28 @@ use crate::outbox::{append, Headers, OutboxEvent};
 /// Header carrying an event's aggregate version on its outbox row.
 pub const VERSION_HEADER: &str = "version";
 
+/// Which history: an aggregate's type and id together.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct AggregateKey<'a> {
+    pub aggregate_type: &'a str,
+    pub aggregate_id: &'a str,
+}
+
+impl<'a> AggregateKey<'a> {
+    pub fn new(aggregate_type: &'a str, aggregate_id: &'a str) -> Self {
+        AggregateKey {
+            aggregate_type,
+            aggregate_id,
+        }
+    }
+}
+
+impl std::fmt::Display for AggregateKey<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {}", self.aggregate_type, self.aggregate_id)
+    }
+}
+
 /// An event to append.
 #[derive(Clone, Debug, PartialEq)]
 pub struct NewEvent {
@@ -36,6 +73,7 @@ pub struct NewEvent {
 pub struct RecordedEvent {
     /// Also the id of its outbox row and Kafka record.
     pub event_id: Uuid,
+    pub aggregate_type: String,
     pub aggregate_id: String,
     pub version: i64,
     pub event_type: String,
@@ -47,6 +85,7 @@ impl RecordedEvent {
     fn from_row(row: &Row) -> Self {
         RecordedEvent {
             event_id: row.get("event_id"),
+            aggregate_type: row.get("aggregate_type"),
             aggregate_id: row.get("aggregate_id"),
             version: row.get("version"),
             event_type: row.get("type"),
@@ -59,8 +98,9 @@ impl RecordedEvent {
 /// Appending or reading failed.
 #[derive(Debug, thiserror::Error)]
 pub enum EventStoreError {
-    #[error("concurrency conflict on aggregate {aggregate_id}: it is no longer at version {expected_version}; reload it and retry the command")]
+    #[error("concurrency conflict on {aggregate_type} {aggregate_id}: it is no longer at version {expected_version}; reload it and retry the command")]
     ConcurrencyConflict {
+        aggregate_type: String,
         aggregate_id: String,
         expected_version: i64,
     },
@@ -74,7 +114,15 @@ impl From<tokio_postgres::Error> for EventStoreError {
     }
 }
 
-const COLUMNS: &str = "event_id, aggregate_id, version, type, payload, occurred_at";
+const COLUMNS: &str = "event_id, aggregate_type, aggregate_id, version, type, payload, occurred_at";
+
+/// The last version of the consistent prefix at moment `$3` of the history
+/// `($1, $2)`, or 0 (see the module doc). `>` makes an event that occurred
+/// exactly at `$3` part of the prefix.
+const VERSION_AT: &str = "coalesce(
+    (SELECT min(version) - 1 FROM events WHERE aggregate_type = $1 AND aggregate_id = $2 AND occurred_at > $3),
+    (SELECT max(version) FROM events WHERE aggregate_type = $1 AND aggregate_id = $2),
+    0)";
 
 /// The event store; `snapshot_every` is how many versions apart snapshots are.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -109,8 +157,7 @@ impl EventStore {
     pub async fn append(
         &self,
         tx: &Transaction<'_>,
-        aggregate_type: &str,
-        aggregate_id: &str,
+        key: AggregateKey<'_>,
         expected_version: i64,
         events: &[NewEvent],
         headers: &Headers,
@@ -122,24 +169,28 @@ impl EventStore {
         let versions: Vec<i64> = (1..=events.len() as i64).map(|i| expected_version + i).collect();
         let types: Vec<&str> = events.iter().map(|e| e.event_type.as_str()).collect();
         let payloads: Vec<&Value> = events.iter().map(|e| &e.payload).collect();
+        // occurred_at is set here, not left to the column default, so that
+        // tables created before migration 0004 get the insert time too.
         let sql = format!(
-            "INSERT INTO events (event_id, aggregate_type, aggregate_id, version, type, payload)
-             SELECT e.event_id, $2, $3, e.version, e.type, e.payload
+            "INSERT INTO events (event_id, aggregate_type, aggregate_id, version, type, payload, occurred_at)
+             SELECT e.event_id, $2, $3, e.version, e.type, e.payload, clock_timestamp()
                FROM unnest($4, $5, $6, $7) AS e(event_id, version, type, payload)
-              WHERE (SELECT coalesce(max(version), 0) FROM events WHERE aggregate_id = $3) = $1
+              WHERE (SELECT coalesce(max(version), 0) FROM events
+                      WHERE aggregate_type = $2 AND aggregate_id = $3) = $1
              RETURNING {COLUMNS}"
         );
         let params: [(&(dyn ToSql + Sync), Type); 7] = [
             (&expected_version, Type::INT8),
-            (&aggregate_type, Type::TEXT),
-            (&aggregate_id, Type::TEXT),
+            (&key.aggregate_type, Type::TEXT),
+            (&key.aggregate_id, Type::TEXT),
             (&ids, Type::UUID_ARRAY),
             (&versions, Type::INT8_ARRAY),
             (&types, Type::TEXT_ARRAY),
             (&payloads, Type::JSONB_ARRAY),
         ];
         let conflict = || EventStoreError::ConcurrencyConflict {
-            aggregate_id: aggregate_id.to_owned(),
+            aggregate_type: key.aggregate_type.to_owned(),
+            aggregate_id: key.aggregate_id.to_owned(),
             expected_version,
         };
         let rows = match tx.query_typed(&sql, &params).await {
@@ -161,8 +212,8 @@ impl EventStore {
                 h.insert(VERSION_HEADER, e.version.to_string());
                 OutboxEvent {
                     id: Some(e.event_id),
-                    aggregate_type: aggregate_type.to_owned(),
-                    aggregate_id: aggregate_id.to_owned(),
+                    aggregate_type: key.aggregate_type.to_owned(),
+                    aggregate_id: key.aggregate_id.to_owned(),
                     event_type: e.event_type.clone(),
                     payload: e.payload.clone(),
                     headers: h,
@@ -177,55 +228,104 @@ impl EventStore {
     pub async fn read<C: GenericClient>(
         &self,
         client: &C,
-        aggregate_id: &str,
+        key: AggregateKey<'_>,
         after_version: i64,
     ) -> Result<Vec<RecordedEvent>, EventStoreError> {
-        let sql =
-            format!("SELECT {COLUMNS} FROM events WHERE aggregate_id = $1 AND version > $2 ORDER BY version");
-        let rows = client.query(&sql, &[&aggregate_id, &after_version]).await?;
-        Ok(rows.iter().map(RecordedEvent::from_row).collect())
+        self.read_range(client, key, after_version, i64::MAX).await
     }
 
-    /// The aggregate's events that occurred at or before `at`, in order.
-    pub async fn read_until<C: GenericClient>(
+    /// The aggregate's events with `after_version < version <= up_to`, in order.
+    pub async fn read_range<C: GenericClient>(
         &self,
         client: &C,
-        aggregate_id: &str,
-        at: DateTime<Utc>,
-    ) -> Result<Vec<RecordedEvent>, EventStoreError> {
-        let sql = format!(
-            "SELECT {COLUMNS} FROM events WHERE aggregate_id = $1 AND occurred_at <= $2 ORDER BY version"
-        );
-        let rows = client.query(&sql, &[&aggregate_id, &at]).await?;
-        Ok(rows.iter().map(RecordedEvent::from_row).collect())
-    }
-
-    /// The aggregate's events with `from <= occurred_at <= to`, in order.
-    pub async fn events_between<C: GenericClient>(
-        &self,
-        client: &C,
-        aggregate_id: &str,
-        from: DateTime<Utc>,
-        to: DateTime<Utc>,
+        key: AggregateKey<'_>,
+        after_version: i64,
+        up_to: i64,
     ) -> Result<Vec<RecordedEvent>, EventStoreError> {
         let sql = format!(
             "SELECT {COLUMNS} FROM events
-              WHERE aggregate_id = $1 AND occurred_at >= $2 AND occurred_at <= $3 ORDER BY version"
+              WHERE aggregate_type = $1 AND aggregate_id = $2 AND version > $3 AND version <= $4
+              ORDER BY version"
         );
-        let rows = client.query(&sql, &[&aggregate_id, &from, &to]).await?;
+        let rows = client
+            .query(
+                &sql,
+                &[&key.aggregate_type, &key.aggregate_id, &after_version, &up_to],
+            )
+            .await?;
         Ok(rows.iter().map(RecordedEvent::from_row).collect())
     }
 
-    /// The latest snapshot: its version and state.
+    /// The aggregate's version at moment `at` (0: it did not exist yet): the
+    /// last version before the first event that occurred after `at`. See
+    /// the module doc for why this, and not a filter on `occurred_at`.
+    pub async fn version_at<C: GenericClient>(
+        &self,
+        client: &C,
+        key: AggregateKey<'_>,
+        at: DateTime<Utc>,
+    ) -> Result<i64, EventStoreError> {
+        let row = client
+            .query_one(
+                &format!("SELECT {VERSION_AT}"),
+                &[&key.aggregate_type, &key.aggregate_id, &at],
+            )
+            .await?;
+        Ok(row.get(0))
+    }
+
+    /// The aggregate's events up to its version at `at`, in order: always
+    /// a prefix of its history.
+    pub async fn read_at<C: GenericClient>(
+        &self,
+        client: &C,
+        key: AggregateKey<'_>,
+        at: DateTime<Utc>,
+    ) -> Result<Vec<RecordedEvent>, EventStoreError> {
+        let up_to = self.version_at(client, key, at).await?;
+        self.read_range(client, key, 0, up_to).await
+    }
+
+    /// The events that took the aggregate from its state just before `from`
+    /// to its state at `to`, in order (both ends inclusive): a contiguous
+    /// run of versions.
+    pub async fn events_between<C: GenericClient>(
+        &self,
+        client: &C,
+        key: AggregateKey<'_>,
+        from: DateTime<Utc>,
+        to: DateTime<Utc>,
+    ) -> Result<Vec<RecordedEvent>, EventStoreError> {
+        // Just before `from`: the versions before the first one that
+        // occurred at or after it.
+        let before: i64 = client
+            .query_one(
+                "SELECT coalesce(
+                    (SELECT min(version) - 1 FROM events
+                      WHERE aggregate_type = $1 AND aggregate_id = $2 AND occurred_at >= $3),
+                    (SELECT max(version) FROM events WHERE aggregate_type = $1 AND aggregate_id = $2),
+                    0)",
+                &[&key.aggregate_type, &key.aggregate_id, &from],
+            )
+            .await?
+            .get(0);
+        let up_to = self.version_at(client, key, to).await?;
+        self.read_range(client, key, before, up_to).await
+    }
+
+    /// The latest snapshot at or below version `up_to`: its version and state.
     pub async fn latest_snapshot<C: GenericClient>(
         &self,
         client: &C,
-        aggregate_id: &str,
+        key: AggregateKey<'_>,
+        up_to: i64,
     ) -> Result<Option<(i64, Value)>, EventStoreError> {
         let row = client
             .query_opt(
-                "SELECT version, state FROM snapshots WHERE aggregate_id = $1 ORDER BY version DESC LIMIT 1",
-                &[&aggregate_id],
+                "SELECT version, state FROM snapshots
+                  WHERE aggregate_type = $1 AND aggregate_id = $2 AND version <= $3
+                  ORDER BY version DESC LIMIT 1",
+                &[&key.aggregate_type, &key.aggregate_id, &up_to],
             )
             .await?;
         Ok(row.map(|r| (r.get(0), r.get(1))))
@@ -235,14 +335,14 @@ impl EventStore {
     pub async fn save_snapshot(
         &self,
         tx: &Transaction<'_>,
-        aggregate_id: &str,
+        key: AggregateKey<'_>,
         version: i64,
         state: &Value,
     ) -> Result<(), EventStoreError> {
         tx.execute(
-            "INSERT INTO snapshots (aggregate_id, version, state) VALUES ($1, $2, $3)
-             ON CONFLICT (aggregate_id, version) DO NOTHING",
-            &[&aggregate_id, &version, state],
+            "INSERT INTO snapshots (aggregate_type, aggregate_id, version, state) VALUES ($1, $2, $3, $4)
+             ON CONFLICT (aggregate_type, aggregate_id, version) DO NOTHING",
+            &[&key.aggregate_type, &key.aggregate_id, &version, state],
         )
         .await?;
         Ok(())

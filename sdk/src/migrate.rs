@@ -34,10 +34,21 @@ fn checksum(sql: &str) -> String {
 /// # Ok(()) }
 /// ```
 pub async fn migrate(client: &mut Client) -> Result<Vec<&'static str>, SdkError> {
+    migrate_to(client, i32::MAX).await
+}
+
+/// Applies the pending migrations numbered up to `last_version` only: for a
+/// rollout in stages, or to stay on a schema an older release expects.
+pub async fn migrate_to(client: &mut Client, last_version: i32) -> Result<Vec<&'static str>, SdkError> {
+    let wanted: Vec<Migration> = MIGRATIONS
+        .iter()
+        .filter(|m| m.version <= last_version)
+        .copied()
+        .collect();
     client
         .execute("SELECT pg_advisory_lock($1)", &[&LOCK_KEY])
         .await?;
-    let result = apply_pending(client, MIGRATIONS).await;
+    let result = apply_pending(client, &wanted).await;
     // Unlock even after a failure; the lock also ends with the session.
     let unlocked = client
         .execute("SELECT pg_advisory_unlock($1)", &[&LOCK_KEY])

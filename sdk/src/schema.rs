@@ -44,6 +44,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0003_orders.sql",
         sql: include_str!("../../migrations/0003_orders.sql"),
     },
+    Migration {
+        version: 4,
+        name: "0004_event_store_aggregate_type.sql",
+        sql: include_str!("../../migrations/0004_event_store_aggregate_type.sql"),
+    },
 ];
 
 /// PostgreSQL truncates identifiers longer than this (NAMEDATALEN - 1).

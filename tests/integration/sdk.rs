@@ -199,7 +199,7 @@ async fn stale_writer_gets_a_typed_conflict_and_overdraft_writes_nothing() {
     let tx = client.transaction().await.unwrap();
     let err = store.save(&tx, &mut b, &Headers::new()).await.unwrap_err();
     assert!(
-        matches!(&err, outbox_sdk::event_store::EventStoreError::ConcurrencyConflict { aggregate_id, expected_version: 1 } if aggregate_id == "acc-o"),
+        matches!(&err, outbox_sdk::event_store::EventStoreError::ConcurrencyConflict { aggregate_id, expected_version: 1, .. } if aggregate_id == "acc-o"),
         "{err}"
     );
     tx.rollback().await.unwrap();
@@ -268,7 +268,10 @@ async fn snapshot_plus_tail_equals_full_replay() {
         .map(|r| r.get(0))
         .collect();
     assert_eq!(snapshots, vec![100, 200]);
-    let all = EventStore::default().read(&client, "acc-s", 0).await.unwrap();
+    let all = EventStore::default()
+        .read(&client, outbox_sdk::accounts::key("acc-s"), 0)
+        .await
+        .unwrap();
     let replayed = Account::from_history("acc-s", &all).unwrap();
     assert_eq!(loaded.state(), replayed.state());
 }
@@ -355,7 +358,8 @@ async fn migrate_runs_once_even_when_two_processes_race() {
     // The lock was released after the failure.
     let held: i64 = count(
         &b,
-        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted",
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted
+          AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
     )
     .await;
     assert_eq!(held, 0);
@@ -403,4 +407,298 @@ async fn retention_deletes_in_batches_and_monitoring_reports_age() {
         .unwrap()
         .unwrap();
     assert!(age < Duration::from_secs(600));
+}
+
+#[tokio::test]
+async fn the_same_id_under_two_aggregate_types_is_two_histories() {
+    use outbox_sdk::event_store::{AggregateKey, NewEvent};
+    let db = TestDb::new("sdk_two_types").await;
+    let mut client = db.client().await;
+    let store = EventStore::default();
+    let event = |t: &str| NewEvent {
+        event_type: t.into(),
+        payload: json!({}),
+    };
+    let account = AggregateKey::new("Account", "42");
+    let customer = AggregateKey::new("Customer", "42");
+    for (key, types) in [
+        (account, vec!["AccountOpened", "DepositMade"]),
+        (customer, vec!["CustomerRegistered"]),
+    ] {
+        let tx = client.transaction().await.unwrap();
+        let new: Vec<NewEvent> = types.iter().map(|t| event(t)).collect();
+        store
+            .append(&tx, key, 0, &new, &Headers::new())
+            .await
+            .unwrap_or_else(|e| panic!("{key} starts at version 0: {e}"));
+        tx.commit().await.unwrap();
+    }
+    let history = |events: Vec<outbox_sdk::event_store::RecordedEvent>| {
+        events
+            .into_iter()
+            .map(|e| (e.aggregate_type, e.version, e.event_type))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        history(store.read(&client, account, 0).await.unwrap()),
+        vec![
+            ("Account".into(), 1, "AccountOpened".into()),
+            ("Account".into(), 2, "DepositMade".into())
+        ]
+    );
+    assert_eq!(
+        history(store.read(&client, customer, 0).await.unwrap()),
+        vec![("Customer".into(), 1, "CustomerRegistered".into())]
+    );
+    // A stale writer is still refused, per history.
+    let tx = client.transaction().await.unwrap();
+    let err = store
+        .append(&tx, customer, 0, &[event("CustomerRenamed")], &Headers::new())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, outbox_sdk::event_store::EventStoreError::ConcurrencyConflict { aggregate_type, .. } if aggregate_type == "Customer"),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn migration_0004_separates_histories_the_old_key_mixed() {
+    let db = TestDb::empty("sdk_migrate_0004").await;
+    let mut client = db.client().await;
+    outbox_sdk::migrate::migrate_to(&mut client, 3).await.unwrap();
+    // What the old key allowed: Account 42 and Customer 42 sharing one run
+    // of versions, a snapshot of each, and an unshared account.
+    client
+        .batch_execute(
+            "INSERT INTO events (event_id, aggregate_type, aggregate_id, version, type, payload) VALUES
+               (gen_random_uuid(), 'Account',  '42', 1, 'AccountOpened', '{\"ownerId\": \"o\", \"initialBalance\": 10}'),
+               (gen_random_uuid(), 'Account',  '42', 2, 'DepositMade', '{\"amount\": 5}'),
+               (gen_random_uuid(), 'Customer', '42', 3, 'CustomerRegistered', '{}'),
+               (gen_random_uuid(), 'Customer', '42', 4, 'CustomerRenamed', '{}'),
+               (gen_random_uuid(), 'Account',  '42', 5, 'DepositMade', '{\"amount\": 7}'),
+               (gen_random_uuid(), 'Account',  '7',  1, 'AccountOpened', '{\"ownerId\": \"o\", \"initialBalance\": 1}'),
+               (gen_random_uuid(), 'Account',  '7',  2, 'DepositMade', '{\"amount\": 2}'),
+               (gen_random_uuid(), 'Account',  '7',  3, 'DepositMade', '{\"amount\": 3}');
+             INSERT INTO snapshots (aggregate_id, version, state) VALUES
+               ('42', 4, '{}'),
+               ('7', 2, '{\"id\": \"7\", \"ownerId\": \"o\", \"balance\": 3, \"status\": \"ACTIVE\", \"version\": 2}'),
+               ('9', 1, '{}');",
+        )
+        .await
+        .unwrap();
+    let applied = migrate(&mut client).await.unwrap();
+    assert_eq!(applied, vec!["0004_event_store_aggregate_type.sql"]);
+
+    let versions = |rows: Vec<tokio_postgres::Row>| -> Vec<(String, i64, String)> {
+        rows.iter().map(|r| (r.get(0), r.get(1), r.get(2))).collect()
+    };
+    let events = versions(
+        client
+            .query(
+                "SELECT aggregate_type, version, type FROM events WHERE aggregate_id = '42'
+                  ORDER BY aggregate_type, version",
+                &[],
+            )
+            .await
+            .unwrap(),
+    );
+    assert_eq!(
+        events,
+        vec![
+            ("Account".into(), 1, "AccountOpened".into()),
+            ("Account".into(), 2, "DepositMade".into()),
+            ("Account".into(), 3, "DepositMade".into()),
+            ("Customer".into(), 1, "CustomerRegistered".into()),
+            ("Customer".into(), 2, "CustomerRenamed".into()),
+        ],
+        "each type's history is renumbered in its old order"
+    );
+    let renumbered: Vec<(String, i64, i64)> = client
+        .query(
+            "SELECT aggregate_type, old_version, new_version FROM events_renumbered ORDER BY 1, 2",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    assert_eq!(
+        renumbered,
+        vec![
+            ("Account".into(), 5, 3),
+            ("Customer".into(), 3, 1),
+            ("Customer".into(), 4, 2)
+        ]
+    );
+    let snapshots: Vec<(String, String, i64)> = client
+        .query(
+            "SELECT aggregate_type, aggregate_id, version FROM snapshots ORDER BY 2",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    assert_eq!(
+        snapshots,
+        vec![("Account".into(), "7".into(), 2)],
+        "the mixed snapshot and the one no event explains are dropped"
+    );
+    let store = AccountStore::default();
+    let a42 = store.load(&client, "42").await.unwrap().unwrap();
+    assert_eq!((a42.state().balance, a42.version()), (22, 3));
+    let (a7, info) = store.load_with_info(&client, "7").await.unwrap().unwrap();
+    assert_eq!((a7.state().balance, a7.version()), (6, 3));
+    assert_eq!(info.snapshot_version, Some(2));
+    // The account can move on without colliding with the customer.
+    let state = store
+        .update(&mut client, "42", 1, &Headers::new(), |a| a.deposit(1, "d"))
+        .await
+        .unwrap();
+    assert_eq!(state.version, 4);
+}
+
+async fn now(c: &tokio_postgres::Client) -> chrono::DateTime<chrono::Utc> {
+    c.query_one("SELECT clock_timestamp()", &[]).await.unwrap().get(0)
+}
+
+/// `state_at` on an account whose writers interleave: a writer whose
+/// transaction began first appends the version after a quicker one's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn state_at_is_a_prefix_of_the_history_when_writers_interleave() {
+    let db = TestDb::new("sdk_time_interleaved").await;
+    open_account(&db, "acc-i", 100).await;
+    let mut slow = db.client().await;
+    let mut quick = db.client().await;
+    let clock = db.client().await;
+    let store = AccountStore::default();
+    // The slow writer's transaction begins, and then the moment we ask about.
+    let tx = slow.transaction().await.unwrap();
+    tx.execute("SELECT 1", &[]).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    let moment = now(&clock).await;
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    store
+        .update(&mut quick, "acc-i", 1, &Headers::new(), |a| {
+            a.deposit(10, "quick")
+        })
+        .await
+        .unwrap();
+    let mut account = store.load(&tx, "acc-i").await.unwrap().unwrap();
+    account.deposit(1, "slow").unwrap();
+    store.save(&tx, &mut account, &Headers::new()).await.unwrap();
+    tx.commit().await.unwrap();
+
+    let at = store.state_at(&clock, "acc-i", moment).await.unwrap().unwrap();
+    assert_eq!((at.version, at.balance), (1, 100), "neither deposit had happened");
+    let latest = store
+        .state_at(&clock, "acc-i", now(&clock).await)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((latest.version, latest.balance), (3, 111));
+
+    // Rows whose times disagree with their versions (written before
+    // migration 0004, or by a clock that stepped back) still give a prefix:
+    // version 3 now claims to be older than version 2.
+    clock
+        .execute(
+            "UPDATE events SET occurred_at = $1::timestamptz - interval '10 ms'
+              WHERE aggregate_type = 'Account' AND aggregate_id = 'acc-i' AND version = 3",
+            &[&moment],
+        )
+        .await
+        .unwrap();
+    let at = store.state_at(&clock, "acc-i", moment).await.unwrap().unwrap();
+    assert_eq!(
+        (at.version, at.balance),
+        (1, 100),
+        "version 2 had not happened, so neither had 3"
+    );
+    let window = store
+        .events_between(&clock, "acc-i", moment, now(&clock).await)
+        .await
+        .unwrap();
+    let versions: Vec<i64> = window.iter().map(|e| e.version).collect();
+    assert_eq!(versions, vec![2, 3]);
+}
+
+/// Many writers holding their transactions open for random times; every
+/// moment sampled meanwhile must give a consistent state, moving forward.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn state_at_under_random_interleaving_is_consistent_and_monotonic() {
+    let db = TestDb::new("sdk_time_random").await;
+    open_account(&db, "acc-r", 0).await;
+    let store = AccountStore::new(EventStore::with_snapshot_every(4));
+    let mut writers = Vec::new();
+    for w in 0..4u64 {
+        let mut client = db.client().await;
+        writers.push(tokio::spawn(async move {
+            // xorshift: reproducible pauses without a dependency.
+            let mut seed = 0x9e37_79b9_7f4a_7c15u64 ^ (w + 1);
+            let mut pause = move || {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                Duration::from_millis(seed % 15)
+            };
+            let mut done = 0;
+            while done < 12 {
+                let tx = client.transaction().await.unwrap();
+                tx.execute("SELECT 1", &[]).await.unwrap();
+                tokio::time::sleep(pause()).await;
+                let mut account = store.load(&tx, "acc-r").await.unwrap().unwrap();
+                account.deposit(1 + w as i64, "d").unwrap();
+                match store.save(&tx, &mut account, &Headers::new()).await {
+                    Ok(_) => {
+                        tokio::time::sleep(pause()).await;
+                        tx.commit().await.unwrap();
+                        done += 1;
+                    }
+                    Err(outbox_sdk::event_store::EventStoreError::ConcurrencyConflict { .. }) => {
+                        tx.rollback().await.unwrap()
+                    }
+                    Err(e) => panic!("{e}"),
+                }
+            }
+        }));
+    }
+    let sampler = db.client().await;
+    let mut moments = Vec::new();
+    while writers.iter().any(|w| !w.is_finished()) {
+        moments.push(now(&sampler).await);
+        tokio::time::sleep(Duration::from_millis(3)).await;
+    }
+    for w in writers {
+        w.await.unwrap();
+    }
+    assert!(moments.len() > 20, "sampled {} moments", moments.len());
+    let all = EventStore::default()
+        .read(&sampler, outbox_sdk::accounts::key("acc-r"), 0)
+        .await
+        .unwrap();
+    assert_eq!(all.len(), 1 + 4 * 12);
+    let mut last = 0;
+    for at in moments {
+        let state = store
+            .state_at(&sampler, "acc-r", at)
+            .await
+            .unwrap_or_else(|e| panic!("state_at({at}): {e}"))
+            .expect("the account was opened before sampling began");
+        assert!(state.version >= last, "time travel went backwards at {at}");
+        last = state.version;
+        let replayed = Account::from_history("acc-r", &all[..state.version as usize]).unwrap();
+        assert_eq!(
+            &state,
+            replayed.state(),
+            "snapshot path equals full replay at {at}"
+        );
+        assert!(
+            all[..state.version as usize].iter().all(|e| e.occurred_at <= at),
+            "no event recorded after {at} is in its state"
+        );
+    }
 }
