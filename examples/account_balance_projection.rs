@@ -6,16 +6,28 @@
 //!     --brokers localhost:9092 --database-url postgres://app@localhost/app
 //! ```
 //!
-//! * **Idempotent**: an event applies only when its version is the view's
-//!   version + 1. A duplicate or a replay (version ≤ the view's) changes
-//!   nothing; a gap (version > view + 1) is reported and not applied.
+//! * **Idempotent**: the view's `version` is the last version of the
+//!   account it has *handled*, applied or rejected. An event is handled
+//!   only when its version is the view's version + 1. A duplicate or a
+//!   replay (version ≤ the view's) changes nothing.
 //! * **Offsets after commit**: a record's offset is committed to Kafka only
 //!   after the view's transaction for it has committed, so a crash between
 //!   the two replays the record, which the version check then ignores.
 //! * **Dead letters**: an event that breaks a business rule (a withdrawal
 //!   larger than the balance, a non-positive amount, an unknown type, an
 //!   unreadable payload) goes to `account.events.dlq` with the reason in the
-//!   `dlq.reason` header, and the projection moves on.
+//!   `dlq.reason` header. Then, in one transaction, the view's version moves
+//!   past it, its `rejected_events` count goes up and the reason is kept in
+//!   `account_balance_rejections`, so the account's later events still
+//!   apply. (Moving the version first and dead-lettering after would lose
+//!   the dead letter to a crash in between; this order can only repeat it.)
+//!   Movements on an account whose opening was rejected are rejected too:
+//!   the view has no balance to move.
+//! * **Gaps**: an event whose version is past the view's version + 1 means
+//!   the records between are missing from the topic. It cannot be applied,
+//!   so it is dead-lettered with the reason `gap: …` (nothing is dropped)
+//!   and the view waits for the missing version; rebuild with
+//!   `--from-beginning` once the source is fixed.
 //!
 //! `--from-beginning` re-reads the topic from offset 0 (a replay);
 //! `--exit-when-idle N` stops after N seconds without records.
@@ -68,22 +80,41 @@ CREATE TABLE IF NOT EXISTS account_balance_view (
     version       bigint      NOT NULL,
     last_event_id uuid        NOT NULL,
     updated_at    timestamptz NOT NULL DEFAULT now()
+);
+ALTER TABLE account_balance_view ADD COLUMN IF NOT EXISTS rejected_events bigint NOT NULL DEFAULT 0;
+CREATE TABLE IF NOT EXISTS account_balance_rejections (
+    account_id  text        NOT NULL,
+    version     bigint      NOT NULL,
+    event_id    uuid        NOT NULL,
+    reason      text        NOT NULL,
+    rejected_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (account_id, version)
 )";
+
+/// A record the view handles at its next version.
+#[derive(Debug, PartialEq, Eq)]
+struct Next {
+    account: String,
+    version: i64,
+    event_id: uuid::Uuid,
+}
 
 /// What one record did to the view.
 #[derive(Debug, PartialEq, Eq)]
 enum Outcome {
     Applied,
     Duplicate,
-    Gap { view_version: i64, event_version: i64 },
-    Rejected(String),
+    /// Dead-letter it; with `next`, the view then moves past its version.
+    Rejected {
+        reason: String,
+        next: Option<Next>,
+    },
 }
 
 #[derive(Debug, Default)]
 struct Counts {
     applied: u64,
     duplicates: u64,
-    gaps: u64,
     dead_letters: u64,
 }
 
@@ -122,7 +153,7 @@ async fn apply(
     m: &BorrowedMessage<'_>,
     envelope: bool,
 ) -> Result<Outcome, BoxError> {
-    let reject = |why: String| Ok(Outcome::Rejected(why));
+    let reject = |reason: String| Ok(Outcome::Rejected { reason, next: None });
     let (Some(account), Some(kind), Some(version), Some(id)) = (
         header(m, "aggregateId"),
         header(m, "type"),
@@ -144,24 +175,43 @@ async fn apply(
     let tx = client.transaction().await?;
     let row = tx
         .query_opt(
-            "SELECT version, balance FROM account_balance_view WHERE account_id = $1 FOR UPDATE",
+            "SELECT version, balance, status FROM account_balance_view WHERE account_id = $1 FOR UPDATE",
             &[&account],
         )
         .await?;
-    let (view_version, balance) = row
-        .map(|r| (r.get::<_, i64>(0), r.get::<_, i64>(1)))
-        .unwrap_or((0, 0));
+    let (view_version, balance, status) = row
+        .map(|r| (r.get::<_, i64>(0), r.get::<_, i64>(1), r.get::<_, String>(2)))
+        .unwrap_or((0, 0, String::new()));
     if version <= view_version {
         return Ok(Outcome::Duplicate);
     }
     if version != view_version + 1 {
-        return Ok(Outcome::Gap {
-            view_version,
-            event_version: version,
-        });
+        return reject(format!(
+            "gap: account {account} is at version {view_version} in the view, this event has version {event_version}; the versions between are missing from the topic",
+            event_version = version
+        ));
+    }
+    // From here on a rejection still moves the view past this version.
+    let reject = |reason: String| {
+        Ok(Outcome::Rejected {
+            reason,
+            next: Some(Next {
+                account: account.to_owned(),
+                version,
+                event_id,
+            }),
+        })
+    };
+    if status == REJECTED && kind != "AccountOpened" {
+        return reject(format!(
+            "account {account} has no balance in the view: its opening was rejected"
+        ));
     }
     match kind {
         "AccountOpened" => {
+            if view_version > 0 {
+                return reject(format!("account {account} is already open in the view"));
+            }
             let Some(owner) = data["ownerId"].as_str() else {
                 return reject("ownerId is missing".into());
             };
@@ -181,8 +231,10 @@ async fn apply(
                 Err(why) => return reject(why),
             };
             let delta = if kind == "DepositMade" { amount } else { -amount };
-            if balance + delta < 0 {
-                return reject(format!("withdrawal of {amount} exceeds the balance {balance}"));
+            match balance.checked_add(delta) {
+                Some(b) if b >= 0 => {}
+                Some(_) => return reject(format!("withdrawal of {amount} exceeds the balance {balance}")),
+                None => return reject(format!("deposit of {amount} overflows the balance {balance}")),
             }
             tx.execute(
                 "UPDATE account_balance_view
@@ -196,6 +248,37 @@ async fn apply(
     }
     tx.commit().await?;
     Ok(Outcome::Applied)
+}
+
+/// Status of a view row whose AccountOpened was rejected.
+const REJECTED: &str = "REJECTED";
+
+/// Moves the view past a rejected event and keeps the reason.
+async fn record_rejection(
+    client: &mut tokio_postgres::Client,
+    next: &Next,
+    reason: &str,
+) -> Result<(), BoxError> {
+    let tx = client.transaction().await?;
+    tx.execute(
+        "INSERT INTO account_balance_view
+                (account_id, owner_id, balance, status, version, last_event_id, rejected_events)
+         VALUES ($1, '', 0, $4, $2, $3, 1)
+         ON CONFLICT (account_id) DO UPDATE
+            SET version = $2, last_event_id = $3, updated_at = now(),
+                rejected_events = account_balance_view.rejected_events + 1
+          WHERE account_balance_view.version = $2 - 1",
+        &[&next.account, &next.version, &next.event_id, &REJECTED],
+    )
+    .await?;
+    tx.execute(
+        "INSERT INTO account_balance_rejections (account_id, version, event_id, reason)
+         VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING",
+        &[&next.account, &next.version, &next.event_id, &reason],
+    )
+    .await?;
+    tx.commit().await?;
+    Ok(())
 }
 
 async fn dead_letter(
@@ -330,18 +413,11 @@ async fn main() -> Result<(), BoxError> {
         match apply(&mut client, &m, envelope).await? {
             Outcome::Applied => counts.applied += 1,
             Outcome::Duplicate => counts.duplicates += 1,
-            Outcome::Gap {
-                view_version,
-                event_version,
-            } => {
-                counts.gaps += 1;
-                eprintln!(
-                    "gap: account {} is at version {view_version} but the next record has version {event_version}; rebuild the view with --from-beginning after fixing the source",
-                    header(&m, "aggregateId").unwrap_or("?")
-                );
-            }
-            Outcome::Rejected(reason) => {
+            Outcome::Rejected { reason, next } => {
                 dead_letter(&producer, &args.dlq_topic, &m, &reason).await?;
+                if let Some(next) = &next {
+                    record_rejection(&mut client, next, &reason).await?;
+                }
                 counts.dead_letters += 1;
                 eprintln!("dead letter: {} at offset {}: {reason}", m.topic(), m.offset());
             }
@@ -351,8 +427,8 @@ async fn main() -> Result<(), BoxError> {
         consumer.commit_message(&m, CommitMode::Sync)?;
     }
     println!(
-        "applied {} duplicates {} gaps {} dead letters {}",
-        counts.applied, counts.duplicates, counts.gaps, counts.dead_letters
+        "applied {} duplicates {} dead letters {}",
+        counts.applied, counts.duplicates, counts.dead_letters
     );
     Ok(())
 }

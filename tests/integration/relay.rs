@@ -1063,6 +1063,8 @@ async fn sdk_to_outboxd_to_projection_end_to_end() {
             let acc = store.load(&client, &format!("acc-{a}")).await.unwrap().unwrap();
             v.push((acc.state().id.clone(), acc.state().balance, acc.version()));
         }
+        // The refused opening still takes the account's version 1.
+        v.push(("acc-bogus".into(), 0, 1));
         v
     };
     let total_events: i64 = client
@@ -1109,7 +1111,9 @@ async fn sdk_to_outboxd_to_projection_end_to_end() {
     .await
     .unwrap();
     assert!(
-        replay.contains("applied 0 ") && replay.contains(&format!("duplicates {total_events} ")),
+        replay.contains("applied 0 ")
+            && replay.contains(&format!("duplicates {} ", total_events + 1))
+            && replay.contains("dead letters 0"),
         "{replay}"
     );
     assert_eq!(balance_view(&client).await, expected, "a replay changes nothing");
@@ -1127,4 +1131,208 @@ async fn sdk_to_outboxd_to_projection_end_to_end() {
     );
     assert_eq!(dlq[0].key, "acc-bogus");
     stop_relay(handle, stop).await;
+}
+
+/// Events the read side refuses (a business rule, a refused opening, a
+/// gap) are dead-lettered, and an account's later events still apply.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn projection_moves_past_rejected_events_and_dead_letters_gaps() {
+    use outbox_sdk::event_store::{AggregateKey, EventStore, NewEvent};
+    use outbox_sdk::outbox::Headers;
+    use serde_json::json;
+
+    let db = TestDb::new("relay_projection_rejects").await;
+    let mut client = db.client().await;
+    let brokers = broker().brokers.clone();
+    let slot = "projection_rejects";
+    let (handle, stop) = spawn_relay_with_slot(
+        &client,
+        slot,
+        &config_text(&db.superuser_url(), slot, &brokers, "", ""),
+    )
+    .await;
+
+    // A writer with rules looser than the read side's (another service, an
+    // older release): the event store takes whatever it is given.
+    let store = EventStore::default();
+    let history: [(&str, Vec<(&str, serde_json::Value)>); 2] = [
+        (
+            "acc-x",
+            vec![
+                ("AccountOpened", json!({"ownerId": "o", "initialBalance": 100})),
+                ("DepositMade", json!({"amount": -5})),
+                ("DepositMade", json!({"amount": 10})),
+                ("WithdrawalMade", json!({"amount": 1000})),
+                ("WithdrawalMade", json!({"amount": 3})),
+                ("AccountOpened", json!({"ownerId": "o", "initialBalance": 1})),
+                ("DepositMade", json!({"amount": 1})),
+            ],
+        ),
+        (
+            "acc-y",
+            vec![
+                ("AccountOpened", json!({"initialBalance": 5})),
+                ("DepositMade", json!({"amount": 5})),
+            ],
+        ),
+    ];
+    for (id, events) in &history {
+        for (v, (kind, payload)) in events.iter().enumerate() {
+            let tx = client.transaction().await.unwrap();
+            let event = NewEvent {
+                event_type: (*kind).into(),
+                payload: payload.clone(),
+            };
+            store
+                .append(
+                    &tx,
+                    AggregateKey::new("Ledger", id),
+                    v as i64,
+                    &[event],
+                    &Headers::new(),
+                )
+                .await
+                .unwrap();
+            tx.commit().await.unwrap();
+        }
+    }
+    // acc-z's version 2 never reaches the topic.
+    client
+        .batch_execute(
+            r#"INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload, headers) VALUES
+                 (gen_random_uuid(), 'Ledger', 'acc-z', 'AccountOpened', '{"ownerId": "o", "initialBalance": 1}', '{"version": "1"}');
+               INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload, headers) VALUES
+                 (gen_random_uuid(), 'Ledger', 'acc-z', 'DepositMade', '{"amount": 1}', '{"version": "3"}');"#,
+        )
+        .await
+        .unwrap();
+    let want = 7 + 2 + 2;
+    wait_for("ledger events in Kafka", Duration::from_secs(60), || {
+        let brokers = brokers.clone();
+        async move {
+            let n = tokio::task::spawn_blocking(move || {
+                consume(&brokers, &["ledger.events"], want, Duration::from_secs(3)).len()
+            })
+            .await
+            .unwrap();
+            (n >= want).then_some(())
+        }
+    })
+    .await;
+
+    let url = db.superuser_url();
+    let topics = [
+        "--topic",
+        "ledger.events",
+        "--dlq-topic",
+        "ledger.events.dlq",
+        "--group",
+        "ledger-projection",
+    ];
+    let first = tokio::task::spawn_blocking({
+        let (b, u) = (brokers.clone(), url.clone());
+        move || run_projection(&b, &u, &topics)
+    })
+    .await
+    .unwrap();
+    assert!(
+        first.contains("applied 5 ") && first.contains("dead letters 6"),
+        "{first}"
+    );
+    let expected = vec![
+        ("acc-x".to_owned(), 108, "ACTIVE".to_owned(), 7, 3),
+        ("acc-y".to_owned(), 0, "REJECTED".to_owned(), 2, 2),
+        ("acc-z".to_owned(), 1, "ACTIVE".to_owned(), 1, 0),
+    ];
+    assert_eq!(
+        ledger_view(&client).await,
+        expected,
+        "the view moved past every refused event"
+    );
+    let kept: Vec<(String, i64)> = client
+        .query(
+            "SELECT account_id, version FROM account_balance_rejections ORDER BY 1, 2",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    let kept: Vec<(&str, i64)> = kept.iter().map(|(a, v)| (a.as_str(), *v)).collect();
+    assert_eq!(
+        kept,
+        vec![
+            ("acc-x", 2),
+            ("acc-x", 4),
+            ("acc-x", 6),
+            ("acc-y", 1),
+            ("acc-y", 2)
+        ]
+    );
+
+    let dlq = tokio::task::spawn_blocking({
+        let b = brokers.clone();
+        move || consume(&b, &["ledger.events.dlq"], 6, Duration::from_secs(20))
+    })
+    .await
+    .unwrap();
+    let mut dead: Vec<(String, String, String)> = dlq
+        .iter()
+        .map(|m| {
+            (
+                m.key.clone(),
+                m.header("version").unwrap_or("?").to_owned(),
+                m.header("dlq.reason").unwrap_or("").to_owned(),
+            )
+        })
+        .collect();
+    dead.sort();
+    let expect = [
+        ("acc-x", "2", "must be positive"),
+        ("acc-x", "4", "exceeds the balance"),
+        ("acc-x", "6", "already open"),
+        ("acc-y", "1", "ownerId"),
+        ("acc-y", "2", "opening was rejected"),
+        ("acc-z", "3", "gap: account acc-z is at version 1"),
+    ];
+    assert_eq!(dead.len(), expect.len(), "{dead:?}");
+    for ((key, version, reason), (k, v, r)) in dead.iter().zip(expect) {
+        assert_eq!((key.as_str(), version.as_str()), (k, v));
+        assert!(reason.contains(r), "{key} v{version}: {reason}");
+    }
+
+    // A replay changes nothing; only the gap is dead-lettered again.
+    let replay = tokio::task::spawn_blocking({
+        let (b, u) = (brokers.clone(), url.clone());
+        move || {
+            let mut args = topics.to_vec();
+            args.push("--from-beginning");
+            run_projection(&b, &u, &args)
+        }
+    })
+    .await
+    .unwrap();
+    assert!(
+        replay.contains("applied 0 ")
+            && replay.contains("duplicates 10 ")
+            && replay.contains("dead letters 1"),
+        "{replay}"
+    );
+    assert_eq!(ledger_view(&client).await, expected);
+    stop_relay(handle, stop).await;
+}
+
+async fn ledger_view(client: &tokio_postgres::Client) -> Vec<(String, i64, String, i64, i64)> {
+    client
+        .query(
+            "SELECT account_id, balance, status, version, rejected_events
+               FROM account_balance_view ORDER BY account_id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3), r.get(4)))
+        .collect()
 }
