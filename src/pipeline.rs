@@ -290,6 +290,8 @@ struct Session {
     /// The flush position last reported to PostgreSQL, and when.
     reported_flush: Lsn,
     last_status: Instant,
+    /// How often status updates go out, also while a step waits.
+    status_every: Duration,
     /// Acknowledged events and retired transactions not yet added to the counters.
     acked: u64,
     retired: u64,
@@ -304,6 +306,35 @@ fn now_micros() -> i64 {
         .unwrap_or(0)
 }
 
+/// A session's replication stream, where it starts, its publication
+/// guard, and how often it must report.
+struct Connected {
+    stream: OutboxStream,
+    start: Lsn,
+    guard: watch::Receiver<GuardState>,
+    status_every: Duration,
+}
+
+/// The status interval: `postgres.status_interval`, but never more than a
+/// third of the server's `wal_sender_timeout`, so that two updates can be
+/// late before the server gives up on the session.
+fn status_every(configured: Duration, wal_sender_timeout: Option<Duration>) -> Duration {
+    let Some(server) = wal_sender_timeout else {
+        return configured;
+    };
+    let most = (server / 3).max(Duration::from_millis(10));
+    if configured > most {
+        tracing::warn!(
+            status_interval = ?configured,
+            wal_sender_timeout = ?server,
+            using = ?most,
+            "postgres.status_interval is too long for the server's wal_sender_timeout; sending status updates more often"
+        );
+        return most;
+    }
+    configured
+}
+
 /// Shortest gap between status updates sent because the flush position moved.
 const EAGER_CONFIRM: Duration = Duration::from_millis(100);
 
@@ -312,6 +343,11 @@ impl Session {
     /// have reached outboxd if it was an outbox row (the guard).
     fn confirmable(&self) -> Lsn {
         self.tracker.flushed().min(self.guard.borrow().verified())
+    }
+
+    /// What a status update sent during a wait reports.
+    fn beat(&self) -> (Lsn, Lsn) {
+        (self.received, self.confirmable())
     }
 
     /// Reports write = received and flush = apply = the confirmable LSN.
@@ -555,9 +591,13 @@ impl Relay {
         }
     }
 
-    async fn connect(&self) -> Result<(OutboxStream, Lsn, watch::Receiver<GuardState>), RelayError> {
+    async fn connect(&self) -> Result<Connected, RelayError> {
         let v = &self.validated;
         let client = admin::connect(&v.pg).await?;
+        let status_every = status_every(
+            self.config.postgres.status_interval.0,
+            admin::wal_sender_timeout(&client).await?,
+        );
         let verified = if self.config.postgres.create_publication {
             admin::ensure_publication(&client, &v.publication, &v.table).await?
         } else {
@@ -598,11 +638,12 @@ impl Relay {
             })?;
         let table_oid = verified.table_oid;
         let guard = publication::spawn_guard(client, v.publication.clone(), v.table.clone(), verified, start);
-        Ok((
-            OutboxStream::new(stream, v.table.clone(), table_oid),
+        Ok(Connected {
+            stream: OutboxStream::new(stream, v.table.clone(), table_oid),
             start,
             guard,
-        ))
+            status_every,
+        })
     }
 
     async fn session(
@@ -614,7 +655,12 @@ impl Relay {
             return Ok(SessionEnd::Shutdown);
         }
         self.sink.forget_topics();
-        let (mut stream, start, guard) = self.connect().await?;
+        let Connected {
+            mut stream,
+            start,
+            guard,
+            status_every,
+        } = self.connect().await?;
         *streamed = true;
         tracing::info!(
             slot = self.validated.slot.as_str(),
@@ -636,6 +682,7 @@ impl Relay {
             dead_letter_topic: self.config.routing.dead_letter_topic.clone(),
             reported_flush: start,
             last_status: Instant::now(),
+            status_every,
             acked: 0,
             retired: 0,
             last_ack: None,
@@ -698,7 +745,7 @@ impl Relay {
         s: &mut Session,
         shutdown: &mut watch::Receiver<bool>,
     ) -> Result<(), RelayError> {
-        let mut status = tokio::time::interval(self.config.postgres.status_interval.0);
+        let mut status = tokio::time::interval(s.status_every);
         status.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut leader_check = tokio::time::interval(Duration::from_secs(2));
         leader_check.set_missed_tick_behavior(MissedTickBehavior::Delay);
@@ -733,7 +780,11 @@ impl Relay {
                     }
                 }
                 _ = leader_check.tick() => {
-                    if !self.election.still_held().await {
+                    let (received, flushed) = s.beat();
+                    let held = stream
+                        .keep_alive_while(received, flushed, s.status_every, self.election.still_held())
+                        .await?;
+                    if !held {
                         return Err(RelayError::LeadershipLost);
                     }
                 }
@@ -745,7 +796,7 @@ impl Relay {
                 }
             }
             if !s.dead_letters.is_empty() {
-                self.flush_dead_letters(s).await?;
+                self.flush_dead_letters(stream, s).await?;
             }
             // Confirm soon after acknowledgements move the flush position,
             // not only on the timer, but at most every EAGER_CONFIRM.
@@ -773,7 +824,7 @@ impl Relay {
                 let txn = s
                     .open
                     .ok_or(RelayError::OutOfOrder("INSERT outside a transaction"))?;
-                self.publish(s, txn, &row, lsn).await?;
+                self.publish(stream, s, txn, &row, lsn).await?;
             }
             StreamEvent::Unreadable { row, lsn } => {
                 let txn = s
@@ -810,6 +861,7 @@ impl Relay {
 
     async fn publish(
         &mut self,
+        stream: &mut OutboxStream,
         s: &mut Session,
         txn: TxnId,
         row: &OutboxRow,
@@ -833,8 +885,16 @@ impl Relay {
                 return s.poison_row(txn, row, poison);
             }
         };
-        self.sink.ensure_topic(&record.topic).await?;
-        match self.send(s, txn, lsn, &record, Sent::Event, true).await {
+        let (received, flushed) = s.beat();
+        stream
+            .keep_alive_while(
+                received,
+                flushed,
+                s.status_every,
+                self.sink.ensure_topic(&record.topic),
+            )
+            .await??;
+        match self.send(stream, s, txn, lsn, &record, Sent::Event, true).await {
             // Refused before it was sent (librdkafka's own checks, such as
             // message.max.bytes): this record alone is the cause.
             Err(RelayError::Kafka(KafkaSinkError::Produce { source, topic })) => match Refusal::of(&source) {
@@ -857,8 +917,10 @@ impl Relay {
 
     /// Enqueues one record, waiting for acknowledgements while the queue
     /// is full; `count` says whether the tracker gains an event for it.
+    #[allow(clippy::too_many_arguments)]
     async fn send(
         &mut self,
+        stream: &mut OutboxStream,
         s: &mut Session,
         txn: TxnId,
         lsn: Lsn,
@@ -876,7 +938,10 @@ impl Relay {
                         .push(Box::pin(async move { (txn, lsn, sent, fut.await) }));
                     return Ok(());
                 }
-                SendOutcome::QueueFull => match s.deliveries.next().await {
+                SendOutcome::QueueFull => match stream
+                    .keep_alive_while(s.received, s.reported_flush, s.status_every, s.deliveries.next())
+                    .await?
+                {
                     Some(done) => s.delivered(&self.metrics, done)?,
                     None => tokio::time::sleep(Duration::from_millis(1)).await,
                 },
@@ -887,17 +952,28 @@ impl Relay {
     /// Sends the dead letters queued by the last step. A transient failure
     /// ends the session like any other (the replay sets the row aside
     /// again); any other failure stops outboxd: a poison row is never dropped.
-    async fn flush_dead_letters(&mut self, s: &mut Session) -> Result<(), RelayError> {
+    async fn flush_dead_letters(
+        &mut self,
+        stream: &mut OutboxStream,
+        s: &mut Session,
+    ) -> Result<(), RelayError> {
         let definite = |e: RelayError| match e {
             RelayError::Kafka(k) if !k.is_transient() => RelayError::DeadLetterFailed(k.to_string()),
             other => other,
         };
         while let Some(job) = s.dead_letters.pop_front() {
-            self.sink
-                .ensure_topic(&job.record.topic)
-                .await
+            let (received, flushed) = s.beat();
+            stream
+                .keep_alive_while(
+                    received,
+                    flushed,
+                    s.status_every,
+                    self.sink.ensure_topic(&job.record.topic),
+                )
+                .await?
                 .map_err(|e| definite(e.into()))?;
             self.send(
+                stream,
                 s,
                 job.txn,
                 job.lsn,
@@ -957,19 +1033,34 @@ impl Relay {
     async fn drain(&mut self, stream: &mut OutboxStream, s: &mut Session) {
         let deadline = Instant::now() + self.config.shutdown.drain_timeout.0;
         while !s.deliveries.is_empty() || !s.dead_letters.is_empty() {
-            if let Err(e) = self.flush_dead_letters(s).await {
+            if let Err(e) = self.flush_dead_letters(stream, s).await {
                 tracing::error!(error = %e, "dead letter failed during shutdown; the row will be handled again after restart");
                 break;
             }
-            tokio::select! {
-                Some(done) = s.deliveries.next() => {
+            let (received, flushed) = s.beat();
+            let next = stream.keep_alive_while(received, flushed, s.status_every, async {
+                tokio::time::timeout_at(deadline, s.deliveries.next()).await
+            });
+            let next = match next.await {
+                Ok(next) => next,
+                Err(e) => {
+                    tracing::warn!(error = %e, "the replication connection failed during shutdown; unacknowledged events will be re-sent after restart");
+                    break;
+                }
+            };
+            match next {
+                Ok(Some(done)) => {
                     if let Err(e) = s.delivered(&self.metrics, done) {
                         tracing::error!(error = %e, "delivery failed during shutdown; the event will be re-sent after restart");
                         break;
                     }
                 }
-                _ = tokio::time::sleep_until(deadline) => {
-                    tracing::warn!(unacknowledged = s.tracker.inflight(), "drain timeout: these events will be re-sent after restart");
+                Ok(None) => {}
+                Err(_) => {
+                    tracing::warn!(
+                        unacknowledged = s.tracker.inflight(),
+                        "drain timeout: these events will be re-sent after restart"
+                    );
                     break;
                 }
             }
@@ -1056,5 +1147,20 @@ async fn poll_slot_and_brokers(
         }
         health.set_kafka_reachable(reachable);
         tokio::time::sleep(interval).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_interval_stays_under_a_third_of_wal_sender_timeout() {
+        let ms = Duration::from_millis;
+        assert_eq!(status_every(ms(1000), None), ms(1000), "timeout disabled");
+        assert_eq!(status_every(ms(1000), Some(ms(60_000))), ms(1000));
+        assert_eq!(status_every(ms(30_000), Some(ms(60_000))), ms(20_000));
+        assert_eq!(status_every(ms(500), Some(ms(900))), ms(300));
+        assert_eq!(status_every(ms(500), Some(ms(1))), ms(10), "never a busy loop");
     }
 }

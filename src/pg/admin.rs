@@ -249,3 +249,19 @@ pub async fn ensure_slot(
         Err(e) => Err(e.into()),
     }
 }
+
+/// The server's `wal_sender_timeout` (`None` when 0, that is disabled): a
+/// walsender that hears nothing from outboxd for this long ends the session.
+pub async fn wal_sender_timeout(client: &Client) -> Result<Option<std::time::Duration>, AdminError> {
+    let row = client
+        .query_one(
+            "SELECT setting::bigint FROM pg_settings WHERE name = 'wal_sender_timeout'",
+            &[],
+        )
+        .await?;
+    let ms: i64 = row.get(0);
+    Ok(u64::try_from(ms)
+        .ok()
+        .filter(|ms| *ms > 0)
+        .map(std::time::Duration::from_millis))
+}

@@ -220,6 +220,34 @@ impl OutboxStream {
         self.stream.send_status(&update).await
     }
 
+    /// Awaits `wait` while sending a status update (`received`, `flushed`)
+    /// every `every`. A step that waits on something else (a full Kafka
+    /// queue, a topic being created, the leader check) must not go quiet
+    /// for longer than the server's `wal_sender_timeout`, which would end
+    /// the session. The values are those from before the wait: reporting
+    /// less progress than was made is always safe.
+    pub async fn keep_alive_while<T>(
+        &mut self,
+        received: Lsn,
+        flushed: Lsn,
+        every: std::time::Duration,
+        wait: impl std::future::Future<Output = T>,
+    ) -> Result<T, PgError> {
+        tokio::pin!(wait);
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                biased;
+                out = &mut wait => return Ok(out),
+                _ = tick.tick() => {
+                    tracing::debug!(%flushed, "still waiting; status update sent to keep the session");
+                    self.send_status(received, flushed, false).await?;
+                }
+            }
+        }
+    }
+
     /// The walsender's PID.
     pub fn backend_pid(&self) -> i32 {
         self.stream.backend_pid()

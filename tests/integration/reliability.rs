@@ -986,3 +986,102 @@ async fn a_slot_in_use_is_retried_not_a_crash_loop() {
     .await;
     r.shutdown().await;
 }
+
+/// A step that waits on Kafka for longer than `wal_sender_timeout` (here
+/// every request to the broker takes 1.5 s: the topic lookup and creation,
+/// and a producer queue of one message that is always full) must keep
+/// sending status updates: the walsender stays the same process from the
+/// first event to the last, and nothing is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waits_longer_than_wal_sender_timeout_keep_the_session() {
+    use rdkafka::mocking::MockCluster;
+
+    let db = TestDb::new("rel_slow_broker").await;
+    let client = db.client().await;
+    client
+        .batch_execute(&format!(
+            "ALTER DATABASE {} SET wal_sender_timeout = '1s'",
+            db.name
+        ))
+        .await
+        .unwrap();
+    let mock = MockCluster::new(1).unwrap();
+    let brokers = mock.bootstrap_servers();
+    let slot = "rel_slow_broker";
+    let text = config_text(
+        &db.superuser_url(),
+        slot,
+        &brokers,
+        "topic = \"slow.{aggregate_type}\"",
+        "[kafka.options]\n\"queue.buffering.max.messages\" = \"1\"\n",
+    )
+    .replace("admin_timeout = \"5s\"", "admin_timeout = \"20s\"");
+    let (handle, stop) = spawn_relay(&text);
+    wait_for("the slot", Duration::from_secs(30), || async {
+        confirmed_flush(&client, slot).await
+    })
+    .await;
+    let walsender = || async {
+        client
+            .query_one(
+                "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1",
+                &[&slot],
+            )
+            .await
+            .unwrap()
+            .get::<_, Option<i32>>(0)
+    };
+    let pid = walsender().await.expect("the relay streams");
+    let applied: String = db
+        .client()
+        .await
+        .query_one(
+            "SELECT setting FROM pg_settings WHERE name = 'wal_sender_timeout'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(applied, "1000", "the database's wal_sender_timeout is in force");
+
+    mock.broker_round_trip_time(1, Duration::from_millis(1500))
+        .unwrap();
+    let started = Instant::now();
+    let (events, bounds) = write_events(&client, 3, 2, 4, &["Order"], 0).await;
+    let last = bounds.last().unwrap().1;
+    let mut pids = HashSet::new();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        pids.insert(walsender().await);
+        if confirmed_flush(&client, slot).await.is_some_and(|c| c >= last) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "events not confirmed in 120 s");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let took = started.elapsed();
+    assert!(
+        took > Duration::from_secs(3),
+        "the waits were long enough to matter: {took:?}"
+    );
+    assert_eq!(
+        pids,
+        HashSet::from([Some(pid)]),
+        "one walsender from the first event to the last: no session was ended by wal_sender_timeout"
+    );
+    mock.broker_round_trip_time(1, Duration::ZERO).unwrap();
+    let want = events.len();
+    let got = tokio::task::spawn_blocking(move || {
+        consume(&brokers, &["slow.order"], want, Duration::from_secs(30))
+    })
+    .await
+    .unwrap();
+    let ids: HashSet<String> = got
+        .iter()
+        .filter_map(|m| m.header("id").map(str::to_owned))
+        .collect();
+    for e in &events {
+        assert!(ids.contains(&e.id.to_string()), "{} is in Kafka", e.id);
+    }
+    stop_relay(handle, stop).await;
+}
