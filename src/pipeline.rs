@@ -78,8 +78,8 @@ use crate::pg::outbox_stream::{OutboxStream, StreamError, StreamEvent};
 use crate::pg::publication::{self, GuardState};
 use crate::progress::{AckTracker, TxnId};
 use crate::routing::{
-    build_record, dead_letter_for_record, dead_letter_for_row, dead_letter_for_unreadable, KafkaRecord,
-    Poison,
+    build_record, dead_letter_for_record, dead_letter_for_row, dead_letter_for_unreadable, dead_letter_stub,
+    KafkaRecord, Poison,
 };
 
 /// Why the relay stopped or a session ended.
@@ -178,8 +178,12 @@ type Delivery = (
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Sent {
     Event,
-    /// A dead letter, with its reason for the metric.
-    DeadLetter(&'static str),
+    /// A dead letter, with its reason for the metric; `stub` once Kafka
+    /// refused the full dead letter and only its stub is left to send.
+    DeadLetter {
+        reason: &'static str,
+        stub: bool,
+    },
 }
 
 /// A dead letter waiting to be sent.
@@ -191,6 +195,8 @@ struct DeadLetterJob {
     /// The event is already counted in the tracker (its first send failed).
     counted: bool,
     reason: &'static str,
+    /// This is the stub of a dead letter Kafka refused.
+    stub: bool,
 }
 
 /// The record a broker refused, rebuilt from what librdkafka handed back.
@@ -368,7 +374,7 @@ impl Session {
     fn delivered(&mut self, metrics: &Metrics, (txn, lsn, sent, result): Delivery) -> Result<(), RelayError> {
         let (e, msg) = match result {
             Ok(Ok(_delivery)) => {
-                if let Sent::DeadLetter(reason) = sent {
+                if let Sent::DeadLetter { reason, .. } = sent {
                     metrics.dead_letters.with_label_values(&[reason]).inc();
                 }
                 self.tracker.acked(txn);
@@ -384,7 +390,23 @@ impl Session {
         match (sent, Refusal::of(&e)) {
             (_, Refusal::Transient) => Err(KafkaSinkError::Delivery { topic, source: e }.into()),
             (_, Refusal::Denied) => Err(RelayError::KafkaDenied { topic, source: e }),
-            (Sent::DeadLetter(_), Refusal::Record { .. }) => Err(RelayError::DeadLetterFailed(e.to_string())),
+            (Sent::DeadLetter { stub: true, .. }, Refusal::Record { .. }) => {
+                Err(RelayError::DeadLetterFailed(e.to_string()))
+            }
+            // Even the dead letter is too much for Kafka (a huge key or
+            // headers): send its stub, which names the row and the reason.
+            (Sent::DeadLetter { reason, stub: false }, Refusal::Record { .. }) => {
+                tracing::warn!(%lsn, error = %e, "Kafka refused a dead letter; sending its stub (id, reason, sizes) instead");
+                self.dead_letters.push_back(DeadLetterJob {
+                    txn,
+                    lsn,
+                    record: dead_letter_stub(&record_from_message(&msg), &e.to_string()),
+                    counted: true,
+                    reason,
+                    stub: true,
+                });
+                Ok(())
+            }
             // Kafka refuses whole batches: the record may only have shared
             // one with the record Kafka refuses. Find out, one per batch.
             (Sent::Event, Refusal::Record { .. }) if !self.isolating => Err(RelayError::BatchRefused {
@@ -422,6 +444,7 @@ impl Session {
                     record,
                     counted: true,
                     reason,
+                    stub: false,
                 });
                 Ok(())
             }
@@ -452,6 +475,7 @@ impl Session {
             record: dead_letter_for_unreadable(row, &poison, &self.dead_letter_topic),
             counted: false,
             reason: poison.reason,
+            stub: false,
         });
         Ok(())
     }
@@ -474,6 +498,7 @@ impl Session {
             record,
             counted: false,
             reason: poison.reason,
+            stub: false,
         });
         Ok(())
     }
@@ -972,17 +997,28 @@ impl Relay {
                 )
                 .await?
                 .map_err(|e| definite(e.into()))?;
-            self.send(
-                stream,
-                s,
-                job.txn,
-                job.lsn,
-                &job.record,
-                Sent::DeadLetter(job.reason),
-                !job.counted,
-            )
-            .await
-            .map_err(definite)?;
+            let sent = Sent::DeadLetter {
+                reason: job.reason,
+                stub: job.stub,
+            };
+            match self
+                .send(stream, s, job.txn, job.lsn, &job.record, sent, !job.counted)
+                .await
+            {
+                // librdkafka refused it before sending (message.max.bytes):
+                // its stub goes instead.
+                Err(RelayError::Kafka(KafkaSinkError::Produce { source, .. }))
+                    if !job.stub && matches!(Refusal::of(&source), Refusal::Record { .. }) =>
+                {
+                    tracing::warn!(lsn = %job.lsn, error = %source, "Kafka refused a dead letter; sending its stub (id, reason, sizes) instead");
+                    s.dead_letters.push_front(DeadLetterJob {
+                        record: dead_letter_stub(&job.record, &source.to_string()),
+                        stub: true,
+                        ..job
+                    });
+                }
+                other => other.map_err(definite)?,
+            }
         }
         Ok(())
     }

@@ -168,6 +168,8 @@ pub enum RecordError {
     EmptyKey,
     #[error("headers must be a JSON object, found {0}")]
     HeadersNotObject(String),
+    #[error("headers cannot be made Kafka headers: {0}")]
+    HeadersUnreadable(String),
     #[error("created_at {0} cannot be written as an RFC 3339 time (years 0001 to 9999) in the envelope's occurredAt")]
     Timestamp(String),
     #[error("aggregate_type {0:?} is not in routing.allowed_aggregate_types, so no topic is made for it")]
@@ -180,7 +182,7 @@ impl RecordError {
         match self {
             RecordError::IllegalTopic { .. } => "illegal_topic",
             RecordError::EmptyKey => "empty_key",
-            RecordError::HeadersNotObject(_) => "bad_headers",
+            RecordError::HeadersNotObject(_) | RecordError::HeadersUnreadable(_) => "bad_headers",
             RecordError::Timestamp(_) => "bad_timestamp",
             RecordError::AggregateTypeNotAllowed(_) => "aggregate_type_not_allowed",
         }
@@ -236,11 +238,7 @@ pub fn build_record(
         return Err(RecordError::EmptyKey);
     }
     let topic = topic.render(&row.aggregate_type, &row.event_type)?;
-    let user_headers: serde_json::Map<String, serde_json::Value> = match serde_json::from_str(&row.headers) {
-        Ok(serde_json::Value::Object(m)) => m,
-        Ok(other) => return Err(RecordError::HeadersNotObject(json_kind(&other).into())),
-        Err(_) => return Err(RecordError::HeadersNotObject("invalid JSON".into())),
-    };
+    let user_headers = user_headers(&row.headers)?;
     let id = row.id.to_string();
     let mut headers = Vec::with_capacity(4 + user_headers.len());
     headers.push((header::ID.to_owned(), id.clone().into_bytes()));
@@ -264,11 +262,7 @@ pub fn build_record(
         {
             continue;
         }
-        let bytes = match v {
-            serde_json::Value::String(s) => s.into_bytes(),
-            other => other.to_string().into_bytes(),
-        };
-        headers.push((k, bytes));
+        headers.push((k, v));
     }
     let value = match format {
         ValueFormat::Payload => row.payload.as_bytes().to_vec(),
@@ -287,6 +281,34 @@ pub fn build_record(
         headers,
         timestamp_ms: kafka_timestamp(&row.created_at, commit_ms),
     })
+}
+
+/// The row's `headers` object as Kafka headers, in key order: strings
+/// raw, other values as compact JSON text. A value that holds a number no
+/// float can hold (jsonb keeps `1e400` exactly) or is nested too deep to
+/// read as a value is passed on as PostgreSQL wrote it, not refused.
+fn user_headers(text: &str) -> Result<Vec<(String, Vec<u8>)>, RecordError> {
+    use serde_json::value::RawValue;
+    if !text.trim_start().starts_with('{') {
+        let kind = serde_json::from_str::<serde_json::Value>(text).map_or("invalid JSON", |v| json_kind(&v));
+        return Err(RecordError::HeadersNotObject(kind.into()));
+    }
+    let map: std::collections::BTreeMap<String, &RawValue> =
+        serde_json::from_str(text).map_err(|e| RecordError::HeadersUnreadable(e.to_string()))?;
+    map.into_iter()
+        .map(|(k, v)| {
+            let raw = v.get();
+            let bytes = if raw.starts_with('"') {
+                serde_json::from_str::<String>(raw)
+                    .map_err(|e| RecordError::HeadersUnreadable(e.to_string()))?
+                    .into_bytes()
+            } else {
+                serde_json::from_str::<serde_json::Value>(raw)
+                    .map_or_else(|_| raw.as_bytes().to_vec(), |v| v.to_string().into_bytes())
+            };
+            Ok((k, bytes))
+        })
+        .collect()
 }
 
 /// Header names on dead-letter records.
@@ -397,6 +419,76 @@ pub fn dead_letter_for_record(rec: KafkaRecord, poison: &Poison, topic: &str) ->
         rec.value
     };
     dead_letter(topic, rec.key, value, dlq_headers(poison, rec.headers))
+}
+
+/// Headers of a dead letter that its stub keeps, when they are short.
+const STUB_KEEPS: [&str; 5] = [
+    header::ID,
+    dlq_header::REASON,
+    dlq_header::SOURCE_LSN,
+    dlq_header::TOPIC,
+    header::TYPE,
+];
+
+/// Longest key, header value or error text a stub carries.
+const STUB_FIELD_MAX: usize = 1024;
+
+/// What is left of a dead letter that Kafka refused too (its key, headers
+/// or value are too large for the dead-letter topic): the row's id, the
+/// reason, where it came from, and the sizes of what was left out. Small
+/// enough for any topic, so a poison row is still accounted for; the row
+/// itself stays in the outbox table.
+pub fn dead_letter_stub(rec: &KafkaRecord, refused: &str) -> KafkaRecord {
+    let short = |v: &[u8]| v.len() <= STUB_FIELD_MAX;
+    let mut headers: Vec<(String, Vec<u8>)> = rec
+        .headers
+        .iter()
+        .filter(|(k, v)| STUB_KEEPS.contains(&k.as_str()) && short(v))
+        .cloned()
+        .collect();
+    let earlier = rec
+        .headers
+        .iter()
+        .find(|(k, _)| k == dlq_header::ERROR)
+        .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
+        .unwrap_or_default();
+    let mut error = format!("{earlier}; the dead letter itself was refused: {refused}");
+    if error.len() > STUB_FIELD_MAX {
+        let mut end = STUB_FIELD_MAX;
+        while !error.is_char_boundary(end) {
+            end -= 1;
+        }
+        error.truncate(end);
+    }
+    headers.push((dlq_header::ERROR.to_owned(), error.into_bytes()));
+    headers.push((
+        dlq_header::PAYLOAD_OMITTED.to_owned(),
+        b"dead letter too large".to_vec(),
+    ));
+    let header_bytes: usize = rec.headers.iter().map(|(k, v)| k.len() + v.len()).sum();
+    let id = rec
+        .headers
+        .iter()
+        .find(|(k, _)| k == header::ID)
+        .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
+        .unwrap_or_default();
+    let mut value = Vec::with_capacity(128);
+    value.extend_from_slice(b"{\"id\":");
+    push_json_string(&mut value, &id);
+    value.extend_from_slice(
+        format!(
+            ",\"keyBytes\":{},\"valueBytes\":{},\"headerBytes\":{header_bytes}}}",
+            rec.key.len(),
+            rec.value.len()
+        )
+        .as_bytes(),
+    );
+    let key = if short(rec.key.as_bytes()) {
+        rec.key.clone()
+    } else {
+        String::new()
+    };
+    dead_letter(&rec.topic, key, value, headers)
 }
 
 /// A record for the dead-letter topic. Dead letters carry the time they
@@ -616,6 +708,72 @@ mod tests {
         );
         assert!(validate_topic(&"a".repeat(250)).is_err());
         assert!(validate_topic("..").is_err());
+    }
+
+    #[test]
+    fn header_values_keep_what_jsonb_holds() {
+        let text = format!(
+            r#"{{"big": 1{}, "n": {{"a": [1, 2.5]}}, "s": "x\"y", "t": true}}"#,
+            "0".repeat(400)
+        );
+        let h = user_headers(&text).unwrap();
+        let text: Vec<(&str, String)> = h
+            .iter()
+            .map(|(k, v)| (k.as_str(), String::from_utf8(v.clone()).unwrap()))
+            .collect();
+        assert_eq!(text[0].0, "big");
+        assert!(
+            text[0].1.starts_with("1000") && text[0].1.len() == 401,
+            "as PostgreSQL wrote it"
+        );
+        assert_eq!(text[1], ("n", r#"{"a":[1,2.5]}"#.to_owned()));
+        assert_eq!(text[2], ("s", "x\"y".to_owned()));
+        assert_eq!(text[3], ("t", "true".to_owned()));
+        let deep = format!("{}1{}", r#"{"a": "#.repeat(200), "}".repeat(200));
+        // Nested deeper than serde_json reads into a value: passed on as
+        // written (the raw read keeps no stack).
+        let h = user_headers(&deep).unwrap();
+        assert_eq!(h[0].0, "a");
+        assert_eq!(h[0].1, &deep.as_bytes()[6..deep.len() - 1]);
+        assert_eq!(
+            user_headers("null").unwrap_err(),
+            RecordError::HeadersNotObject("null".into())
+        );
+    }
+
+    #[test]
+    fn a_dead_letter_stub_is_small_and_names_the_row() {
+        let mut r = row();
+        r.aggregate_id = "k".repeat(5000);
+        r.payload = format!("\"{}\"", "x".repeat(2_000_000));
+        let poison = Poison {
+            reason: "illegal_topic",
+            error: "topic name is illegal".into(),
+            lsn: crate::Lsn(42),
+            intended_topic: None,
+            omit_payload: false,
+        };
+        let full = dead_letter_for_row(&r, &poison, "dlq");
+        let stub = dead_letter_stub(&full, "Message size too large");
+        let size = stub.key.len()
+            + stub.value.len()
+            + stub.headers.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>();
+        assert!(size < 4096, "{size} bytes");
+        assert_eq!(stub.key, "", "a key too long to keep");
+        let header = |name: &str| {
+            stub.headers
+                .iter()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
+        };
+        assert_eq!(header("id"), Some(r.id.to_string()));
+        assert_eq!(header("dlq.reason").as_deref(), Some("illegal_topic"));
+        assert!(header("dlq.error")
+            .unwrap()
+            .contains("the dead letter itself was refused"));
+        let value: serde_json::Value = serde_json::from_slice(&stub.value).unwrap();
+        assert_eq!(value["keyBytes"], 5000);
+        assert!(value["valueBytes"].as_u64().unwrap() > 2_000_000);
     }
 
     #[test]
