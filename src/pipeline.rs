@@ -23,7 +23,10 @@
 //!    * Begin opens a transaction in the tracker;
 //!    * each outbox Insert becomes a record and is enqueued at once
 //!      (`send_result`, no waiting); a full librdkafka queue waits for an
-//!      acknowledgement first;
+//!      acknowledgement first, and a new topic for its creation. Such waits
+//!      go through [`OutboxStream::keep_alive_while`], which keeps sending
+//!      status updates, so no wait inside a step outlasts the server's
+//!      `wal_sender_timeout` (the status interval is at most a third of it);
 //!    * Commit records the transaction's end LSN, which becomes confirmable
 //!      when it and all earlier transactions are acknowledged;
 //!    * a keepalive's WAL end is confirmable when nothing is open or in
