@@ -5,6 +5,7 @@
 #![allow(clippy::unwrap_used)]
 
 mod cluster;
+mod debezium;
 mod fuzz;
 mod harness;
 mod kafka_rules;

@@ -440,6 +440,7 @@ fn spawn_dir_cleanup(dir: &Path) {
 #[derive(Clone, Debug)]
 pub struct Consumed {
     pub topic: String,
+    pub partition: i32,
     pub key: String,
     pub value: Vec<u8>,
     pub headers: Vec<(String, Vec<u8>)>,
@@ -499,6 +500,7 @@ pub fn consume(brokers: &str, topics: &[&str], want: usize, timeout: Duration) -
         match consumer.poll(Duration::from_millis(200)) {
             Some(Ok(m)) => out.push(Consumed {
                 topic: m.topic().to_owned(),
+                partition: m.partition(),
                 key: m
                     .key()
                     .map(|k| String::from_utf8_lossy(k).into_owned())

@@ -2,6 +2,7 @@
 //! waiting on conditions instead of sleeping.
 
 pub mod broker;
+pub mod debezium;
 pub mod postgres;
 
 use std::future::Future;
