@@ -25,7 +25,8 @@ pub struct Source<'a> {
 #[derive(Debug)]
 pub struct Debezium {
     dir: tempfile::TempDir,
-    /// The JVM's process id.
+    /// The JVM's process id (the benchmark samples its RSS and CPU).
+    #[allow(dead_code)]
     pub pid: u32,
 }
 
