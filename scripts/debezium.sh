@@ -42,6 +42,11 @@ fetch() {
   local stamp="$home/.fetched" digest
   digest=$(sha256sum "$pom" | cut -d' ' -f1)
   [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$digest" ] && return 0
+  # Tests start several Connects at once: one fetches, the others wait.
+  mkdir -p "$home"
+  exec 9>"$home/.lock"
+  flock 9
+  [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$digest" ] && return 0
   command -v mvn >/dev/null || die "Maven is missing: install it (apt-get install maven; scripts/setup.sh does)"
   printf 'debezium.sh: fetching Debezium %s and Kafka Connect from Maven Central into %s\n' "$version" "$home" >&2
   rm -rf "$home/libs.new"

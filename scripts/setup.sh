@@ -2,8 +2,10 @@
 # Installs what the tests, the demo and the benchmarks need on a fresh
 # Debian/Ubuntu machine: the PostgreSQL 15 server binaries, the C build
 # dependencies of librdkafka, the Rust toolchain components, a JDK (17+)
-# and Maven, and Apache Kafka's jars from Maven Central (the local test
-# broker, into ~/.cache/outboxd; see scripts/kafka.sh). Safe to run again:
+# and Maven, and from Maven Central Apache Kafka's jars (the local test
+# broker; scripts/kafka.sh) and Kafka Connect with Debezium (the incumbent
+# the suite and the benchmark compare with; scripts/debezium.sh), into
+# ~/.cache/outboxd. Safe to run again:
 # it installs only what is missing.
 set -euo pipefail
 
@@ -63,3 +65,5 @@ if [ "${#missing[@]}" -gt 0 ]; then
 fi
 "$(dirname "$0")/kafka.sh" fetch
 log "broker: Apache Kafka $("$(dirname "$0")/kafka.sh" version) (scripts/kafka.sh)"
+"$(dirname "$0")/debezium.sh" fetch
+log "incumbent: Debezium $("$(dirname "$0")/debezium.sh" version) on Kafka Connect (scripts/debezium.sh)"
