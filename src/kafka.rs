@@ -228,6 +228,8 @@ pub struct KafkaSink {
     replication_factor: i32,
     topic_config: Vec<(String, String)>,
     timeout: Duration,
+    /// The session's warm-up: topics already served when it began.
+    warm_up: Option<tokio::task::JoinHandle<Vec<String>>>,
 }
 
 impl std::fmt::Debug for KafkaSink {
@@ -274,6 +276,7 @@ impl KafkaSink {
             replication_factor: cfg.topic_replication_factor,
             topic_config: cfg.topic_config.clone().into_iter().collect(),
             timeout,
+            warm_up: None,
         })
     }
 
@@ -323,9 +326,11 @@ impl KafkaSink {
     /// Makes sure `topic` exists, creating it when allowed, and that every
     /// partition is served. Cached per session.
     pub async fn ensure_topic(&mut self, topic: &str) -> Result<(), KafkaSinkError> {
+        self.absorb_warm_up().await;
         if self.known_topics.contains(topic) {
             return Ok(());
         }
+        let started = tokio::time::Instant::now();
         if !self.topic_exists(topic).await? {
             if !self.create_topics {
                 return Err(KafkaSinkError::TopicMissing {
@@ -375,6 +380,7 @@ impl KafkaSink {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         self.known_topics.insert(topic.to_owned());
+        tracing::debug!(topic, took = ?started.elapsed(), "topic ready");
         Ok(())
     }
 
@@ -417,6 +423,46 @@ impl KafkaSink {
     /// allowed, creates) them again: a broker may have lost them.
     pub fn forget_topics(&mut self) {
         self.known_topics.clear();
+        self.warm_up();
+    }
+
+    /// Asks for the whole cluster's metadata through the producer's own
+    /// client, in the background: while PostgreSQL connects, the producer
+    /// reaches its brokers, and every topic that already exists with a
+    /// leader for each partition needs no check before its first record.
+    /// (Topics outboxd creates still wait for [`KafkaSink::ensure_topic`]'s
+    /// readiness check.)
+    fn warm_up(&mut self) {
+        let producer = self.producer.clone();
+        let timeout = self.timeout;
+        self.warm_up = Some(tokio::task::spawn_blocking(move || {
+            let Ok(md) = producer.client().fetch_metadata(None, timeout) else {
+                return Vec::new();
+            };
+            md.topics()
+                .iter()
+                .filter(|t| {
+                    t.error().is_none()
+                        && !t.partitions().is_empty()
+                        && t.partitions()
+                            .iter()
+                            .all(|p| p.leader() >= 0 && p.error().is_none())
+                })
+                .map(|t| t.name().to_owned())
+                .collect()
+        }));
+    }
+
+    /// Takes in the warm-up's topics, waiting for it if it is still on its
+    /// way: it is the metadata request a topic check would make anyway.
+    async fn absorb_warm_up(&mut self) {
+        let Some(handle) = self.warm_up.take() else {
+            return;
+        };
+        if let Ok(topics) = handle.await {
+            tracing::debug!(topics = topics.len(), "topics already served");
+            self.known_topics.extend(topics);
+        }
     }
 
     /// Enqueues a record without waiting for the broker.

@@ -380,6 +380,9 @@ impl Session {
                 if let Sent::DeadLetter { reason, .. } = sent {
                     metrics.dead_letters.with_label_values(&[reason]).inc();
                 }
+                if self.last_ack.is_none() {
+                    tracing::debug!(%lsn, "first acknowledgement of the session");
+                }
                 self.tracker.acked(txn);
                 self.acked += 1;
                 self.last_ack = Some(std::time::Instant::now());
@@ -619,19 +622,26 @@ impl Relay {
         }
     }
 
-    async fn connect(&self) -> Result<Connected, RelayError> {
+    /// Sets the session up on `client` (connected while the leader lock
+    /// was taken). Independent steps overlap: each costs round trips, and
+    /// the time to the first event is their sum otherwise.
+    async fn connect(&self, client: tokio_postgres::Client) -> Result<Connected, RelayError> {
         let v = &self.validated;
-        let client = admin::connect(&v.pg).await?;
-        let status_every = status_every(
-            self.config.postgres.status_interval.0,
-            admin::wal_sender_timeout(&client).await?,
-        );
-        let verified = if self.config.postgres.create_publication {
-            admin::ensure_publication(&client, &v.publication, &v.table).await?
-        } else {
-            publication::inspect(&client, &v.publication, &v.table).await?
+        let t = Instant::now();
+        let prove = async {
+            let timeout = admin::wal_sender_timeout(&client).await?;
+            let verified = if self.config.postgres.create_publication {
+                admin::ensure_publication(&client, &v.publication, &v.table).await?
+            } else {
+                publication::inspect(&client, &v.publication, &v.table).await?
+            };
+            Ok::<_, AdminError>((timeout, verified))
         };
-        let mut repl = ReplicationConnection::connect(&v.pg).await?;
+        let (proven, repl) = tokio::join!(prove, ReplicationConnection::connect(&v.pg));
+        let (server_timeout, verified) = proven?;
+        let mut repl = repl?;
+        let status_every = status_every(self.config.postgres.status_interval.0, server_timeout);
+        tracing::debug!(took = ?t.elapsed(), "publication verified, replication connection open");
         let start = match admin::ensure_slot(&client, &mut repl, &v.slot, &v.pg.dbname).await? {
             SlotState::Created { consistent_point } => {
                 tracing::info!(slot = v.slot.as_str(), %consistent_point, "created replication slot");
@@ -642,6 +652,7 @@ impl Relay {
             }
             SlotState::Existing(info) => info.confirmed_flush_lsn.unwrap_or(Lsn::ZERO),
         };
+        tracing::debug!(took = ?t.elapsed(), "slot ready");
         let stream = repl
             .start_replication(&StartOptions {
                 slot: v.slot.clone(),
@@ -679,16 +690,26 @@ impl Relay {
         shutdown: &mut watch::Receiver<bool>,
         streamed: &mut bool,
     ) -> Result<SessionEnd, RelayError> {
-        if !self.lead(shutdown).await? {
+        // Kafka's metadata, the leader lock and the session's first
+        // connection are asked for at once.
+        self.sink.forget_topics();
+        let pg = self.validated.pg.clone();
+        let (leading, client) = tokio::join!(self.lead(shutdown), admin::connect(&pg));
+        if !leading? {
             return Ok(SessionEnd::Shutdown);
         }
-        self.sink.forget_topics();
+        // A hot standby may have waited long for the lock: a connection
+        // that did not survive the wait is made again.
+        let client = match client {
+            Ok(c) if !c.is_closed() => c,
+            _ => admin::connect(&pg).await?,
+        };
         let Connected {
             mut stream,
             start,
             guard,
             status_every,
-        } = self.connect().await?;
+        } = self.connect(client).await?;
         *streamed = true;
         tracing::info!(
             slot = self.validated.slot.as_str(),
