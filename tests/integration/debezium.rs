@@ -49,6 +49,53 @@ listen = "127.0.0.1:0"
     )
 }
 
+/// Creates `topics` with 3 partitions and waits until each partition has a
+/// leader. Debezium's Java producer, writing to a topic Connect has just
+/// created on Kafka 4.4, was seen stuck for good on
+/// OUT_OF_ORDER_SEQUENCE_NUMBER (the same moment outboxd's readiness check
+/// guards), so the tests create the topics first, as a careful deployment
+/// with auto-creation off does.
+fn create_topics(brokers: &str, topics: &[String]) {
+    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+    use rdkafka::client::DefaultClientContext;
+    use rdkafka::ClientConfig;
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create()
+        .unwrap();
+    let new: Vec<NewTopic> = topics
+        .iter()
+        .map(|t| NewTopic::new(t, 3, TopicReplication::Fixed(1)))
+        .collect();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    for r in rt
+        .block_on(admin.create_topics(&new, &AdminOptions::new()))
+        .unwrap()
+    {
+        r.unwrap();
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    for t in topics {
+        loop {
+            let md = admin
+                .inner()
+                .fetch_metadata(Some(t), Duration::from_secs(5))
+                .unwrap();
+            let ready = md.topics().iter().any(|m| {
+                m.name() == t && m.partitions().len() == 3 && m.partitions().iter().all(|p| p.leader() >= 0)
+            });
+            if ready {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "topic {t} has no leaders");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
 /// A publication and slots created at one point, as a Debezium deployment
 /// and outboxd would find them.
 async fn publication_and_slots(client: &tokio_postgres::Client, publication: &str, slots: &[&str]) {
@@ -140,6 +187,16 @@ async fn records_match_debezium_record_for_record() {
         slot: "dbz_compat_d",
         publication: "dbz_compat",
     };
+    let topics: Vec<String> = ["dbz", "odz"]
+        .iter()
+        .flat_map(|p| types.iter().map(move |t| format!("{p}.{t}.events")))
+        .collect();
+    tokio::task::spawn_blocking({
+        let brokers = brokers.clone();
+        move || create_topics(&brokers, &topics)
+    })
+    .await
+    .unwrap();
     let debezium = Debezium::start(&brokers, &source, "dbz.${routedByValue}.events", &[]);
     let (handle, stop) = spawn_relay_with_slot(
         &client,
@@ -272,6 +329,12 @@ async fn take_over(name: &str, sigterm: bool) -> usize {
         slot,
         publication,
     };
+    tokio::task::spawn_blocking({
+        let (brokers, topic) = (brokers.clone(), topic.clone());
+        move || create_topics(&brokers, &[topic])
+    })
+    .await
+    .unwrap();
     let debezium = Debezium::start(&brokers, &source, "${routedByValue}.events", &[]);
     let (stop_writers, writers_stop) = tokio::sync::watch::channel(false);
     let mut writers = Vec::new();
