@@ -354,9 +354,9 @@ impl Session {
         self.tracker.flushed().min(self.guard.borrow().verified())
     }
 
-    /// What a status update sent during a wait reports.
-    fn beat(&self) -> (Lsn, Lsn) {
-        (self.received, self.confirmable())
+    /// What a status update sent during a wait reports, and how often.
+    fn beat(&self) -> (Lsn, Lsn, Duration) {
+        (self.received, self.confirmable(), self.status_every)
     }
 
     /// Reports write = received and flush = apply = the confirmable LSN.
@@ -829,9 +829,9 @@ impl Relay {
                     }
                 }
                 _ = leader_check.tick() => {
-                    let (received, flushed) = s.beat();
+                    let (received, flushed, every) = s.beat();
                     let held = stream
-                        .keep_alive_while(received, flushed, s.status_every, self.election.still_held())
+                        .keep_alive_while(received, flushed, every, self.election.still_held())
                         .await?;
                     if !held {
                         return Err(RelayError::LeadershipLost);
@@ -934,15 +934,7 @@ impl Relay {
                 return s.poison_row(txn, row, poison);
             }
         };
-        let (received, flushed) = s.beat();
-        stream
-            .keep_alive_while(
-                received,
-                flushed,
-                s.status_every,
-                self.sink.ensure_topic(&record.topic),
-            )
-            .await??;
+        self.ensure_topic(stream, s.beat(), &record.topic).await??;
         match self.send(stream, s, txn, lsn, &record, Sent::Event, true).await {
             // Refused before it was sent (librdkafka's own checks, such as
             // message.max.bytes): this record alone is the cause.
@@ -962,6 +954,19 @@ impl Relay {
             },
             other => other,
         }
+    }
+
+    /// Makes sure `topic` exists and is served, keeping the session alive
+    /// while that waits (creation, the readiness check).
+    async fn ensure_topic(
+        &mut self,
+        stream: &mut OutboxStream,
+        (received, flushed, every): (Lsn, Lsn, Duration),
+        topic: &str,
+    ) -> Result<Result<(), KafkaSinkError>, PgError> {
+        stream
+            .keep_alive_while(received, flushed, every, self.sink.ensure_topic(topic))
+            .await
     }
 
     /// Enqueues one record, waiting for acknowledgements while the queue
@@ -1011,14 +1016,7 @@ impl Relay {
             other => other,
         };
         while let Some(job) = s.dead_letters.pop_front() {
-            let (received, flushed) = s.beat();
-            stream
-                .keep_alive_while(
-                    received,
-                    flushed,
-                    s.status_every,
-                    self.sink.ensure_topic(&job.record.topic),
-                )
+            self.ensure_topic(stream, s.beat(), &job.record.topic)
                 .await?
                 .map_err(|e| definite(e.into()))?;
             let sent = Sent::DeadLetter {
@@ -1097,8 +1095,8 @@ impl Relay {
                 tracing::error!(error = %e, "dead letter failed during shutdown; the row will be handled again after restart");
                 break;
             }
-            let (received, flushed) = s.beat();
-            let next = stream.keep_alive_while(received, flushed, s.status_every, async {
+            let (received, flushed, every) = s.beat();
+            let next = stream.keep_alive_while(received, flushed, every, async {
                 tokio::time::timeout_at(deadline, s.deliveries.next()).await
             });
             let next = match next.await {
