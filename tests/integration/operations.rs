@@ -139,10 +139,18 @@ async fn metrics_under_load() {
     )
     .await;
     write_events(&client, 200, 10).await;
-    let text = wait_for("2,000 events counted", Duration::from_secs(60), || async {
-        let (_, text) = get(r.addr, "/metrics").await;
-        (metric(&text, "outboxd_events_published_total") == Some(2000.0)).then_some(text)
-    })
+    // The confirmed LSN follows the acknowledgements one publication-guard
+    // round later (about 250 ms): wait for both.
+    let text = wait_for(
+        "2,000 events counted and confirmed",
+        Duration::from_secs(60),
+        || async {
+            let (_, text) = get(r.addr, "/metrics").await;
+            let counted = metric(&text, "outboxd_events_published_total") == Some(2000.0);
+            let moved = metric(&text, "outboxd_confirmed_lsn").is_some_and(|c| c > first);
+            (counted && moved).then_some(text)
+        },
+    )
     .await;
     let confirmed = metric(&text, "outboxd_confirmed_lsn").unwrap();
     assert!(
