@@ -423,12 +423,7 @@ impl Session {
             (Sent::Event, Refusal::Record { reason, omit_payload }) => {
                 let record = record_from_message(&msg);
                 if self.on_poison == OnPoison::Stop {
-                    let id = record
-                        .headers
-                        .iter()
-                        .find(|(k, _)| k == crate::routing::header::ID)
-                        .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
-                        .unwrap_or_default();
+                    let id = record.header_text(crate::routing::header::ID);
                     return Err(RelayError::Poison {
                         id,
                         lsn,

@@ -199,6 +199,17 @@ pub struct KafkaRecord {
     pub timestamp_ms: i64,
 }
 
+impl KafkaRecord {
+    /// The value of header `name` as text (empty when it is missing).
+    pub fn header_text(&self, name: &str) -> String {
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
+            .unwrap_or_default()
+    }
+}
+
 /// How far past its transaction's commit `created_at` may lie and still be
 /// the record's timestamp. A later `created_at` was set by the writer, not
 /// by the clock, and Kafka 4 refuses timestamps more than an hour ahead of
@@ -446,12 +457,7 @@ pub fn dead_letter_stub(rec: &KafkaRecord, refused: &str) -> KafkaRecord {
         .filter(|(k, v)| STUB_KEEPS.contains(&k.as_str()) && short(v))
         .cloned()
         .collect();
-    let earlier = rec
-        .headers
-        .iter()
-        .find(|(k, _)| k == dlq_header::ERROR)
-        .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
-        .unwrap_or_default();
+    let earlier = rec.header_text(dlq_header::ERROR);
     let mut error = format!("{earlier}; the dead letter itself was refused: {refused}");
     if error.len() > STUB_FIELD_MAX {
         let mut end = STUB_FIELD_MAX;
@@ -466,12 +472,7 @@ pub fn dead_letter_stub(rec: &KafkaRecord, refused: &str) -> KafkaRecord {
         b"dead letter too large".to_vec(),
     ));
     let header_bytes: usize = rec.headers.iter().map(|(k, v)| k.len() + v.len()).sum();
-    let id = rec
-        .headers
-        .iter()
-        .find(|(k, _)| k == header::ID)
-        .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
-        .unwrap_or_default();
+    let id = rec.header_text(header::ID);
     let mut value = Vec::with_capacity(128);
     value.extend_from_slice(b"{\"id\":");
     push_json_string(&mut value, &id);
