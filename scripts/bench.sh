@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # The benchmark (BENCHMARKS.md): starts its own PostgreSQL and broker, then
-# measures backlog drain against pg_recvlogical and polling mode, and
-# commit-to-ack latency at a steady rate. Flags: --events N (default
-# 200000), --rate N (default 2000), --latency-secs N (default 30).
+# measures backlog drain against pg_recvlogical, polling mode and Debezium
+# (Kafka Connect with the PostgreSQL connector and its Outbox Event Router,
+# side by side on the same WAL), commit-to-consumer latency at a steady
+# rate, and start-up to the first event. Flags: --events N (default
+# 200000), --rate N (default 2000), --latency-secs N (default 30),
+# --warmup-secs N (default 10), --startup-rounds N (default 3),
+# --skip-debezium.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh

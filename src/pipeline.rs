@@ -324,6 +324,33 @@ struct Connected {
     status_every: Duration,
 }
 
+/// What a session proves on its connection before streaming.
+struct Proven {
+    /// The server's `wal_sender_timeout`, if any.
+    server_timeout: Option<Duration>,
+    /// The publication delivers every INSERT on the table.
+    verified: publication::Verified,
+}
+
+/// Reads `wal_sender_timeout` and proves (creating it first, if allowed and
+/// missing) the publication, on the session's connection.
+async fn prove(
+    config: &Config,
+    v: &Validated,
+    client: &tokio_postgres::Client,
+) -> Result<Proven, AdminError> {
+    let server_timeout = admin::wal_sender_timeout(client).await?;
+    let verified = if config.postgres.create_publication {
+        admin::ensure_publication(client, &v.publication, &v.table).await?
+    } else {
+        publication::inspect(client, &v.publication, &v.table).await?
+    };
+    Ok(Proven {
+        server_timeout,
+        verified,
+    })
+}
+
 /// The status interval: `postgres.status_interval`, but never more than a
 /// third of the server's `wal_sender_timeout`, so that two updates can be
 /// late before the server gives up on the session.
@@ -525,7 +552,9 @@ impl Relay {
         metrics: Arc<Metrics>,
         health: Arc<Health>,
     ) -> Result<Self, RelayError> {
+        let t = Instant::now();
         let sink = KafkaSink::new(&config.kafka, config.kafka.admin_timeout.0)?;
+        tracing::debug!(took = ?t.elapsed(), "Kafka clients created");
         let election = LeaderElection::new(validated.pg.clone(), validated.slot.clone());
         Ok(Relay {
             config,
@@ -617,26 +646,20 @@ impl Relay {
         }
     }
 
-    /// Sets the session up on `client` (connected while the leader lock
-    /// was taken). Independent steps overlap: each costs round trips, and
-    /// the time to the first event is their sum otherwise.
-    async fn connect(&self, client: tokio_postgres::Client) -> Result<Connected, RelayError> {
+    /// Sets the session up on `client` (the publication proven on it) and
+    /// `repl`: the slot, then streaming.
+    async fn connect(
+        &self,
+        client: tokio_postgres::Client,
+        proven: Proven,
+        mut repl: ReplicationConnection,
+    ) -> Result<Connected, RelayError> {
         let v = &self.validated;
-        let t = Instant::now();
-        let prove = async {
-            let timeout = admin::wal_sender_timeout(&client).await?;
-            let verified = if self.config.postgres.create_publication {
-                admin::ensure_publication(&client, &v.publication, &v.table).await?
-            } else {
-                publication::inspect(&client, &v.publication, &v.table).await?
-            };
-            Ok::<_, AdminError>((timeout, verified))
-        };
-        let (proven, repl) = tokio::join!(prove, ReplicationConnection::connect(&v.pg));
-        let (server_timeout, verified) = proven?;
-        let mut repl = repl?;
+        let Proven {
+            server_timeout,
+            verified,
+        } = proven;
         let status_every = status_every(self.config.postgres.status_interval.0, server_timeout);
-        tracing::debug!(took = ?t.elapsed(), "publication verified, replication connection open");
         let start = match admin::ensure_slot(&client, &mut repl, &v.slot, &v.pg.dbname).await? {
             SlotState::Created { consistent_point } => {
                 tracing::info!(slot = v.slot.as_str(), %consistent_point, "created replication slot");
@@ -647,7 +670,7 @@ impl Relay {
             }
             SlotState::Existing(info) => info.confirmed_flush_lsn.unwrap_or(Lsn::ZERO),
         };
-        tracing::debug!(took = ?t.elapsed(), "slot ready");
+        tracing::debug!("slot ready");
         let stream = repl
             .start_replication(&StartOptions {
                 slot: v.slot.clone(),
@@ -685,26 +708,49 @@ impl Relay {
         shutdown: &mut watch::Receiver<bool>,
         streamed: &mut bool,
     ) -> Result<SessionEnd, RelayError> {
-        // Kafka's metadata, the leader lock and the session's first
-        // connection are asked for at once.
+        // Kafka's metadata, the leader lock, the session's connection with
+        // the publication's proof, and the replication connection are asked
+        // for at once: each costs a backend start or round trips, and the
+        // time to the first event is their sum otherwise.
         self.sink.forget_topics();
         let pg = self.validated.pg.clone();
-        let (leading, client) = tokio::join!(self.lead(shutdown), admin::connect(&pg));
-        if !leading? {
-            return Ok(SessionEnd::Shutdown);
-        }
-        // A hot standby may have waited long for the lock: a connection
-        // that did not survive the wait is made again.
-        let client = match client {
-            Ok(c) if !c.is_closed() => c,
-            _ => admin::connect(&pg).await?,
+        let t = Instant::now();
+        let proven_on_new_connection = async {
+            let client = admin::connect(&pg).await?;
+            let proven = prove(&self.config, &self.validated, &client).await;
+            Ok::<_, AdminError>((client, proven))
+        };
+        let (first_try, session, repl) = tokio::join!(
+            self.election.try_lead(),
+            proven_on_new_connection,
+            ReplicationConnection::connect(&pg)
+        );
+        tracing::debug!(took = ?t.elapsed(), "leader lock, publication proven, replication connection open");
+        let (client, proven, repl) = if first_try? {
+            self.health.set_standby(false);
+            let (client, proven) = session?;
+            (client, proven?, repl?)
+        } else {
+            // Another outboxd leads: wait as a hot standby, without holding
+            // a walsender the leader may need, and prove the publication
+            // again once leading (it may have changed during the wait).
+            drop((session, repl));
+            if !self.lead(shutdown).await? {
+                return Ok(SessionEnd::Shutdown);
+            }
+            let client = admin::connect(&pg).await?;
+            let (proven, repl) = tokio::join!(
+                prove(&self.config, &self.validated, &client),
+                ReplicationConnection::connect(&pg)
+            );
+            (client, proven?, repl?)
         };
         let Connected {
             mut stream,
             start,
             guard,
             status_every,
-        } = self.connect(client).await?;
+        } = self.connect(client, proven, repl).await?;
         *streamed = true;
         tracing::info!(
             slot = self.validated.slot.as_str(),

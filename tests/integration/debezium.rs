@@ -11,7 +11,7 @@ use outboxd::Lsn;
 use serde_json::json;
 use uuid::Uuid;
 
-use crate::harness::broker::{broker, consume, Consumed};
+use crate::harness::broker::{broker, consume, create_topics, Consumed};
 use crate::harness::debezium::{Debezium, Source};
 use crate::harness::postgres::server;
 use crate::harness::{wait_for, TestDb};
@@ -47,53 +47,6 @@ listen = "127.0.0.1:0"
 "#,
         url = db.superuser_url()
     )
-}
-
-/// Creates `topics` with 3 partitions and waits until each partition has a
-/// leader. Debezium's Java producer, writing to a topic Connect has just
-/// created on Kafka 4.4, was seen stuck for good on
-/// OUT_OF_ORDER_SEQUENCE_NUMBER (the same moment outboxd's readiness check
-/// guards), so the tests create the topics first, as a careful deployment
-/// with auto-creation off does.
-fn create_topics(brokers: &str, topics: &[String]) {
-    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-    use rdkafka::client::DefaultClientContext;
-    use rdkafka::ClientConfig;
-    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .create()
-        .unwrap();
-    let new: Vec<NewTopic> = topics
-        .iter()
-        .map(|t| NewTopic::new(t, 3, TopicReplication::Fixed(1)))
-        .collect();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    for r in rt
-        .block_on(admin.create_topics(&new, &AdminOptions::new()))
-        .unwrap()
-    {
-        r.unwrap();
-    }
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    for t in topics {
-        loop {
-            let md = admin
-                .inner()
-                .fetch_metadata(Some(t), Duration::from_secs(5))
-                .unwrap();
-            let ready = md.topics().iter().any(|m| {
-                m.name() == t && m.partitions().len() == 3 && m.partitions().iter().all(|p| p.leader() >= 0)
-            });
-            if ready {
-                break;
-            }
-            assert!(std::time::Instant::now() < deadline, "topic {t} has no leaders");
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
 }
 
 /// A publication and slots created at one point, as a Debezium deployment

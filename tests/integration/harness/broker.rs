@@ -436,6 +436,63 @@ fn spawn_dir_cleanup(dir: &Path) {
     spawn_watchdog(&format!("sleep 2; rm -rf '{}'", dir.display()));
 }
 
+/// Creates `topics` with 3 partitions and waits until each partition has a
+/// leader. Debezium's Java producer, writing to a topic Connect has just
+/// created on Kafka 4.4, was seen stuck for good on
+/// OUT_OF_ORDER_SEQUENCE_NUMBER (the same moment outboxd's readiness check
+/// guards), so the tests create the topics first, as a careful deployment
+/// with auto-creation off does.
+pub fn create_topics(brokers: &str, topics: &[String]) {
+    create_topics_with(brokers, topics, &[]);
+}
+
+/// [`create_topics`] with topic settings (`message.timestamp.type`, ...).
+pub fn create_topics_with(brokers: &str, topics: &[String], settings: &[(&str, &str)]) {
+    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+    use rdkafka::client::DefaultClientContext;
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create()
+        .unwrap();
+    let new: Vec<NewTopic> = topics
+        .iter()
+        .map(|t| {
+            settings
+                .iter()
+                .fold(NewTopic::new(t, 3, TopicReplication::Fixed(1)), |n, (k, v)| {
+                    n.set(k, v)
+                })
+        })
+        .collect();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    for r in rt
+        .block_on(admin.create_topics(&new, &AdminOptions::new()))
+        .unwrap()
+    {
+        r.unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for t in topics {
+        loop {
+            let md = admin
+                .inner()
+                .fetch_metadata(Some(t), Duration::from_secs(5))
+                .unwrap();
+            let ready = md.topics().iter().any(|m| {
+                m.name() == t && m.partitions().len() == 3 && m.partitions().iter().all(|p| p.leader() >= 0)
+            });
+            if ready {
+                break;
+            }
+            assert!(Instant::now() < deadline, "topic {t} has no leaders");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
 /// One consumed record, with everything the tests compare.
 #[derive(Clone, Debug)]
 pub struct Consumed {

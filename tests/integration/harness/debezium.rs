@@ -11,6 +11,16 @@ pub fn debezium_script() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/debezium.sh")
 }
 
+/// The Debezium version `scripts/debezium.sh` installs.
+#[allow(dead_code)]
+pub fn version() -> String {
+    let out = Command::new(debezium_script())
+        .arg("version")
+        .output()
+        .expect("run scripts/debezium.sh version");
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
 /// Where Debezium reads: the test server's database, a slot and a
 /// publication that exist already (Debezium creates neither).
 #[derive(Clone, Debug)]
@@ -25,6 +35,7 @@ pub struct Source<'a> {
 #[derive(Debug)]
 pub struct Debezium {
     dir: tempfile::TempDir,
+    brokers: String,
     /// The JVM's process id (the benchmark samples its RSS and CPU).
     #[allow(dead_code)]
     pub pid: u32,
@@ -72,11 +83,28 @@ impl Debezium {
             connect.display(),
             dir.path().display()
         ));
+        let mut debezium = Debezium {
+            dir,
+            brokers: brokers.to_owned(),
+            pid: 0,
+        };
+        debezium.launch();
+        debezium
+    }
+
+    /// Starts Connect again after [`Debezium::stop`], with the same worker
+    /// and the offsets it stored: a restart, as a deployment restarts.
+    #[allow(dead_code)]
+    pub fn restart(&mut self) {
+        self.launch();
+    }
+
+    fn launch(&mut self) {
         let out = Command::new(debezium_script())
             .arg("start")
-            .arg(&connect)
-            .args(["--brokers", brokers, "--connector"])
-            .arg(&file)
+            .arg(self.connect_dir())
+            .args(["--brokers", &self.brokers, "--connector"])
+            .arg(self.dir.path().join("connector.properties"))
             .output()
             .expect("run scripts/debezium.sh start");
         assert!(
@@ -84,12 +112,11 @@ impl Debezium {
             "Debezium did not start: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        let pid = std::fs::read_to_string(connect.join("pid"))
+        self.pid = std::fs::read_to_string(self.connect_dir().join("pid"))
             .expect("Connect's pid")
             .trim()
             .parse()
             .expect("a pid");
-        Debezium { dir, pid }
     }
 
     fn connect_dir(&self) -> PathBuf {

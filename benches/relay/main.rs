@@ -1,0 +1,831 @@
+//! outboxd benchmark: one command, local throwaway services, outboxd
+//! measured beside `pg_recvlogical`, its own polling mode and Debezium.
+//!
+//! ```sh
+//! scripts/bench.sh                      # 200,000 events
+//! scripts/bench.sh --events 1000000     # 1M
+//! scripts/bench.sh --skip-debezium      # without the Kafka Connect runs
+//! ```
+//!
+//! a. Backlog drain: N outbox rows (~300-byte payloads, 100 rows per
+//!    transaction) written while every relay is stopped, each relay with a
+//!    slot of its own created at the same point. Each relay is started in
+//!    turn; the clock runs from its process's start until its slot's
+//!    `confirmed_flush_lsn` passes the last backlog transaction (an LSN
+//!    read inside it: Debezium confirms an event's LSN, not its commit's)
+//!    and until the broker holds all N events on its topic. Reported: the
+//!    later of the two, peak RSS and CPU seconds of the process (Kafka
+//!    Connect's JVM for Debezium).
+//! b. The same WAL range drained by `pg_recvlogical` (pgoutput, the same
+//!    publication, output to /dev/null), stopping at `--endpos`, before and
+//!    after the relays: PostgreSQL's decoding limit.
+//! c. The same rows drained by outboxd's polling mode.
+//! d. Latency: single-row transactions at a steady rate (default 2,000/s
+//!    for 30 s, after 10 s of the same load to warm up), through outboxd
+//!    and then through Debezium. Commit
+//!    (`pg_xact_commit_timestamp`) → arrival at one test consumer, the same
+//!    consumer code for both; for outboxd also its commit → ack histogram.
+//! e. Start-up: with the slot and topic in place and one event waiting,
+//!    from the relay's process start to the event's arrival at the
+//!    consumer; the median of `--startup-rounds` restarts.
+//!
+//! Results: markdown tables on stdout and JSON in target/bench/results.json
+//! (`vs_debezium` holds the side-by-side figures). All measures run side by
+//! side in this one process on the same machine, so the ratios are the
+//! figures to trust; absolute numbers move with the machine's load.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_debug_implementations)]
+
+#[path = "../../tests/integration/harness/mod.rs"]
+#[allow(dead_code)]
+mod harness;
+mod measure;
+mod relays;
+mod watch;
+
+use std::collections::HashMap;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use harness::broker::{create_topics_with, dedicated as dedicated_broker};
+use harness::postgres::{dedicated, PgServer};
+use measure::{ack_histogram, histogram_quantile, median, percentile, scrape, started_at, unix_now, usage};
+use outboxd::Lsn;
+use relays::{Kind, Running, Setting};
+use serde_json::{json, Value};
+use watch::{Arrival, Watcher};
+
+const PARTITIONS: i32 = 3;
+
+struct Args {
+    events: usize,
+    latency_secs: u64,
+    rate: u64,
+    startup_rounds: usize,
+    warmup_secs: u64,
+    debezium: bool,
+}
+
+fn args() -> Args {
+    let mut a = Args {
+        events: 200_000,
+        latency_secs: 30,
+        rate: 2_000,
+        startup_rounds: 3,
+        warmup_secs: 10,
+        debezium: true,
+    };
+    let argv: Vec<String> = std::env::args().collect();
+    let mut i = 1;
+    while i < argv.len() {
+        let value = || {
+            argv.get(i + 1)
+                .and_then(|v| v.parse().ok())
+                .expect("a number after the flag")
+        };
+        match argv[i].as_str() {
+            "--events" => a.events = value(),
+            "--latency-secs" => a.latency_secs = value() as u64,
+            "--rate" => a.rate = value() as u64,
+            "--startup-rounds" => a.startup_rounds = value().max(1),
+            "--warmup-secs" => a.warmup_secs = value() as u64,
+            "--skip-debezium" => a.debezium = false,
+            _ => {}
+        }
+        i += 1;
+    }
+    a
+}
+
+async fn lsn(client: &tokio_postgres::Client, sql: &str) -> Lsn {
+    let s: Option<String> = client.query_one(sql, &[]).await.unwrap().get(0);
+    s.map(|s| s.parse().unwrap()).unwrap_or(Lsn::ZERO)
+}
+
+async fn confirmed(client: &tokio_postgres::Client, slot: &str) -> Lsn {
+    let s: Option<String> = client
+        .query_one(
+            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    s.map(|s| s.parse().unwrap()).unwrap_or(Lsn::ZERO)
+}
+
+async fn create_slot(client: &tokio_postgres::Client, slot: &str) {
+    client
+        .execute(
+            "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+            &[&slot],
+        )
+        .await
+        .unwrap();
+}
+
+async fn drop_slot(client: &tokio_postgres::Client, slot: &str) {
+    client
+        .execute("SELECT pg_drop_replication_slot($1)", &[&slot])
+        .await
+        .unwrap();
+}
+
+/// Writes `n` rows, 100 per transaction, ~300-byte payloads. Returns an
+/// LSN read inside the last transaction, after its rows.
+async fn write_backlog(client: &mut tokio_postgres::Client, n: usize) -> Lsn {
+    let mut last = Lsn::ZERO;
+    let transactions = n.div_ceil(100);
+    for t in 0..transactions {
+        let rows = (n - t * 100).min(100) as i32;
+        let tx = client.transaction().await.unwrap();
+        tx.execute(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload, headers)
+             SELECT gen_random_uuid(), 'Order', 'order-' || ($1::int * 100 + g) % 5000, 'ordering.order-placed.v1',
+                    jsonb_build_object('orderId', $1::int * 100 + g, 'customerId', md5(g::text),
+                                       'lines', jsonb_build_array(jsonb_build_object('sku', 'SKU-' || g, 'qty', 2, 'price', 1250)),
+                                       'note', repeat('n', 150)),
+                    jsonb_build_object('correlationId', md5(($1::int * 100 + g)::text))
+               FROM generate_series(1, $2::int) g",
+            &[&(t as i32), &rows],
+        )
+        .await
+        .unwrap();
+        if t + 1 == transactions {
+            let s: String = tx
+                .query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
+                .await
+                .unwrap()
+                .get(0);
+            last = s.parse().unwrap();
+        }
+        tx.commit().await.unwrap();
+    }
+    last
+}
+
+/// A backlog drained by one relay.
+struct Drain {
+    confirmed_s: f64,
+    in_kafka_s: f64,
+    in_kafka: i64,
+    rss_mib: f64,
+    cpu_s: f64,
+}
+
+impl Drain {
+    /// Done: every event in Kafka and the slot confirmed past them.
+    fn secs(&self) -> f64 {
+        self.confirmed_s.max(self.in_kafka_s)
+    }
+
+    fn rate(&self, events: usize) -> f64 {
+        events as f64 / self.secs()
+    }
+
+    fn cpu_per_100k(&self, events: usize) -> f64 {
+        self.cpu_s / (events as f64 / 100_000.0)
+    }
+
+    fn json(&self, events: usize) -> Value {
+        json!({"seconds": self.secs(), "seconds_to_confirmed": self.confirmed_s, "seconds_to_all_in_kafka": self.in_kafka_s,
+               "high_watermark_sum": self.in_kafka, "events_per_second": self.rate(events),
+               "peak_rss_mib": self.rss_mib, "cpu_seconds": self.cpu_s,
+               "cpu_seconds_per_100k_events": self.cpu_per_100k(events)})
+    }
+}
+
+/// Starts `kind` on a backlog and samples, every 20 ms, its slot's
+/// confirmed LSN and its topic's high watermarks, until the slot passes
+/// `target` and the topic holds `events` records.
+async fn drain(
+    client: &tokio_postgres::Client,
+    s: &Setting,
+    kind: Kind,
+    slot: &str,
+    topic: &str,
+    target: Lsn,
+    events: usize,
+) -> Drain {
+    eprintln!("bench: {} drain", kind.name());
+    // Debezium's start returns once its task streams, seconds into the
+    // drain: start it beside the sampling.
+    let mut starter = Some({
+        let (s, slot, topic) = (s.clone(), slot.to_owned(), topic.to_owned());
+        std::thread::spawn(move || kind.start(&s, &slot, &topic))
+    });
+    let mut running: Option<Running> = None;
+    let wm = watch::client(&s.brokers);
+    let (mut at_confirmed, mut at_kafka, mut in_kafka) = (None, None, 0);
+    let deadline = Instant::now() + Duration::from_secs(3600);
+    while at_confirmed.is_none() || at_kafka.is_none() || running.is_none() {
+        if starter.as_ref().is_some_and(|t| t.is_finished()) {
+            running = Some(starter.take().unwrap().join().expect("the relay started"));
+        }
+        if at_confirmed.is_none() && confirmed(client, slot).await >= target {
+            at_confirmed = Some(unix_now());
+        }
+        if at_kafka.is_none() {
+            in_kafka = tokio::task::block_in_place(|| {
+                watch::high_watermarks(&wm, topic, PARTITIONS).iter().sum::<i64>()
+            });
+            if in_kafka >= events as i64 {
+                at_kafka = Some(unix_now());
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} did not drain within an hour: slot {slot} confirmed {} (target {target}), {in_kafka} of {events} events in Kafka",
+            kind.name(),
+            confirmed(client, slot).await
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut running = running.unwrap();
+    let pid = running.pid();
+    let start = started_at(pid);
+    let (rss_mib, cpu_s) = usage(pid);
+    tokio::task::block_in_place(|| running.stop());
+    Drain {
+        confirmed_s: at_confirmed.unwrap() - start,
+        in_kafka_s: at_kafka.unwrap() - start,
+        in_kafka,
+        rss_mib,
+        cpu_s,
+    }
+}
+
+/// Single-row transactions from 4 writers at `rate` per second for
+/// `secs`, each row's `type` set to `tag`. Returns the rate achieved.
+async fn steady_load(pg: &PgServer, rate: u64, secs: u64, tag: &str) -> f64 {
+    let writers = 4u64;
+    let mut tasks = Vec::new();
+    for w in 0..writers {
+        let c = pg.client("postgres").await;
+        let per = rate / writers;
+        let tag = tag.to_owned();
+        tasks.push(tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / per as f64));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+            for i in 0..per * secs {
+                tick.tick().await;
+                c.execute(
+                    "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload)
+                     VALUES (gen_random_uuid(), 'Order', $1, $2, jsonb_build_object('i', $3::bigint))",
+                    &[&format!("w{w}-{}", i % 50), &tag, &(i as i64)],
+                )
+                .await
+                .unwrap();
+            }
+        }));
+    }
+    let t = Instant::now();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    (rate / writers * writers * secs) as f64 / t.elapsed().as_secs_f64()
+}
+
+/// One event in the outbox; its id.
+async fn insert_one(client: &tokio_postgres::Client, tag: &str) -> String {
+    client
+        .query_one(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload)
+             VALUES (gen_random_uuid(), 'Order', 'probe', $1, '{}') RETURNING id::text",
+            &[&tag],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// Commit → arrival at the consumer, and commit → the broker's append,
+/// under a steady load (sorted milliseconds).
+struct Latency {
+    achieved: f64,
+    consumed_ms: Vec<f64>,
+    appended_ms: Vec<f64>,
+    metrics: String,
+}
+
+impl Latency {
+    /// Commit → consumed: the figure compared across relays.
+    fn p(&self, p: f64) -> f64 {
+        percentile(&self.consumed_ms, p)
+    }
+
+    fn json(&self) -> Value {
+        let summary = |ms: &[f64]| {
+            json!({"p50": percentile(ms, 0.5), "p99": percentile(ms, 0.99),
+                   "max": ms.last().copied().unwrap_or(f64::NAN), "samples": ms.len()})
+        };
+        json!({"achieved_events_per_second": self.achieved,
+               "commit_to_consumed_ms": summary(&self.consumed_ms),
+               "commit_to_log_append_ms": summary(&self.appended_ms)})
+    }
+}
+
+/// Starts `kind` on a new slot, warms it up with one event, runs the
+/// steady load and reads every arrival. Returns the relay still running.
+async fn latency(
+    pg: &PgServer,
+    client: &tokio_postgres::Client,
+    s: &Setting,
+    kind: Kind,
+    a: &Args,
+) -> (Latency, Running) {
+    eprintln!(
+        "bench: {} latency, {} events/s for {}s",
+        kind.name(),
+        a.rate,
+        a.latency_secs
+    );
+    let (slot, topic) = (
+        format!("latency_{}", kind.name()),
+        format!("latency-{}", kind.name()),
+    );
+    create_slot(client, &slot).await;
+    let watcher = Watcher::from_end(&s.brokers, &topic, PARTITIONS);
+    let running = {
+        let (s, slot, topic) = (s.clone(), slot.clone(), topic.clone());
+        tokio::task::spawn_blocking(move || kind.start(&s, &slot, &topic))
+            .await
+            .unwrap()
+    };
+    let warm = insert_one(client, "bench.warm").await;
+    tokio::task::block_in_place(|| watcher.wait_for(&warm, Duration::from_secs(120)))
+        .unwrap_or_else(|| panic!("{} did not publish the warm-up event within 120 s", kind.name()));
+    // The same load first, unmeasured, until every event has arrived: a
+    // JVM compiles its hot paths in the first seconds, and the figures
+    // are for a relay in its steady state.
+    let warmup = steady_load(
+        pg,
+        a.rate,
+        a.warmup_secs,
+        &format!("bench.warmup.{}", kind.name()),
+    )
+    .await;
+    let warmed = 1 + (a.rate / 4 * 4 * a.warmup_secs) as usize;
+    tokio::task::block_in_place(|| watcher.wait_count(warmed, Duration::from_secs(300)));
+    eprintln!(
+        "bench: {} warmed up ({warmup:.0} events/s for {} s)",
+        kind.name(),
+        a.warmup_secs
+    );
+    let tag = format!("bench.tick.{}", kind.name());
+    let achieved = steady_load(pg, a.rate, a.latency_secs, &tag).await;
+    let commits: HashMap<String, f64> = client
+        .query(
+            "SELECT id::text, EXTRACT(EPOCH FROM pg_xact_commit_timestamp(xmin))::float8 FROM outbox WHERE type = $1",
+            &[&tag],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    tokio::task::block_in_place(|| watcher.wait_count(warmed + commits.len(), Duration::from_secs(300)));
+    let metrics = match running.http_port() {
+        Some(port) => tokio::task::spawn_blocking(move || scrape(port)).await.unwrap(),
+        None => String::new(),
+    };
+    let seen = tokio::task::block_in_place(|| watcher.finish());
+    let missing = commits.keys().filter(|id| !seen.contains_key(*id)).count();
+    assert_eq!(missing, 0, "{} lost events in the latency run", kind.name());
+    let sorted_ms = |at: fn(&Arrival) -> f64| {
+        let mut ms: Vec<f64> = commits
+            .iter()
+            .map(|(id, commit)| (at(&seen[id]) - commit) * 1000.0)
+            .collect();
+        ms.sort_by(f64::total_cmp);
+        ms
+    };
+    let result = Latency {
+        achieved,
+        consumed_ms: sorted_ms(|a| a.consumed),
+        appended_ms: sorted_ms(|a| a.appended),
+        metrics,
+    };
+    (result, running)
+}
+
+/// One start-up: seconds from the process's start to the waiting event's
+/// append in Kafka and to its arrival at the consumer, and the CPU seconds
+/// spent by then.
+#[derive(Clone, Copy)]
+struct Startup {
+    appended_s: f64,
+    consumed_s: f64,
+    cpu_s: f64,
+}
+
+/// Start-up, `rounds` times: the relay stopped, one event waiting, the
+/// slot and topic in place.
+async fn startup(
+    client: &tokio_postgres::Client,
+    s: &Setting,
+    running: &mut Running,
+    kind: Kind,
+    rounds: usize,
+) -> Vec<Startup> {
+    eprintln!("bench: {} start-up, {rounds} rounds", kind.name());
+    let topic = format!("latency-{}", kind.name());
+    let mut out = Vec::new();
+    for _ in 0..rounds {
+        tokio::task::block_in_place(|| running.stop());
+        let id = insert_one(client, "bench.startup").await;
+        let watcher = Watcher::from_end(&s.brokers, &topic, PARTITIONS);
+        tokio::task::block_in_place(|| running.restart());
+        let arrived = tokio::task::block_in_place(|| watcher.wait_for(&id, Duration::from_secs(120)))
+            .unwrap_or_else(|| {
+                panic!(
+                    "{} did not publish the waiting event within 120 s of its start",
+                    kind.name()
+                )
+            });
+        let pid = running.pid();
+        let started = started_at(pid);
+        out.push(Startup {
+            appended_s: arrived.appended - started,
+            consumed_s: arrived.consumed - started,
+            cpu_s: usage(pid).1,
+        });
+    }
+    tokio::task::block_in_place(|| running.stop());
+    out
+}
+
+/// `pg_recvlogical` over the backlog's WAL from `slot`, stopping at `end`.
+fn recvlogical(pg: &PgServer, slot: &str, end: Lsn) -> f64 {
+    let t = Instant::now();
+    let status = Command::new(pg.bin_dir.join("pg_recvlogical"))
+        .args([
+            "-h",
+            "127.0.0.1",
+            "-p",
+            &pg.port.to_string(),
+            "-U",
+            "postgres",
+            "-d",
+            "postgres",
+        ])
+        .args([
+            "--slot",
+            slot,
+            "--start",
+            "-o",
+            "proto_version=1",
+            "-o",
+            "publication_names=bench_pub",
+        ])
+        .args(["-E", &end.to_string(), "-f", "/dev/null", "--no-loop"])
+        .status()
+        .unwrap();
+    assert!(status.success(), "pg_recvlogical failed");
+    t.elapsed().as_secs_f64()
+}
+
+/// Polling mode until no row is left unpublished.
+async fn polling(client: &tokio_postgres::Client, s: &Setting) -> f64 {
+    eprintln!("bench: polling mode");
+    let mut running = Kind::Polling.start(s, "unused", "drain-polling");
+    let start = started_at(running.pid());
+    loop {
+        // EXISTS uses the partial index; count(*) would scan the table.
+        let left: bool = client
+            .query_one(
+                "SELECT EXISTS (SELECT 1 FROM outbox WHERE published_at IS NULL)",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if !left {
+            break;
+        }
+        assert!(unix_now() - start < 3600.0, "polling did not finish");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let secs = unix_now() - start;
+    tokio::task::block_in_place(|| running.stop());
+    secs
+}
+
+/// One relay's figures for the side-by-side table.
+struct Figures {
+    drain: Drain,
+    latency: Latency,
+    startup: Vec<Startup>,
+}
+
+impl Figures {
+    fn startup_median(&self, f: fn(&Startup) -> f64) -> f64 {
+        median(&self.startup.iter().map(f).collect::<Vec<_>>())
+    }
+
+    /// Process start → the waiting event appended in Kafka (median).
+    fn startup_s(&self) -> f64 {
+        self.startup_median(|r| r.appended_s)
+    }
+
+    fn startup_cpu_s(&self) -> f64 {
+        self.startup_median(|r| r.cpu_s)
+    }
+
+    fn startup_json(&self) -> Value {
+        json!({"to_log_append_seconds": self.startup.iter().map(|r| r.appended_s).collect::<Vec<_>>(),
+               "to_consumed_seconds": self.startup.iter().map(|r| r.consumed_s).collect::<Vec<_>>(),
+               "median_to_log_append_seconds": self.startup_s(),
+               "median_to_consumed_seconds": self.startup_median(|r| r.consumed_s),
+               "median_cpu_seconds": self.startup_cpu_s()})
+    }
+
+    fn json(&self, events: usize) -> Value {
+        json!({"drain": self.drain.json(events), "latency": self.latency.json(), "startup": self.startup_json()})
+    }
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let a = args();
+    let n = a.events;
+    // OUTBOXD_BENCH_KEEP=1 keeps the relays' configs and logs;
+    // OUTBOXD_BENCH_LOG sets outboxd's log level (default info).
+    let keep = std::env::var_os("OUTBOXD_BENCH_KEEP").is_some();
+    let dir = tempfile::Builder::new()
+        .prefix("outboxd-bench-")
+        .disable_cleanup(keep)
+        .tempdir()
+        .unwrap();
+    if keep {
+        eprintln!("bench: keeping the relays' files in {}", dir.path().display());
+    }
+    eprintln!("bench: starting PostgreSQL and the broker");
+    let pg = dedicated("");
+    let broker = dedicated_broker();
+    let mut client = pg.client("postgres").await;
+    outbox_sdk::migrate::migrate(&mut client).await.unwrap();
+    let s = Setting {
+        pg_port: pg.port,
+        brokers: broker.brokers.clone(),
+        dir: dir.path().to_owned(),
+        publication: "bench_pub".into(),
+    };
+    let mut kinds = vec![Kind::Outboxd];
+    if a.debezium {
+        kinds.push(Kind::Debezium);
+    }
+    // Every topic exists beforehand, with 3 partitions, for every relay.
+    let mut topics = vec!["drain-polling".to_owned()];
+    for k in &kinds {
+        topics.push(format!("drain-{}", k.name()));
+        topics.push(format!("latency-{}", k.name()));
+    }
+    {
+        let brokers = s.brokers.clone();
+        tokio::task::spawn_blocking(move || {
+            create_topics_with(&brokers, &topics, &[("message.timestamp.type", "LogAppendTime")])
+        })
+        .await
+        .unwrap();
+    }
+    // Every slot at the same point, before the backlog.
+    client
+        .batch_execute("CREATE PUBLICATION bench_pub FOR TABLE outbox WITH (publish = 'insert')")
+        .await
+        .unwrap();
+    for slot in ["bench_recv", "bench_recv_after"] {
+        create_slot(&client, slot).await;
+    }
+    for k in &kinds {
+        create_slot(&client, &format!("drain_{}", k.name())).await;
+    }
+    let start_lsn = lsn(&client, "SELECT pg_current_wal_lsn()::text").await;
+    eprintln!("bench: writing {n} rows, 100 per transaction");
+    let t = Instant::now();
+    let last_txn = write_backlog(&mut client, n).await;
+    let end = lsn(&client, "SELECT pg_current_wal_lsn()::text").await;
+    let write_secs = t.elapsed().as_secs_f64();
+    let wal_mb = end.bytes_since(start_lsn) as f64 / 1048576.0;
+    eprintln!("bench: wrote {wal_mb:.0} MB of WAL in {write_secs:.1}s");
+
+    // b, then a: pg_recvlogical before and after the relays, so neither
+    // side gets the warmer cache; the faster run is the decoding limit.
+    eprintln!("bench: pg_recvlogical (before)");
+    let recv_before = recvlogical(&pg, "bench_recv", end);
+    let mut drains = Vec::new();
+    for &k in &kinds {
+        let (slot, topic) = (format!("drain_{}", k.name()), format!("drain-{}", k.name()));
+        drains.push(drain(&client, &s, k, &slot, &topic, last_txn, n).await);
+        drop_slot(&client, &slot).await;
+    }
+    eprintln!("bench: pg_recvlogical (after)");
+    let recv_after = recvlogical(&pg, "bench_recv_after", end);
+    let recv_secs = recv_before.min(recv_after);
+    for slot in ["bench_recv", "bench_recv_after"] {
+        drop_slot(&client, slot).await;
+    }
+
+    // c. polling mode drains the same rows.
+    let poll_secs = polling(&client, &s).await;
+    client.batch_execute("TRUNCATE outbox").await.unwrap();
+
+    // d and e, for each relay in turn.
+    let mut figures = Vec::new();
+    for (&k, drain) in kinds.iter().zip(drains) {
+        let (latency, mut running) = latency(&pg, &client, &s, k, &a).await;
+        let startup = startup(&client, &s, &mut running, k, a.startup_rounds).await;
+        drop(running);
+        drop_slot(&client, &format!("latency_{}", k.name())).await;
+        figures.push(Figures {
+            drain,
+            latency,
+            startup,
+        });
+    }
+    let o = &figures[0];
+    let hist = ack_histogram(&o.latency.metrics);
+    let ack_p50 = histogram_quantile(&hist, 0.5) * 1000.0;
+    let ack_p99 = histogram_quantile(&hist, 0.99) * 1000.0;
+    let drain_rate = o.drain.rate(n);
+    let recv_rate = n as f64 / recv_secs;
+    let poll_rate = n as f64 / poll_secs;
+    let mut results = json!({
+        "events": n,
+        "wal_mb": wal_mb,
+        "drain": o.drain.json(n),
+        "pg_recvlogical": {"seconds": recv_secs, "events_per_second": recv_rate,
+                           "seconds_before_outboxd": recv_before, "seconds_after_outboxd": recv_after},
+        "polling": {"seconds": poll_secs, "events_per_second": poll_rate},
+        "ratios": {"outboxd_to_pg_recvlogical": drain_rate / recv_rate, "outboxd_to_polling": drain_rate / poll_rate},
+        "latency": {"target_events_per_second": a.rate, "achieved_events_per_second": o.latency.achieved, "seconds": a.latency_secs,
+                    "commit_to_ack_ms": {"p50": ack_p50, "p99": ack_p99, "samples": hist.last().map_or(0.0, |b| b.1)},
+                    "commit_to_consumed_ms": o.latency.json()["commit_to_consumed_ms"],
+                    "commit_to_log_append_ms": o.latency.json()["commit_to_log_append_ms"]},
+        "startup": o.startup_json(),
+    });
+    if let Some(d) = figures.get(1) {
+        results["debezium"] = d.json(n);
+        results["debezium"]["version"] = json!(harness::debezium::version());
+        results["debezium"]["connector_tuning"] = json!(relays::DEBEZIUM_TUNING);
+        results["vs_debezium"] = json!({
+            "events": n,
+            "outboxd_drain_events_per_s": o.drain.rate(n), "debezium_drain_events_per_s": d.drain.rate(n),
+            "outboxd_peak_rss_mib": o.drain.rss_mib, "debezium_peak_rss_mib": d.drain.rss_mib,
+            "outboxd_cpu_s_per_100k": o.drain.cpu_per_100k(n), "debezium_cpu_s_per_100k": d.drain.cpu_per_100k(n),
+            "outboxd_p99_ms": o.latency.p(0.99), "debezium_p99_ms": d.latency.p(0.99),
+            "outboxd_p50_ms": o.latency.p(0.5), "debezium_p50_ms": d.latency.p(0.5),
+            "outboxd_log_append_p99_ms": percentile(&o.latency.appended_ms, 0.99),
+            "debezium_log_append_p99_ms": percentile(&d.latency.appended_ms, 0.99),
+            "outboxd_startup_s": o.startup_s(), "debezium_startup_s": d.startup_s(),
+            "outboxd_startup_cpu_s": o.startup_cpu_s(), "debezium_startup_cpu_s": d.startup_cpu_s(),
+        });
+    }
+    let out_dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench");
+    std::fs::create_dir_all(&out_dir).unwrap();
+    std::fs::write(
+        out_dir.join("results.json"),
+        serde_json::to_string_pretty(&results).unwrap(),
+    )
+    .unwrap();
+
+    println!("| measure | result |");
+    println!("|---|---|");
+    println!("| backlog | {n} events, {wal_mb:.0} MB of WAL, 100 rows per transaction |");
+    println!(
+        "| outboxd drain | {:.2} s, {drain_rate:.0} events/s (all {n} events verified in Kafka) |",
+        o.drain.secs()
+    );
+    println!(
+        "| pg_recvlogical (decoding limit) | {recv_secs:.2} s, {recv_rate:.0} events/s (runs before/after the relays: {recv_before:.2} s / {recv_after:.2} s) |"
+    );
+    println!("| polling mode (defaults: 500 rows per round) | {poll_secs:.2} s, {poll_rate:.0} events/s |");
+    println!(
+        "| outboxd / pg_recvlogical | {:.2} (target ≥ 0.8) |",
+        drain_rate / recv_rate
+    );
+    println!(
+        "| outboxd / polling | {:.1} (target ≥ 10) |",
+        drain_rate / poll_rate
+    );
+    println!("| outboxd peak RSS | {:.1} MiB |", o.drain.rss_mib);
+    println!(
+        "| outboxd CPU | {:.2} s, {:.2} core-s per 100k events (target ≤ 1) |",
+        o.drain.cpu_s,
+        o.drain.cpu_per_100k(n)
+    );
+    println!(
+        "| latency load | {:.0} events/s for {} s (single-row transactions) |",
+        o.latency.achieved, a.latency_secs
+    );
+    println!("| commit → Kafka ack (outboxd histogram) | p50 {ack_p50:.1} ms, p99 {ack_p99:.1} ms (target p99 ≤ 25) |");
+    println!(
+        "| commit → consumed (per event, upper bound) | p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms |",
+        o.latency.p(0.5),
+        o.latency.p(0.99),
+        o.latency.consumed_ms.last().copied().unwrap_or(f64::NAN),
+    );
+    println!(
+        "| commit → appended in Kafka (broker's LogAppendTime) | p50 {:.1} ms, p99 {:.1} ms |",
+        percentile(&o.latency.appended_ms, 0.5),
+        percentile(&o.latency.appended_ms, 0.99)
+    );
+    println!(
+        "| start-up: process start → waiting event appended in Kafka / consumed | median {:.0} ms / {:.0} ms of {} (target < 100 ms) |",
+        o.startup_s() * 1000.0,
+        o.startup_median(|r| r.consumed_s) * 1000.0,
+        o.startup.len()
+    );
+    if let Some(d) = figures.get(1) {
+        side_by_side(n, o, d);
+    }
+    broker.kill();
+}
+
+/// The table of outboxd beside Debezium, with the ratios.
+fn side_by_side(n: usize, o: &Figures, d: &Figures) {
+    println!();
+    println!(
+        "| outboxd vs Debezium {} | outboxd | Debezium | ratio | goal |",
+        harness::debezium::version()
+    );
+    println!("|---|---|---|---|---|");
+    // The ratio is outboxd's advantage: above 1 where outboxd is better.
+    let row = |what: &str, o: f64, d: f64, unit: &str, higher_is_better: bool, goal: Option<f64>| {
+        let ratio = if higher_is_better { o / d } else { d / o };
+        let goal = match goal {
+            Some(g) if ratio >= g => format!("≥ {g}× ✅"),
+            Some(g) => format!("≥ {g}× ❌"),
+            None => String::new(),
+        };
+        println!("| {what} | {o:.2} {unit} | {d:.2} {unit} | {ratio:.1}× | {goal} |");
+    };
+    row(
+        &format!("drain of {n} events"),
+        o.drain.rate(n),
+        d.drain.rate(n),
+        "events/s",
+        true,
+        Some(5.0),
+    );
+    println!(
+        "| drain: to the slot confirmed / all in Kafka | {:.2} s / {:.2} s | {:.2} s / {:.2} s | | |",
+        o.drain.confirmed_s, o.drain.in_kafka_s, d.drain.confirmed_s, d.drain.in_kafka_s
+    );
+    row(
+        "peak RSS (drain)",
+        o.drain.rss_mib,
+        d.drain.rss_mib,
+        "MiB",
+        false,
+        Some(20.0),
+    );
+    row(
+        "CPU per 100k events (drain, start-up included)",
+        o.drain.cpu_per_100k(n),
+        d.drain.cpu_per_100k(n),
+        "s",
+        false,
+        Some(5.0),
+    );
+    row(
+        "commit → consumed p99",
+        o.latency.p(0.99),
+        d.latency.p(0.99),
+        "ms",
+        false,
+        Some(10.0),
+    );
+    row(
+        "commit → consumed p50",
+        o.latency.p(0.5),
+        d.latency.p(0.5),
+        "ms",
+        false,
+        None,
+    );
+    row(
+        "commit → appended in Kafka p99 (LogAppendTime)",
+        percentile(&o.latency.appended_ms, 0.99),
+        percentile(&d.latency.appended_ms, 0.99),
+        "ms",
+        false,
+        None,
+    );
+    row(
+        "start-up to the first event in Kafka (median)",
+        o.startup_s(),
+        d.startup_s(),
+        "s",
+        false,
+        Some(10.0),
+    );
+    row(
+        "CPU spent starting (median)",
+        o.startup_cpu_s(),
+        d.startup_cpu_s(),
+        "s",
+        false,
+        None,
+    );
+}

@@ -1,0 +1,132 @@
+//! What the benchmark reads from the operating system and from outboxd's
+//! metrics: a process's peak RSS, CPU time and start time, percentiles,
+//! and the commit → ack histogram.
+
+use std::process::Command;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// Seconds since the Unix epoch, now.
+pub fn unix_now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("the clock is after 1970")
+        .as_secs_f64()
+}
+
+fn clk_tck() -> f64 {
+    Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
+        .unwrap_or(100.0)
+}
+
+/// The fields of `/proc/PID/stat` after the command name; index 0 is the
+/// state (field 3 in proc(5)'s 1-based numbering).
+fn stat_fields(pid: u32) -> Vec<String> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    stat.rsplit(')')
+        .next()
+        .unwrap_or("")
+        .split_whitespace()
+        .map(str::to_owned)
+        .collect()
+}
+
+/// A running process's peak RSS (`VmHWM`, MiB) and CPU seconds
+/// (`utime + stime`). The kernel keeps the peak, so one reading at the end
+/// of a run is the peak of the whole run.
+pub fn usage(pid: u32) -> (f64, f64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let hwm_kib: f64 = status
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        .unwrap_or(0.0);
+    let fields = stat_fields(pid);
+    // utime and stime are fields 14 and 15.
+    let ticks: f64 = [11, 12]
+        .iter()
+        .filter_map(|&i| fields.get(i)?.parse::<f64>().ok())
+        .sum();
+    (hwm_kib / 1024.0, ticks / clk_tck())
+}
+
+/// When a running process started, in Unix seconds (to the kernel's clock
+/// tick, 10 ms). Start-up is measured from here for every relay, so the
+/// launcher in front of it (a shell script for Kafka Connect) is not
+/// counted against it.
+pub fn started_at(pid: u32) -> f64 {
+    let now = unix_now();
+    let uptime: f64 = std::fs::read_to_string("/proc/uptime")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .expect("/proc/uptime");
+    // starttime is field 22: clock ticks after boot.
+    let ticks: f64 = stat_fields(pid)
+        .get(19)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("process {pid} is gone; its start time is unknown"));
+    now - uptime + ticks / clk_tck()
+}
+
+/// The p-quantile of sorted samples (nearest rank).
+pub fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let idx = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[idx]
+}
+
+/// The median of unsorted samples.
+pub fn median(samples: &[f64]) -> f64 {
+    let mut s = samples.to_vec();
+    s.sort_by(f64::total_cmp);
+    percentile(&s, 0.5)
+}
+
+/// p-quantile from Prometheus cumulative buckets, linearly interpolated.
+pub fn histogram_quantile(buckets: &[(f64, f64)], p: f64) -> f64 {
+    let total = buckets.last().map_or(0.0, |b| b.1);
+    let rank = total * p;
+    let mut prev = (0.0, 0.0);
+    for &(le, count) in buckets {
+        if count >= rank {
+            if le.is_infinite() {
+                return prev.0;
+            }
+            let width = count - prev.1;
+            let frac = if width > 0.0 { (rank - prev.1) / width } else { 0.0 };
+            return prev.0 + (le - prev.0) * frac;
+        }
+        prev = (le, count);
+    }
+    f64::NAN
+}
+
+/// outboxd's `/metrics` page, or an empty string.
+pub fn scrape(port: u16) -> String {
+    ureq::get(&format!("http://127.0.0.1:{port}/metrics"))
+        .call()
+        .ok()
+        .and_then(|mut r| r.body_mut().read_to_string().ok())
+        .unwrap_or_default()
+}
+
+/// The buckets of `outboxd_commit_to_ack_seconds` as (le, cumulative count).
+pub fn ack_histogram(text: &str) -> Vec<(f64, f64)> {
+    text.lines()
+        .filter(|l| l.starts_with("outboxd_commit_to_ack_seconds_bucket{le=\""))
+        .filter_map(|l| {
+            let le = l.split("le=\"").nth(1)?.split('"').next()?;
+            let le = if le == "+Inf" {
+                f64::INFINITY
+            } else {
+                le.parse().ok()?
+            };
+            Some((le, l.rsplit(' ').next()?.parse().ok()?))
+        })
+        .collect()
+}

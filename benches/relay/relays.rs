@@ -1,0 +1,185 @@
+//! The relays under test behind one face: outboxd (CDC or polling mode)
+//! and Debezium (Kafka Connect standalone with the PostgreSQL connector and
+//! its Outbox Event Router). Each is started on a slot and writes every
+//! event to one named topic; the benchmark then reads the same figures
+//! from both: the slot's confirmed LSN, the topic's records, and the
+//! process's RSS and CPU.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+
+use crate::harness::debezium::{Debezium, Source};
+use crate::harness::postgres::free_port;
+
+/// The Debezium connector settings the benchmark adds to
+/// `scripts/debezium.sh connector`'s: the documented throughput settings
+/// (a batch and a queue four times the defaults of 2,048 and 8,192) and a
+/// short poll interval, so that neither drain nor latency is held back by
+/// a default a tuned deployment would change.
+pub const DEBEZIUM_TUNING: &[&str] = &[
+    "max.batch.size=8192",
+    "max.queue.size=32768",
+    "poll.interval.ms=50",
+];
+
+/// What every relay needs to know: the database, the broker, and where to
+/// keep its files.
+#[derive(Clone, Debug)]
+pub struct Setting {
+    pub pg_port: u16,
+    pub brokers: String,
+    pub dir: PathBuf,
+    pub publication: String,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Outboxd,
+    Polling,
+    Debezium,
+}
+
+impl Kind {
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Outboxd => "outboxd",
+            Kind::Polling => "polling",
+            Kind::Debezium => "debezium",
+        }
+    }
+
+    /// Starts the relay on `slot`, writing to `topic` (3 partitions, made
+    /// beforehand). Debezium returns once its task streams (seconds);
+    /// outboxd returns at once.
+    pub fn start(self, s: &Setting, slot: &str, topic: &str) -> Running {
+        match self {
+            Kind::Outboxd | Kind::Polling => {
+                let http_port = free_port();
+                let mode = if self == Kind::Polling {
+                    "mode = \"polling\""
+                } else {
+                    ""
+                };
+                let text = format!(
+                    r#"{mode}
+[postgres]
+url = "postgres://postgres@127.0.0.1:{pg}/postgres?sslmode=disable"
+slot = "{slot}"
+publication = "{publication}"
+[kafka]
+brokers = "{brokers}"
+topic_partitions = 3
+topic_replication_factor = 1
+[routing]
+topic = "{topic}"
+[http]
+listen = "127.0.0.1:{http_port}"
+[log]
+level = "{level}"
+"#,
+                    level = std::env::var("OUTBOXD_BENCH_LOG").unwrap_or_else(|_| "info".into()),
+                    pg = s.pg_port,
+                    publication = s.publication,
+                    brokers = s.brokers,
+                );
+                let config = s.dir.join(format!("{topic}.toml"));
+                std::fs::write(&config, text).expect("write outboxd's config");
+                let log = s.dir.join(format!("{topic}.log"));
+                let mut running = Running::Outboxd {
+                    child: None,
+                    config,
+                    log,
+                    http_port,
+                };
+                running.restart();
+                running
+            }
+            Kind::Debezium => {
+                let source = Source {
+                    pg_port: s.pg_port,
+                    dbname: "postgres",
+                    slot,
+                    publication: &s.publication,
+                };
+                Running::Debezium(Debezium::start(&s.brokers, &source, topic, DEBEZIUM_TUNING))
+            }
+        }
+    }
+}
+
+/// A started relay.
+pub enum Running {
+    Outboxd {
+        child: Option<Child>,
+        config: PathBuf,
+        log: PathBuf,
+        http_port: u16,
+    },
+    Debezium(Debezium),
+}
+
+impl Running {
+    /// The process whose RSS and CPU count: outboxd, or Connect's JVM.
+    pub fn pid(&self) -> u32 {
+        match self {
+            Running::Outboxd { child, .. } => child.as_ref().map_or(0, Child::id),
+            Running::Debezium(d) => d.pid,
+        }
+    }
+
+    /// outboxd's metrics port.
+    pub fn http_port(&self) -> Option<u16> {
+        match self {
+            Running::Outboxd { http_port, .. } => Some(*http_port),
+            Running::Debezium(_) => None,
+        }
+    }
+
+    /// SIGTERM, and waits for the exit: outboxd drains and confirms,
+    /// Connect commits its offsets and Debezium confirms the slot.
+    pub fn stop(&mut self) {
+        match self {
+            Running::Outboxd { child, .. } => {
+                if let Some(mut c) = child.take() {
+                    let _ = Command::new("kill").args(["-TERM", &c.id().to_string()]).status();
+                    let _ = c.wait();
+                }
+            }
+            Running::Debezium(d) => d.stop(),
+        }
+    }
+
+    /// Starts the stopped relay again with the same configuration (and,
+    /// for Connect, the offsets it stored).
+    pub fn restart(&mut self) {
+        match self {
+            Running::Outboxd {
+                child, config, log, ..
+            } => {
+                let log = std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&*log)
+                    .expect("outboxd's log file");
+                *child = Some(
+                    Command::new(env!("CARGO_BIN_EXE_outboxd"))
+                        .args(["run", "--config"])
+                        .arg(&*config)
+                        .env_remove("RUST_LOG")
+                        .stdin(Stdio::null())
+                        .stdout(log.try_clone().expect("log file"))
+                        .stderr(log)
+                        .spawn()
+                        .expect("start outboxd"),
+                );
+            }
+            Running::Debezium(d) => d.restart(),
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
