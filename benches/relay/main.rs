@@ -64,6 +64,7 @@ struct Args {
     startup_rounds: usize,
     warmup_secs: u64,
     debezium: bool,
+    outboxd_kafka: Vec<String>,
 }
 
 fn args() -> Args {
@@ -74,6 +75,7 @@ fn args() -> Args {
         startup_rounds: 3,
         warmup_secs: 10,
         debezium: true,
+        outboxd_kafka: Vec::new(),
     };
     let argv: Vec<String> = std::env::args().collect();
     let mut i = 1;
@@ -90,6 +92,14 @@ fn args() -> Args {
             "--startup-rounds" => a.startup_rounds = value().max(1),
             "--warmup-secs" => a.warmup_secs = value() as u64,
             "--skip-debezium" => a.debezium = false,
+            "--outboxd-kafka" => {
+                a.outboxd_kafka.push(
+                    argv.get(i + 1)
+                        .expect("a `key = value` line after --outboxd-kafka")
+                        .clone(),
+                );
+                i += 1;
+            }
             _ => {}
         }
         i += 1;
@@ -576,6 +586,7 @@ async fn main() {
         brokers: broker.brokers.clone(),
         dir: dir.path().to_owned(),
         publication: "bench_pub".into(),
+        outboxd_kafka: a.outboxd_kafka.clone(),
     };
     let mut kinds = vec![Kind::Outboxd];
     if a.debezium {
@@ -659,6 +670,7 @@ async fn main() {
     let mut results = json!({
         "events": n,
         "wal_mb": wal_mb,
+        "outboxd_kafka_settings": a.outboxd_kafka,
         "drain": o.drain.json(n),
         "pg_recvlogical": {"seconds": recv_secs, "events_per_second": recv_rate,
                            "seconds_before_outboxd": recv_before, "seconds_after_outboxd": recv_after},

@@ -30,6 +30,8 @@ pub struct Setting {
     pub brokers: String,
     pub dir: PathBuf,
     pub publication: String,
+    /// Extra lines for outboxd's `[kafka]` table (`--outboxd-kafka`).
+    pub outboxd_kafka: Vec<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -70,6 +72,7 @@ publication = "{publication}"
 brokers = "{brokers}"
 topic_partitions = 3
 topic_replication_factor = 1
+{kafka_extra}
 [routing]
 topic = "{topic}"
 [http]
@@ -81,6 +84,7 @@ level = "{level}"
                     pg = s.pg_port,
                     publication = s.publication,
                     brokers = s.brokers,
+                    kafka_extra = s.outboxd_kafka.join("\n"),
                 );
                 let config = s.dir.join(format!("{topic}.toml"));
                 std::fs::write(&config, text).expect("write outboxd's config");
