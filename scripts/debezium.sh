@@ -35,31 +35,15 @@ home="${OUTBOXD_DEBEZIUM_HOME:-$cache/debezium-$version}"
 m2="${OUTBOXD_M2_REPO:-$cache/m2}"
 java="${JAVA:-java}"
 
+# shellcheck source=scripts/lib/maven.sh
+. "$root/scripts/lib/maven.sh"
+
 die() { printf 'debezium.sh: %s\n' "$*" >&2; exit 1; }
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
 fetch() {
-  local stamp="$home/.fetched" digest
-  digest=$(sha256sum "$pom" | cut -d' ' -f1)
-  [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$digest" ] && return 0
-  # Tests start several Connects at once: one fetches, the others wait.
-  mkdir -p "$home"
-  exec 9>"$home/.lock"
-  flock 9
-  [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$digest" ] && return 0
-  command -v mvn >/dev/null || die "Maven is missing: install it (apt-get install maven; scripts/setup.sh does)"
-  printf 'debezium.sh: fetching Debezium %s and Kafka Connect from Maven Central into %s\n' "$version" "$home" >&2
-  rm -rf "$home/libs.new"
-  mkdir -p "$home"
-  mvn -B -q -Dstyle.color=never -Dmaven.repo.local="$m2" -f "$pom" \
-    org.apache.maven.plugins:maven-dependency-plugin:3.8.1:copy-dependencies \
-    -DincludeScope=runtime -DoutputDirectory="$home/libs.new" >"$home/fetch.log" 2>&1 \
-    || die "Maven could not fetch Debezium's jars: $(tail -n 20 "$home/fetch.log")"
-  [ -f "$home/libs.new/debezium-connector-postgres-$version.jar" ] \
-    || die "Maven did not deliver debezium-connector-postgres-$version.jar"
-  rm -rf "$home/libs"
-  mv "$home/libs.new" "$home/libs"
-  echo "$digest" >"$stamp"
+  maven_fetch debezium.sh "Debezium $version and Kafka Connect" "$pom" "$home" "$m2" \
+    "debezium-connector-postgres-$version.jar"
 }
 
 # The connector: pgoutput on an existing publication, no snapshot, and the

@@ -29,26 +29,14 @@ home="${OUTBOXD_KAFKA_HOME:-$cache/kafka-$version}"
 m2="${OUTBOXD_M2_REPO:-$cache/m2}"
 java="${JAVA:-java}"
 
+# shellcheck source=scripts/lib/maven.sh
+. "$root/scripts/lib/maven.sh"
+
 die() { printf 'kafka.sh: %s\n' "$*" >&2; exit 1; }
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
 fetch() {
-  # The stamp holds the pom's digest, so a changed pom fetches again.
-  local stamp="$home/.fetched" digest
-  digest=$(sha256sum "$pom" | cut -d' ' -f1)
-  [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$digest" ] && return 0
-  command -v mvn >/dev/null || die "Maven is missing: install it (apt-get install maven; scripts/setup.sh does)"
-  printf 'kafka.sh: fetching Apache Kafka %s from Maven Central into %s\n' "$version" "$home" >&2
-  rm -rf "$home/libs.new"
-  mkdir -p "$home"
-  mvn -B -q -Dstyle.color=never -Dmaven.repo.local="$m2" -f "$pom" \
-    org.apache.maven.plugins:maven-dependency-plugin:3.8.1:copy-dependencies \
-    -DincludeScope=runtime -DoutputDirectory="$home/libs.new" >"$home/fetch.log" 2>&1 \
-    || die "Maven could not fetch the broker's jars: $(tail -n 20 "$home/fetch.log")"
-  [ -f "$home/libs.new/kafka_2.13-$version.jar" ] || die "Maven did not deliver kafka_2.13-$version.jar"
-  rm -rf "$home/libs"
-  mv "$home/libs.new" "$home/libs"
-  echo "$digest" >"$stamp"
+  maven_fetch kafka.sh "Apache Kafka $version" "$pom" "$home" "$m2" "kafka_2.13-$version.jar"
 }
 
 # Sets JVM_CMD to the java command line for main class and arguments "$@".
