@@ -30,7 +30,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpStream, UnixStream};
 
 use crate::lsn::Lsn;
-use crate::pg::conninfo::{PgConnectConfig, PgHost, SslMode};
+use crate::pg::conninfo::{PgConnectConfig, PgHost, SslMode, TargetSessionAttrs};
 use crate::pg::copy_both::{ReplicationMessage, StandbyStatusUpdate};
 use crate::pg::error::{PgError, ServerError};
 use crate::pg::ident::{PublicationName, SlotName};
@@ -128,15 +128,16 @@ fn server_error(body: &ErrorResponseBody) -> ServerError {
 
 async fn open_transport(cfg: &PgConnectConfig) -> Result<Box<dyn Transport>, PgError> {
     let target = cfg.target();
+    let server = cfg.endpoint();
     let connect = async {
-        match &cfg.host {
+        match &server.host {
             PgHost::Unix(dir) => {
-                let path = dir.join(format!(".s.PGSQL.{}", cfg.port));
+                let path = dir.join(format!(".s.PGSQL.{}", server.port));
                 let s = UnixStream::connect(&path).await?;
                 Ok::<Box<dyn Transport>, std::io::Error>(Box::new(s))
             }
             PgHost::Tcp(host) => {
-                let s = TcpStream::connect((host.as_str(), cfg.port)).await?;
+                let s = TcpStream::connect((host.as_str(), server.port)).await?;
                 s.set_nodelay(true)?;
                 Ok::<Box<dyn Transport>, std::io::Error>(Box::new(s))
             }
@@ -153,7 +154,7 @@ async fn open_transport(cfg: &PgConnectConfig) -> Result<Box<dyn Transport>, PgE
             source,
         })?;
 
-    let PgHost::Tcp(host) = &cfg.host else {
+    let PgHost::Tcp(host) = &server.host else {
         return Ok(io); // libpq does not use TLS on Unix sockets either
     };
     let Some(tls_config) = tls::client_config(cfg)? else {
@@ -187,8 +188,46 @@ async fn open_transport(cfg: &PgConnectConfig) -> Result<Box<dyn Transport>, PgE
 }
 
 impl ReplicationConnection {
-    /// Connects, authenticates and waits until the server is ready.
+    /// Connects to the first of the configured servers that accepts the
+    /// connection (and, with `target_session_attrs=read-write`, whose
+    /// sessions can write), as libpq tries them. The error is the last
+    /// server's; the log says why each earlier one was passed over.
     pub async fn connect(cfg: &PgConnectConfig) -> Result<Self, PgError> {
+        let mut last = None;
+        for server in cfg.each_server() {
+            match Self::connect_one(&server).await {
+                Ok(mut conn) => match cfg.target_session_attrs {
+                    TargetSessionAttrs::Any => return Ok(conn),
+                    TargetSessionAttrs::ReadWrite => {
+                        let read_only = conn.simple_query("SHOW transaction_read_only").await?;
+                        if read_only
+                            .rows
+                            .first()
+                            .and_then(|r| r.first())
+                            .and_then(|v| v.as_deref())
+                            != Some("on")
+                        {
+                            return Ok(conn);
+                        }
+                        tracing::info!(server = %server.endpoint(), "server is read-only (a standby?); trying the next one");
+                        last = Some(PgError::ReadOnly {
+                            target: server.target(),
+                        });
+                    }
+                },
+                Err(e) => {
+                    if cfg.hosts.len() > 1 {
+                        tracing::info!(server = %server.endpoint(), error = %e, "cannot use this server; trying the next one");
+                    }
+                    last = Some(e);
+                }
+            }
+        }
+        Err(last.unwrap_or_else(|| PgError::Protocol("no server to connect to".into())))
+    }
+
+    /// Connects to one server, authenticates and waits until it is ready.
+    async fn connect_one(cfg: &PgConnectConfig) -> Result<Self, PgError> {
         let io = open_transport(cfg).await?;
         let mut conn = ReplicationConnection {
             io,

@@ -6,10 +6,21 @@
 //! postgres:///dbname?host=/var/run/postgresql&user=app     (same, as parameters)
 //! ```
 //!
-//! Supported parameters: `host`, `port`, `user`, `password`, `dbname`,
-//! `sslmode` (disable, prefer, require, verify-ca, verify-full),
-//! `sslrootcert` (a PEM file, or `system` for the operating system's store),
-//! `application_name` and `connect_timeout` (seconds). Anything else is
+//! Several servers, tried in order as libpq tries them (a primary and its
+//! standbys, so that outboxd follows a promotion):
+//!
+//! ```text
+//! postgres://user@db-a:5432,db-b:5432/dbname?target_session_attrs=read-write
+//! postgres://user@/dbname?host=db-a,db-b&port=5432,5433&target_session_attrs=read-write
+//! ```
+//!
+//! Supported parameters: `host` and `port` (comma-separated lists; one port
+//! serves every host), `user`, `password`, `dbname`, `sslmode` (disable,
+//! prefer, require, verify-ca, verify-full), `sslrootcert` (a PEM file, or
+//! `system` for the operating system's store), `application_name`,
+//! `connect_timeout` (seconds, per server) and `target_session_attrs`
+//! (`any`, the default, or `read-write`: skip servers that answer
+//! `transaction_read_only = on`, such as a standby). Anything else is
 //! rejected so that a typo never silently weakens the connection.
 
 use std::fmt;
@@ -24,6 +35,55 @@ pub enum PgHost {
     Tcp(String),
     /// A directory holding the `.s.PGSQL.<port>` socket.
     Unix(PathBuf),
+}
+
+/// One server to try: a host (or socket directory) and its port.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Endpoint {
+    pub host: PgHost,
+    pub port: u16,
+}
+
+impl fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.host {
+            PgHost::Tcp(h) if h.contains(':') => write!(f, "[{h}]:{}", self.port),
+            PgHost::Tcp(h) => write!(f, "{h}:{}", self.port),
+            PgHost::Unix(d) => write!(f, "{}/.s.PGSQL.{}", d.display(), self.port),
+        }
+    }
+}
+
+/// libpq's `target_session_attrs`: which of the listed servers will do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum TargetSessionAttrs {
+    /// The first server that accepts the connection.
+    #[default]
+    Any,
+    /// The first server whose sessions can write (`transaction_read_only`
+    /// is off): the primary, never a standby.
+    ReadWrite,
+}
+
+impl FromStr for TargetSessionAttrs {
+    type Err = ConnInfoError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "any" => Ok(TargetSessionAttrs::Any),
+            "read-write" => Ok(TargetSessionAttrs::ReadWrite),
+            "read-only" | "primary" | "standby" | "prefer-standby" => Err(ConnInfoError::Invalid {
+                param: "target_session_attrs",
+                reason: format!(
+                    "{s:?} is not supported: outboxd needs the primary, so use read-write (or any)"
+                ),
+            }),
+            other => Err(ConnInfoError::Invalid {
+                param: "target_session_attrs",
+                reason: format!("{other:?} is not one of any, read-write"),
+            }),
+        }
+    }
 }
 
 /// libpq's `sslmode`.
@@ -80,8 +140,9 @@ pub enum SslRootCert {
 /// Parsed connection settings. `Debug` never prints the password.
 #[derive(Clone, PartialEq, Eq)]
 pub struct PgConnectConfig {
-    pub host: PgHost,
-    pub port: u16,
+    /// The servers to try, in order; never empty.
+    pub hosts: Vec<Endpoint>,
+    pub target_session_attrs: TargetSessionAttrs,
     pub user: String,
     pub password: Option<String>,
     pub dbname: String,
@@ -94,8 +155,8 @@ pub struct PgConnectConfig {
 impl fmt::Debug for PgConnectConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PgConnectConfig")
-            .field("host", &self.host)
-            .field("port", &self.port)
+            .field("hosts", &self.hosts)
+            .field("target_session_attrs", &self.target_session_attrs)
             .field("user", &self.user)
             .field("password", &self.password.as_ref().map(|_| "<redacted>"))
             .field("dbname", &self.dbname)
@@ -116,7 +177,7 @@ pub enum ConnInfoError {
     NoUser,
     #[error("postgres url parameter {param}: {reason}")]
     Invalid { param: &'static str, reason: String },
-    #[error("postgres url parameter {0:?} is not supported (supported: host, port, user, password, dbname, sslmode, sslrootcert, application_name, connect_timeout)")]
+    #[error("postgres url parameter {0:?} is not supported (supported: host, port, user, password, dbname, sslmode, sslrootcert, application_name, connect_timeout, target_session_attrs)")]
     UnknownParam(String),
 }
 
@@ -140,20 +201,114 @@ fn query_pairs(url: &url::Url) -> impl Iterator<Item = (String, String)> + '_ {
         })
 }
 
+/// Splits `scheme://userinfo@hostlist/...` into the same URL with one
+/// placeholder host (for the URL parser) and the host list's text.
+fn split_hostlist(s: &str) -> (String, Option<String>) {
+    let Some(scheme_end) = s.find("://") else {
+        return (s.to_owned(), None);
+    };
+    let after = &s[scheme_end + 3..];
+    let authority_end = after.find(['/', '?', '#']).unwrap_or(after.len());
+    let authority = &after[..authority_end];
+    let (userinfo, hostlist) = match authority.rfind('@') {
+        Some(i) => (&authority[..=i], &authority[i + 1..]),
+        None => ("", authority),
+    };
+    if authority.is_empty() {
+        return (s.to_owned(), None);
+    }
+    // `user@/db?host=...` has a user and no host: libpq takes it.
+    let rest = &after[authority_end..];
+    (
+        format!("{}://{userinfo}placeholder{rest}", &s[..scheme_end]),
+        Some(hostlist.to_owned()).filter(|h| !h.is_empty()),
+    )
+}
+
+/// `host[:port],[v6]:port,...` into hosts and their ports.
+fn parse_hostlist(list: &str) -> Result<(Vec<String>, Vec<Option<u16>>), ConnInfoError> {
+    let mut hosts = Vec::new();
+    let mut ports = Vec::new();
+    for item in list.split(',') {
+        let (host, port) = if let Some(v6) = item.strip_prefix('[') {
+            let (h, rest) = v6.split_once(']').ok_or_else(|| ConnInfoError::Invalid {
+                param: "host",
+                reason: format!("{item:?} has no closing ]"),
+            })?;
+            (h, rest.strip_prefix(':').unwrap_or(""))
+        } else {
+            item.split_once(':').unwrap_or((item, ""))
+        };
+        hosts.push(decode(host));
+        ports.push(parse_port(port)?);
+    }
+    Ok((hosts, ports))
+}
+
+/// A port from a list; empty means the default.
+fn parse_port(p: &str) -> Result<Option<u16>, ConnInfoError> {
+    if p.is_empty() {
+        return Ok(None);
+    }
+    p.parse().map(Some).map_err(|_| ConnInfoError::Invalid {
+        param: "port",
+        reason: format!("{p:?} is not a port number"),
+    })
+}
+
+/// Pairs hosts with ports as libpq does: one port serves every host,
+/// otherwise one port per host.
+fn endpoints(hosts: Vec<String>, ports: Vec<Option<u16>>) -> Result<Vec<Endpoint>, ConnInfoError> {
+    let hosts = if hosts.is_empty() {
+        vec!["localhost".to_owned()]
+    } else {
+        hosts
+    };
+    if ports.len() > 1 && ports.len() != hosts.len() {
+        return Err(ConnInfoError::Invalid {
+            param: "port",
+            reason: format!(
+                "{} ports for {} hosts: give one port for all, or one per host",
+                ports.len(),
+                hosts.len()
+            ),
+        });
+    }
+    hosts
+        .into_iter()
+        .enumerate()
+        .map(|(i, h)| {
+            let port = ports.get(i).or(ports.first()).copied().flatten().unwrap_or(5432);
+            let host = match h {
+                h if h.is_empty() => {
+                    return Err(ConnInfoError::Invalid {
+                        param: "host",
+                        reason: "an empty host in the list".into(),
+                    })
+                }
+                h if h.starts_with('/') => PgHost::Unix(PathBuf::from(h)),
+                h => PgHost::Tcp(h),
+            };
+            Ok(Endpoint { host, port })
+        })
+        .collect()
+}
+
 impl FromStr for PgConnectConfig {
     type Err = ConnInfoError;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let url = url::Url::parse(s).map_err(|e| ConnInfoError::Url(e.to_string()))?;
+        // The URL parser takes one host; the list is read here.
+        let (one_host, hostlist) = split_hostlist(s);
+        let url = url::Url::parse(&one_host).map_err(|e| ConnInfoError::Url(e.to_string()))?;
         if url.scheme() != "postgres" && url.scheme() != "postgresql" {
             return Err(ConnInfoError::Scheme(url.scheme().to_owned()));
         }
-        let host_text = url.host_str().map(|h| {
-            // url keeps IPv6 brackets and percent-encoding in opaque hosts.
-            decode(h.trim_start_matches('[').trim_end_matches(']'))
-        });
-        let mut host = host_text.filter(|h| !h.is_empty());
-        let mut port = url.port();
+        let (mut hosts, mut ports) = match hostlist {
+            Some(list) => parse_hostlist(&list)?,
+            None => (Vec::new(), Vec::new()),
+        };
+        let mut target_session_attrs = TargetSessionAttrs::default();
         let mut user = Some(decode(url.username())).filter(|u| !u.is_empty());
         let mut password = url.password().map(decode);
         let path = url.path().trim_start_matches('/');
@@ -165,13 +320,9 @@ impl FromStr for PgConnectConfig {
 
         for (k, v) in query_pairs(&url) {
             match k.as_str() {
-                "host" => host = Some(v),
-                "port" => {
-                    port = Some(v.parse().map_err(|_| ConnInfoError::Invalid {
-                        param: "port",
-                        reason: format!("{v:?} is not a port number"),
-                    })?)
-                }
+                "host" => hosts = v.split(',').map(str::to_owned).collect(),
+                "port" => ports = v.split(',').map(parse_port).collect::<Result<_, _>>()?,
+                "target_session_attrs" => target_session_attrs = v.parse()?,
                 "user" => user = Some(v),
                 "password" => password = Some(v),
                 "dbname" => dbname = Some(v),
@@ -196,20 +347,9 @@ impl FromStr for PgConnectConfig {
         }
 
         let user = user.ok_or(ConnInfoError::NoUser)?;
-        let host = match host {
-            Some(h) if h.starts_with('/') => PgHost::Unix(PathBuf::from(h)),
-            Some(h) if h.contains(',') => {
-                return Err(ConnInfoError::Invalid {
-                    param: "host",
-                    reason: "several hosts are not supported: point outboxd at the primary".into(),
-                })
-            }
-            Some(h) => PgHost::Tcp(h),
-            None => PgHost::Tcp("localhost".to_owned()),
-        };
         Ok(PgConnectConfig {
-            host,
-            port: port.unwrap_or(5432),
+            hosts: endpoints(hosts, ports)?,
+            target_session_attrs,
             dbname: dbname.unwrap_or_else(|| user.clone()),
             user,
             password,
@@ -224,42 +364,60 @@ impl FromStr for PgConnectConfig {
 impl PgConnectConfig {
     /// A printable description of the target, without credentials.
     pub fn target(&self) -> String {
-        match &self.host {
-            PgHost::Tcp(h) => format!(
-                "{h}:{} (database {:?}, user {:?})",
-                self.port, self.dbname, self.user
-            ),
-            PgHost::Unix(d) => format!(
-                "{}/.s.PGSQL.{} (database {:?}, user {:?})",
-                d.display(),
-                self.port,
-                self.dbname,
-                self.user
-            ),
-        }
+        let servers: Vec<String> = self.hosts.iter().map(Endpoint::to_string).collect();
+        format!(
+            "{} (database {:?}, user {:?})",
+            servers.join(", "),
+            self.dbname,
+            self.user
+        )
     }
 
-    /// Settings for an ordinary (non-replication) tokio-postgres connection.
+    /// The first server: the one a single-server connection uses.
+    pub fn endpoint(&self) -> &Endpoint {
+        &self.hosts[0]
+    }
+
+    /// The same settings for each server alone, in the order to try them.
+    pub fn each_server(&self) -> impl Iterator<Item = PgConnectConfig> + '_ {
+        self.hosts.iter().map(|e| PgConnectConfig {
+            hosts: vec![e.clone()],
+            ..self.clone()
+        })
+    }
+
+    /// Settings for an ordinary (non-replication) tokio-postgres
+    /// connection; it tries the servers in order and, with `read-write`,
+    /// skips read-only ones, as libpq does.
     pub fn to_tokio_postgres(&self) -> tokio_postgres::Config {
         let mut c = tokio_postgres::Config::new();
-        match &self.host {
-            PgHost::Tcp(h) => {
-                c.host(h);
+        for e in &self.hosts {
+            match &e.host {
+                PgHost::Tcp(h) => {
+                    c.host(h);
+                }
+                PgHost::Unix(d) => {
+                    c.host_path(d);
+                }
             }
-            PgHost::Unix(d) => {
-                c.host_path(d);
-            }
+            c.port(e.port);
         }
-        c.port(self.port)
-            .user(&self.user)
+        c.user(&self.user)
             .dbname(&self.dbname)
             .application_name(&self.application_name)
-            .connect_timeout(self.connect_timeout);
+            .connect_timeout(self.connect_timeout)
+            .target_session_attrs(match self.target_session_attrs {
+                TargetSessionAttrs::Any => tokio_postgres::config::TargetSessionAttrs::Any,
+                TargetSessionAttrs::ReadWrite => tokio_postgres::config::TargetSessionAttrs::ReadWrite,
+            });
         if let Some(p) = &self.password {
             c.password(p);
         }
-        let mode = match (&self.host, self.sslmode) {
-            (PgHost::Unix(_), _) | (_, SslMode::Disable) => tokio_postgres::config::SslMode::Disable,
+        // tokio-postgres has one TLS mode for all hosts; socket
+        // directories alone never use TLS (nor does libpq).
+        let unix_only = self.hosts.iter().all(|e| matches!(e.host, PgHost::Unix(_)));
+        let mode = match (unix_only, self.sslmode) {
+            (true, _) | (_, SslMode::Disable) => tokio_postgres::config::SslMode::Disable,
             (_, SslMode::Prefer) => tokio_postgres::config::SslMode::Prefer,
             _ => tokio_postgres::config::SslMode::Require,
         };
@@ -279,8 +437,14 @@ mod tests {
     #[test]
     fn full_tcp_url() {
         let c = parse("postgres://app:p%40ss@db.example:6432/orders?sslmode=verify-full&sslrootcert=/ca.pem&connect_timeout=3&application_name=x");
-        assert_eq!(c.host, PgHost::Tcp("db.example".into()));
-        assert_eq!(c.port, 6432);
+        assert_eq!(
+            c.hosts,
+            vec![Endpoint {
+                host: PgHost::Tcp("db.example".into()),
+                port: 6432
+            }]
+        );
+        assert_eq!(c.target_session_attrs, TargetSessionAttrs::Any);
         assert_eq!(c.user, "app");
         assert_eq!(c.password.as_deref(), Some("p@ss"));
         assert_eq!(c.dbname, "orders");
@@ -294,10 +458,15 @@ mod tests {
     #[test]
     fn unix_socket_forms() {
         let a = parse("postgres://app@%2Ftmp%2Fpg/db");
-        assert_eq!(a.host, PgHost::Unix("/tmp/pg".into()));
+        assert_eq!(a.endpoint().host, PgHost::Unix("/tmp/pg".into()));
         let b = parse("postgresql:///db?host=/tmp/pg&port=5433&user=app");
-        assert_eq!(b.host, PgHost::Unix("/tmp/pg".into()));
-        assert_eq!(b.port, 5433);
+        assert_eq!(
+            b.hosts,
+            vec![Endpoint {
+                host: PgHost::Unix("/tmp/pg".into()),
+                port: 5433
+            }]
+        );
         assert_eq!(b.dbname, "db");
         assert!(b.target().contains("/tmp/pg/.s.PGSQL.5433"));
     }
@@ -305,7 +474,7 @@ mod tests {
     #[test]
     fn defaults() {
         let c = parse("postgres://app@localhost");
-        assert_eq!(c.port, 5432);
+        assert_eq!(c.endpoint().port, 5432);
         assert_eq!(c.dbname, "app");
         assert_eq!(c.sslmode, SslMode::Prefer);
         assert_eq!(c.password, None);
@@ -319,8 +488,65 @@ mod tests {
         assert!(err("postgres://a@h/db?sslmode=bogus").contains("sslmode"));
         assert!(err("postgres://a@h/db?sslmod=require").contains("\"sslmod\""));
         assert!(err("postgres://a@h/db?port=x").contains("port"));
-        assert!(err("postgres://a@h1,h2/db").contains("several hosts"));
+        assert!(err("postgres://a@h1,h2/db?port=1,2,3").contains("3 ports for 2 hosts"));
+        assert!(err("postgres://a@h1,,h2/db").contains("empty host"));
+        assert!(err("postgres://a@h1:x/db").contains("port"));
+        assert!(err("postgres://a@h/db?target_session_attrs=standby").contains("read-write"));
+        assert!(err("postgres://a@h/db?target_session_attrs=rw").contains("any, read-write"));
         assert!(err("not a url").contains("not a valid URL"));
+    }
+
+    #[test]
+    fn several_hosts_as_libpq_lists_them() {
+        let tcp = |h: &str, port| Endpoint {
+            host: PgHost::Tcp(h.into()),
+            port,
+        };
+        let a = parse("postgres://app:pw@db-a:5433,db-b,[::1]:6000/orders?target_session_attrs=read-write");
+        assert_eq!(
+            a.hosts,
+            vec![tcp("db-a", 5433), tcp("db-b", 5432), tcp("::1", 6000)]
+        );
+        assert_eq!(a.target_session_attrs, TargetSessionAttrs::ReadWrite);
+        assert_eq!(
+            (a.user.as_str(), a.password.as_deref(), a.dbname.as_str()),
+            ("app", Some("pw"), "orders")
+        );
+        assert_eq!(
+            a.target(),
+            "db-a:5433, db-b:5432, [::1]:6000 (database \"orders\", user \"app\")"
+        );
+        // One port serves every host; one per host pairs them.
+        let b = parse("postgres://app@/db?host=x,y&port=7000");
+        assert_eq!(b.hosts, vec![tcp("x", 7000), tcp("y", 7000)]);
+        let c = parse("postgres://app@/db?host=x,/tmp/pg&port=7000,7001");
+        assert_eq!(
+            c.hosts,
+            vec![
+                tcp("x", 7000),
+                Endpoint {
+                    host: PgHost::Unix("/tmp/pg".into()),
+                    port: 7001
+                }
+            ]
+        );
+        // Each server alone, in order, with every other setting kept.
+        let each: Vec<PgConnectConfig> = a.each_server().collect();
+        assert_eq!(each.len(), 3);
+        assert_eq!(each[1].hosts, vec![tcp("db-b", 5432)]);
+        assert_eq!(each[1].password.as_deref(), Some("pw"));
+        // A password with an @ and a comma stays the password.
+        let d = parse("postgres://app:p%40ss%2Cw@h1,h2/db");
+        assert_eq!(d.password.as_deref(), Some("p@ss,w"));
+        assert_eq!(d.hosts.len(), 2);
+        // tokio-postgres gets the same list.
+        let t = a.to_tokio_postgres();
+        assert_eq!(t.get_hosts().len(), 3);
+        assert_eq!(t.get_ports(), &[5433, 5432, 6000]);
+        assert_eq!(
+            t.get_target_session_attrs(),
+            tokio_postgres::config::TargetSessionAttrs::ReadWrite
+        );
     }
 
     #[test]

@@ -60,6 +60,8 @@ pub enum PgError {
     UnsupportedAuth(String),
     #[error("SCRAM-SHA-256 authentication failed: {0}")]
     Scram(io::Error),
+    #[error("PostgreSQL at {target} is read-only (a standby, or default_transaction_read_only = on) and target_session_attrs=read-write asks for a server that can write; waiting for a primary among the listed hosts")]
+    ReadOnly { target: String },
     #[error("PostgreSQL {0}")]
     Server(ServerError),
     #[error("unexpected message from PostgreSQL: {0}")]
@@ -94,7 +96,10 @@ impl PgError {
             PgError::Connect { .. }
             | PgError::ConnectTimeout { .. }
             | PgError::Io(_)
-            | PgError::TlsHandshake(_) => true,
+            | PgError::TlsHandshake(_)
+            // During a failover every listed server may be a standby for a
+            // moment; the promotion makes one of them writable.
+            | PgError::ReadOnly { .. } => true,
             PgError::Server(e) => {
                 let c = e.code.as_str();
                 c.starts_with("08") // connection exception

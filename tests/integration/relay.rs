@@ -1336,3 +1336,65 @@ async fn ledger_view(client: &tokio_postgres::Client) -> Vec<(String, i64, Strin
         .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3), r.get(4)))
         .collect()
 }
+
+/// A URL with several hosts, as libpq takes it: with
+/// `target_session_attrs=read-write`, outboxd passes over a server that
+/// refuses connections and a read-only one (a server with
+/// `default_transaction_read_only = on` stands in for a standby), and
+/// streams from the writable one. Its slot and publication are made there
+/// and nowhere else, and every event arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_hosts_skip_unreachable_and_read_only_servers() {
+    let db = TestDb::new("relay_hosts").await;
+    let client = db.client().await;
+    let read_only = postgres::dedicated("");
+    {
+        let ro = read_only.client("postgres").await;
+        ro.batch_execute(&format!("CREATE DATABASE {}", db.name))
+            .await
+            .unwrap();
+        ro.batch_execute("ALTER SYSTEM SET default_transaction_read_only = on")
+            .await
+            .unwrap();
+        ro.batch_execute("SELECT pg_reload_conf()").await.unwrap();
+    }
+    let nobody = postgres::free_port();
+    let main = postgres::server().port;
+    let url = format!(
+        "postgres://postgres@127.0.0.1:{nobody},127.0.0.1:{ro},127.0.0.1:{main}/{name}?sslmode=disable&target_session_attrs=read-write&connect_timeout=2",
+        ro = read_only.port,
+        name = db.name
+    );
+    let slot = "several_hosts";
+    let text = config_text(
+        &url,
+        slot,
+        &broker().brokers,
+        "topic = \"several-hosts.{aggregate_type}\"",
+        "",
+    );
+    let (handle, stop) = spawn_relay_with_slot(&client, slot, &text).await;
+    let (events, _) = write_events(&client, 20, 5, 7, &["Order"], 0).await;
+    let brokers = broker().brokers.clone();
+    let got = tokio::task::spawn_blocking(move || {
+        consume(&brokers, &["several-hosts.order"], 100, Duration::from_secs(60))
+    })
+    .await
+    .unwrap();
+    let want: HashSet<String> = events.iter().map(|e| e.id.to_string()).collect();
+    let seen: HashSet<String> = got
+        .iter()
+        .filter_map(|c| c.header("id"))
+        .map(str::to_owned)
+        .collect();
+    assert_eq!(seen, want, "every event, from the writable server");
+    stop_relay(handle, stop).await;
+    // Nothing was made on the read-only server.
+    let ro = read_only.client(&db.name).await;
+    let slots: i64 = ro
+        .query_one("SELECT count(*) FROM pg_replication_slots", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(slots, 0, "no slot on the read-only server");
+}
