@@ -199,20 +199,25 @@ impl ReplicationConnection {
                 Ok(mut conn) => match cfg.target_session_attrs {
                     TargetSessionAttrs::Any => return Ok(conn),
                     TargetSessionAttrs::ReadWrite => {
-                        let read_only = conn.simple_query("SHOW transaction_read_only").await?;
-                        if read_only
-                            .rows
-                            .first()
-                            .and_then(|r| r.first())
-                            .and_then(|v| v.as_deref())
-                            != Some("on")
-                        {
-                            return Ok(conn);
+                        match conn.simple_query("SHOW transaction_read_only").await {
+                            Ok(r)
+                                if r.rows.first().and_then(|r| r.first()).and_then(|v| v.as_deref())
+                                    == Some("off") =>
+                            {
+                                return Ok(conn);
+                            }
+                            Ok(_) => {
+                                tracing::info!(server = %server.endpoint(), "server is read-only (a standby?); trying the next one");
+                                last = Some(PgError::ReadOnly {
+                                    target: server.target(),
+                                });
+                            }
+                            // As libpq: a server that cannot answer is passed over.
+                            Err(e) => {
+                                tracing::info!(server = %server.endpoint(), error = %e, "cannot tell whether this server can write; trying the next one");
+                                last = Some(e);
+                            }
                         }
-                        tracing::info!(server = %server.endpoint(), "server is read-only (a standby?); trying the next one");
-                        last = Some(PgError::ReadOnly {
-                            target: server.target(),
-                        });
                     }
                 },
                 Err(e) => {
