@@ -233,14 +233,19 @@ fn parse_hostlist(list: &str) -> Result<(Vec<String>, Vec<Option<u16>>), ConnInf
         let (host, port) = if let Some(v6) = item.strip_prefix('[') {
             let (h, rest) = v6.split_once(']').ok_or_else(|| ConnInfoError::Invalid {
                 param: "host",
-                reason: format!("{item:?} has no closing ]"),
+                reason: "an IPv6 address has no closing ]".into(),
             })?;
             (h, rest.strip_prefix(':').unwrap_or(""))
         } else {
             item.split_once(':').unwrap_or((item, ""))
         };
         hosts.push(decode(host));
-        ports.push(parse_port(port)?);
+        // The text after a host's colon may be a password cut short by an
+        // unencoded '/', '?' or '#': the error never repeats it.
+        ports.push(parse_port(port).map_err(|_| ConnInfoError::Invalid {
+            param: "port",
+            reason: "a host's port is not a number; if the password holds '/', '?', '#' or '@', percent-encode it (%2F, %3F, %23, %40)".into(),
+        })?);
     }
     Ok((hosts, ports))
 }
@@ -491,6 +496,14 @@ mod tests {
         assert!(err("postgres://a@h1,h2/db?port=1,2,3").contains("3 ports for 2 hosts"));
         assert!(err("postgres://a@h1,,h2/db").contains("empty host"));
         assert!(err("postgres://a@h1:x/db").contains("port"));
+        // A password cut short by an unencoded '/' is never repeated.
+        let cut = err("postgres://app:hunter2/x@h/db");
+        assert!(
+            cut.contains("percent-encode") && !cut.contains("hunter2"),
+            "{cut}"
+        );
+        let cut = err("postgres://app:[hunter2/x@h/db");
+        assert!(!cut.contains("hunter2"), "{cut}");
         assert!(err("postgres://a@h/db?target_session_attrs=standby").contains("read-write"));
         assert!(err("postgres://a@h/db?target_session_attrs=rw").contains("any, read-write"));
         assert!(err("not a url").contains("not a valid URL"));
