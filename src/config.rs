@@ -205,9 +205,87 @@ pub struct KafkaConfig {
     /// Timeout of metadata and admin requests.
     #[serde(default = "default_admin_timeout")]
     pub admin_timeout: HumanDuration,
+    /// `at-least-once` (default) or `exactly-once` (Kafka transactions, for
+    /// consumers with `isolation.level = read_committed`).
+    #[serde(default)]
+    pub delivery: Delivery,
+    /// Exactly-once settings; used when `delivery = "exactly-once"`.
+    #[serde(default)]
+    pub exactly_once: ExactlyOnceConfig,
     /// librdkafka settings, passed as they are.
     #[serde(default)]
     pub options: BTreeMap<String, String>,
+}
+
+/// How records become durable in Kafka, and so what the slot may confirm.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum Delivery {
+    /// Each record is acknowledged on its own; a crash re-sends what was in
+    /// flight, so consumers deduplicate by the `id` header.
+    #[default]
+    AtLeastOnce,
+    /// Whole PostgreSQL transactions go into Kafka transactions, with the
+    /// progress record in the same transaction: a `read_committed`
+    /// consumer sees each event once.
+    ExactlyOnce,
+}
+
+/// `[kafka.exactly_once]`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExactlyOnceConfig {
+    /// The producer's `transactional.id`. A new outboxd with the same id
+    /// fences the old one. Default: `outboxd.<slot>`.
+    #[serde(default)]
+    pub transactional_id: Option<String>,
+    /// The compacted topic holding, per slot, the commit LSN of the last
+    /// PostgreSQL transaction in Kafka.
+    #[serde(default = "default_progress_topic")]
+    pub progress_topic: String,
+    /// A Kafka transaction is committed once it holds this many events
+    /// (at the next PostgreSQL commit).
+    #[serde(default = "default_txn_max_events")]
+    pub max_events: usize,
+    /// ... or this many bytes of keys, values and headers.
+    #[serde(default = "default_txn_max_bytes")]
+    pub max_bytes: usize,
+    /// ... or when its first PostgreSQL transaction is this old.
+    #[serde(default = "default_txn_max_wait")]
+    pub max_wait: HumanDuration,
+    /// How long a Kafka commit (or `init_transactions`) may take before
+    /// the session gives up on it and replays from the progress record.
+    #[serde(default = "default_txn_commit_timeout")]
+    pub commit_timeout: HumanDuration,
+}
+
+impl Default for ExactlyOnceConfig {
+    fn default() -> Self {
+        ExactlyOnceConfig {
+            transactional_id: None,
+            progress_topic: default_progress_topic(),
+            max_events: default_txn_max_events(),
+            max_bytes: default_txn_max_bytes(),
+            max_wait: default_txn_max_wait(),
+            commit_timeout: default_txn_commit_timeout(),
+        }
+    }
+}
+
+fn default_progress_topic() -> String {
+    "outboxd.progress".to_owned()
+}
+fn default_txn_max_events() -> usize {
+    10_000
+}
+fn default_txn_max_bytes() -> usize {
+    16 * 1024 * 1024
+}
+fn default_txn_max_wait() -> HumanDuration {
+    HumanDuration(Duration::from_millis(10))
+}
+fn default_txn_commit_timeout() -> HumanDuration {
+    secs(30)
 }
 
 /// How a record's value is built.
@@ -436,6 +514,8 @@ pub struct Validated {
     pub publication: PublicationName,
     pub topic: TopicTemplate,
     pub listen: SocketAddr,
+    /// The producer's `transactional.id` when delivery is exactly-once.
+    pub transactional_id: Option<String>,
 }
 
 /// Replaces `${VAR}` and `${VAR:-default}` in one string value (at the
@@ -600,6 +680,7 @@ impl Config {
                 "must stay true: without it retries can reorder an aggregate's events",
             ));
         }
+        self.validate_delivery()?;
         if self.health.poll_interval.0 < Duration::from_millis(100) {
             return Err(invalid("health.poll_interval", "must be at least 100ms"));
         }
@@ -628,6 +709,16 @@ impl Config {
                 format!("{:?} is not an address such as 0.0.0.0:9187", self.http.listen),
             )
         })?;
+        let transactional_id = match self.kafka.delivery {
+            Delivery::AtLeastOnce => None,
+            Delivery::ExactlyOnce => Some(
+                self.kafka
+                    .exactly_once
+                    .transactional_id
+                    .clone()
+                    .unwrap_or_else(|| format!("outboxd.{}", slot.as_str())),
+            ),
+        };
         Ok(Validated {
             pg,
             table,
@@ -635,7 +726,96 @@ impl Config {
             publication,
             topic,
             listen,
+            transactional_id,
         })
+    }
+
+    /// The delivery mode's own rules.
+    fn validate_delivery(&self) -> Result<(), ConfigError> {
+        let options = &self.kafka.options;
+        if options.contains_key("transactional.id") {
+            return Err(invalid(
+                "kafka.options.transactional.id",
+                "set kafka.delivery = \"exactly-once\" (and, to choose the id, kafka.exactly_once.transactional_id) instead",
+            ));
+        }
+        if self.kafka.delivery == Delivery::AtLeastOnce {
+            return Ok(());
+        }
+        let eo = &self.kafka.exactly_once;
+        if self.mode == Mode::Polling {
+            return Err(invalid(
+                "kafka.delivery",
+                "exactly-once needs mode = \"cdc\": the polling relay marks rows in PostgreSQL, not in Kafka's transaction",
+            ));
+        }
+        if eo
+            .transactional_id
+            .as_deref()
+            .is_some_and(|id| id.trim().is_empty())
+        {
+            return Err(invalid(
+                "kafka.exactly_once.transactional_id",
+                "must not be empty; leave it out for outboxd.<slot>",
+            ));
+        }
+        crate::routing::validate_topic(&eo.progress_topic)
+            .map_err(|e| invalid("kafka.exactly_once.progress_topic", e.to_string()))?;
+        if eo.progress_topic == self.routing.dead_letter_topic {
+            return Err(invalid(
+                "kafka.exactly_once.progress_topic",
+                "must differ from routing.dead_letter_topic",
+            ));
+        }
+        if eo.max_events == 0 {
+            return Err(invalid("kafka.exactly_once.max_events", "must be at least 1"));
+        }
+        if eo.max_bytes == 0 {
+            return Err(invalid("kafka.exactly_once.max_bytes", "must be at least 1"));
+        }
+        if eo.commit_timeout.0 < Duration::from_secs(1) {
+            return Err(invalid(
+                "kafka.exactly_once.commit_timeout",
+                "must be at least 1s",
+            ));
+        }
+        // The broker aborts a transaction left open longer than
+        // transaction.timeout.ms; a commit must be tried well before that.
+        if let Some(t) = options.get("transaction.timeout.ms") {
+            let ms: u64 = t.parse().map_err(|_| {
+                invalid(
+                    "kafka.options.transaction.timeout.ms",
+                    "must be a number of milliseconds",
+                )
+            })?;
+            if Duration::from_millis(ms) <= eo.commit_timeout.0 + eo.max_wait.0 {
+                return Err(invalid(
+                    "kafka.options.transaction.timeout.ms",
+                    "must be longer than kafka.exactly_once.commit_timeout plus max_wait",
+                ));
+            }
+        }
+        let txn_timeout_ms: u64 = options
+            .get("transaction.timeout.ms")
+            .and_then(|t| t.parse().ok())
+            .unwrap_or(60_000);
+        if options
+            .get("message.timeout.ms")
+            .and_then(|t| t.parse::<u64>().ok())
+            .is_some_and(|m| m > txn_timeout_ms)
+        {
+            return Err(invalid(
+                "kafka.options.message.timeout.ms",
+                "must not exceed transaction.timeout.ms (default 60000) with exactly-once delivery",
+            ));
+        }
+        if options.get("acks").is_some_and(|a| a != "all" && a != "-1") {
+            return Err(invalid(
+                "kafka.options.acks",
+                "must be all with exactly-once delivery (Kafka transactions require it)",
+            ));
+        }
+        Ok(())
     }
 }
 

@@ -47,6 +47,10 @@ pub struct Health {
     walsender_pid: AtomicU64,
     standby: AtomicBool,
     server_wal_end: AtomicU64,
+    /// Exactly-once: the last progress record's commit LSN (0: none yet).
+    progress_lsn: AtomicU64,
+    kafka_commits: AtomicU64,
+    kafka_aborts: AtomicU64,
 }
 
 /// A point-in-time view for `/status` and `outboxd status`.
@@ -66,6 +70,14 @@ pub struct Snapshot {
     pub replication_lag_bytes: u64,
     pub slot_retained_wal_bytes: u64,
     pub kafka_reachable: bool,
+    /// Exactly-once: the commit LSN in the last progress record committed
+    /// (or read at start).
+    #[serde(default)]
+    pub progress_lsn: Option<String>,
+    #[serde(default)]
+    pub kafka_transactions_committed: u64,
+    #[serde(default)]
+    pub kafka_transactions_aborted: u64,
 }
 
 const NEVER: u64 = u64::MAX;
@@ -89,6 +101,9 @@ impl Health {
             walsender_pid: AtomicU64::new(0),
             standby: AtomicBool::new(false),
             server_wal_end: AtomicU64::new(0),
+            progress_lsn: AtomicU64::new(0),
+            kafka_commits: AtomicU64::new(0),
+            kafka_aborts: AtomicU64::new(0),
         }
     }
 
@@ -228,6 +243,22 @@ impl Health {
         reasons
     }
 
+    /// Exactly-once: the progress record read at start.
+    pub fn set_progress_lsn(&self, lsn: u64) {
+        self.progress_lsn.store(lsn, Ordering::Relaxed);
+    }
+
+    /// Exactly-once: a Kafka transaction committed with this progress LSN.
+    pub fn kafka_transaction_committed(&self, progress_lsn: u64) {
+        self.kafka_commits.fetch_add(1, Ordering::Relaxed);
+        self.progress_lsn.store(progress_lsn, Ordering::Relaxed);
+    }
+
+    /// Exactly-once: a Kafka transaction was aborted.
+    pub fn kafka_transaction_aborted(&self) {
+        self.kafka_aborts.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// The state for `/status`.
     pub fn snapshot(&self) -> Snapshot {
         let reasons = self.not_ready_reasons();
@@ -246,6 +277,12 @@ impl Health {
             replication_lag_bytes: self.lag_bytes.load(Ordering::Relaxed),
             slot_retained_wal_bytes: self.retained_wal_bytes.load(Ordering::Relaxed),
             kafka_reachable: self.kafka_ok.load(Ordering::Relaxed),
+            progress_lsn: match self.progress_lsn.load(Ordering::Relaxed) {
+                0 => None,
+                lsn => Some(crate::Lsn(lsn).to_string()),
+            },
+            kafka_transactions_committed: self.kafka_commits.load(Ordering::Relaxed),
+            kafka_transactions_aborted: self.kafka_aborts.load(Ordering::Relaxed),
         }
     }
 }

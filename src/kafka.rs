@@ -53,6 +53,12 @@ pub enum KafkaSinkError {
     Delivery { topic: String, source: KafkaError },
     #[error("the Kafka producer shut down with records in flight")]
     Canceled,
+    #[error("another producer with transactional.id {id:?} took over ({source}): another outboxd on the same slot (or a stale one) now publishes; this one stops streaming. If two outboxd on different slots share kafka.exactly_once.transactional_id, give each its own")]
+    Fenced { id: String, source: KafkaError },
+    #[error("Kafka transaction {op} failed: {source}; aborting it and replaying from the progress record")]
+    Transaction { op: &'static str, source: KafkaError },
+    #[error("Kafka denied outboxd the transactional.id {id:?} ({source}): grant its principal WRITE and DESCRIBE on that TransactionalId (and IDEMPOTENT_WRITE on the cluster for older brokers), then restart")]
+    TransactionDenied { id: String, source: KafkaError },
 }
 
 impl KafkaSinkError {
@@ -65,7 +71,12 @@ impl KafkaSinkError {
             }
             KafkaSinkError::TopicNotVisible { .. } => true,
             KafkaSinkError::TopicCreate { transient, .. } => *transient,
-            KafkaSinkError::Config(_) | KafkaSinkError::TopicMissing { .. } => false,
+            // Fenced: the next session finds out whether another outboxd
+            // leads (then this one waits as a standby) or takes over.
+            KafkaSinkError::Fenced { .. } | KafkaSinkError::Transaction { .. } => true,
+            KafkaSinkError::Config(_)
+            | KafkaSinkError::TopicMissing { .. }
+            | KafkaSinkError::TransactionDenied { .. } => false,
         }
     }
 
@@ -79,6 +90,9 @@ impl KafkaSinkError {
             KafkaSinkError::Produce { .. } => "produce",
             KafkaSinkError::Delivery { .. } => "delivery",
             KafkaSinkError::Canceled => "canceled",
+            KafkaSinkError::Fenced { .. } => "fenced",
+            KafkaSinkError::Transaction { .. } => "transaction",
+            KafkaSinkError::TransactionDenied { .. } => "denied",
         }
     }
 }
@@ -172,7 +186,7 @@ pub fn client_config(cfg: &KafkaConfig) -> ClientConfig {
 
 /// The producer's settings: [`client_config`] and what only the producer
 /// needs. `kafka.options` still win.
-fn producer_config(cfg: &KafkaConfig, one_per_batch: bool) -> ClientConfig {
+fn producer_config(cfg: &KafkaConfig, kind: &SinkKind) -> ClientConfig {
     let mut client = client_config(cfg);
     // librdkafka learns the cluster's brokers from the bootstrap
     // connection and then retires it, failing a metadata request still in
@@ -184,10 +198,40 @@ fn producer_config(cfg: &KafkaConfig, one_per_batch: bool) -> ClientConfig {
     if !cfg.options.contains_key("enable.sparse.connections") {
         client.set("enable.sparse.connections", "false");
     }
-    if one_per_batch {
+    if kind.one_per_batch {
         client.set("batch.num.messages", "1");
     }
+    if let Some(id) = &kind.transactional_id {
+        client.set("transactional.id", id);
+        // librdkafka wants message.timeout.ms <= transaction.timeout.ms:
+        // a record may not outlive the transaction it is in.
+        if !cfg.options.contains_key("message.timeout.ms") {
+            let txn_timeout = cfg
+                .options
+                .get("transaction.timeout.ms")
+                .map_or(DEFAULT_TRANSACTION_TIMEOUT_MS.to_owned(), String::clone);
+            client.set("message.timeout.ms", txn_timeout);
+        }
+    }
     client
+}
+
+/// librdkafka's default `transaction.timeout.ms`: how long the broker lets
+/// a transaction of a vanished outboxd hold `read_committed` consumers
+/// back, unless a restart's `init_transactions` aborts it sooner.
+const DEFAULT_TRANSACTION_TIMEOUT_MS: &str = "60000";
+
+/// What kind of producer a sink has.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SinkKind {
+    /// One record per batch (`batch.num.messages = 1`), so that a batch
+    /// Kafka refuses is exactly the record it refuses. The relay uses it,
+    /// briefly, after a refusal.
+    pub one_per_batch: bool,
+    /// A transactional producer with this `transactional.id`: records go
+    /// into Kafka transactions ([`KafkaSink::begin_if_needed`],
+    /// [`KafkaSink::commit_transaction`]).
+    pub transactional_id: Option<String>,
 }
 
 /// Result of enqueueing a record.
@@ -250,6 +294,10 @@ pub struct KafkaSink {
     timeout: Duration,
     /// The session's warm-up: topics already served when it began.
     warm_up: Option<tokio::task::JoinHandle<Vec<String>>>,
+    /// `Some` for a transactional producer.
+    transactional_id: Option<String>,
+    /// A Kafka transaction is open (begun, not yet committed or aborted).
+    in_transaction: bool,
 }
 
 impl std::fmt::Debug for KafkaSink {
@@ -262,18 +310,11 @@ impl std::fmt::Debug for KafkaSink {
 
 impl KafkaSink {
     pub fn new(cfg: &KafkaConfig, timeout: Duration) -> Result<Self, KafkaSinkError> {
-        Self::build(cfg, timeout, false)
+        Self::build(cfg, timeout, &SinkKind::default())
     }
 
-    /// A sink whose producer sends one record per batch
-    /// (`batch.num.messages = 1`), so that a batch Kafka refuses is exactly
-    /// the record it refuses. The relay uses it, briefly, after a refusal.
-    pub fn one_per_batch(cfg: &KafkaConfig, timeout: Duration) -> Result<Self, KafkaSinkError> {
-        Self::build(cfg, timeout, true)
-    }
-
-    fn build(cfg: &KafkaConfig, timeout: Duration, one_per_batch: bool) -> Result<Self, KafkaSinkError> {
-        let client = producer_config(cfg, one_per_batch);
+    pub fn build(cfg: &KafkaConfig, timeout: Duration, kind: &SinkKind) -> Result<Self, KafkaSinkError> {
+        let client = producer_config(cfg, kind);
         let bad_config = |e| KafkaSinkError::Config(describe_config_error(&e, cfg));
         let producer: FutureProducer = client.create().map_err(bad_config)?;
         let admin: AdminClient<DefaultClientContext> = client_config(cfg).create().map_err(bad_config)?;
@@ -294,7 +335,95 @@ impl KafkaSink {
             topic_config: cfg.topic_config.clone().into_iter().collect(),
             timeout,
             warm_up: None,
+            transactional_id: kind.transactional_id.clone(),
+            in_transaction: false,
         })
+    }
+
+    /// What a failed transactional call means.
+    fn transaction_error(&self, op: &'static str, source: KafkaError) -> KafkaSinkError {
+        let id = self.transactional_id.clone().unwrap_or_default();
+        match source.rdkafka_error_code() {
+            Some(
+                RDKafkaErrorCode::Fenced
+                | RDKafkaErrorCode::ProducerFenced
+                | RDKafkaErrorCode::InvalidProducerEpoch,
+            ) => KafkaSinkError::Fenced { id, source },
+            Some(
+                RDKafkaErrorCode::TransactionalIdAuthorizationFailed
+                | RDKafkaErrorCode::ClusterAuthorizationFailed,
+            ) => KafkaSinkError::TransactionDenied { id, source },
+            _ => KafkaSinkError::Transaction { op, source },
+        }
+    }
+
+    /// Registers the transactional producer with its coordinator. This
+    /// fences every earlier producer with the same `transactional.id` and
+    /// completes (commits or aborts) whatever transaction it left, so that
+    /// a `read_committed` read afterwards sees all it committed.
+    pub async fn init_transactions(&self, timeout: Duration) -> Result<(), KafkaSinkError> {
+        let producer = self.producer.clone();
+        tokio::task::spawn_blocking(move || producer.init_transactions(timeout))
+            .await
+            .map_err(|_| KafkaSinkError::Canceled)?
+            .map_err(|e| self.transaction_error("init", e))
+    }
+
+    /// The producer's fatal error, if it has one: after it, every send and
+    /// delivery fails with a purge, so this is what to report. A fenced
+    /// transactional producer ends here.
+    pub fn fatal_error(&self) -> Option<KafkaSinkError> {
+        let (code, reason) = self.producer.client().fatal_error()?;
+        let source = KafkaError::MessageProduction(code);
+        let err = self.transaction_error("produce", source);
+        tracing::debug!(%code, reason, "the producer has a fatal error");
+        Some(err)
+    }
+
+    /// Whether a Kafka transaction is open.
+    pub fn in_transaction(&self) -> bool {
+        self.in_transaction
+    }
+
+    /// Opens a Kafka transaction if the producer is transactional and none
+    /// is open. Local to the client: no request is sent.
+    fn begin_if_needed(&mut self) -> Result<(), KafkaSinkError> {
+        if self.transactional_id.is_none() || self.in_transaction {
+            return Ok(());
+        }
+        self.producer
+            .begin_transaction()
+            .map_err(|e| self.transaction_error("begin", e))?;
+        self.in_transaction = true;
+        Ok(())
+    }
+
+    /// Commits the open Kafka transaction. Call it once every record's
+    /// delivery has been reported: librdkafka's commit first flushes, and
+    /// a flush with records outstanding sleeps in 100 ms steps.
+    pub async fn commit_transaction(&mut self, timeout: Duration) -> Result<(), KafkaSinkError> {
+        let producer = self.producer.clone();
+        let result = tokio::task::spawn_blocking(move || producer.commit_transaction(timeout))
+            .await
+            .map_err(|_| KafkaSinkError::Canceled)?;
+        // Committed or not, this transaction is over for outboxd: a failed
+        // commit ends the session and the producer with it.
+        self.in_transaction = false;
+        result.map_err(|e| self.transaction_error("commit", e))
+    }
+
+    /// Aborts the open Kafka transaction, if any: its records are never
+    /// shown to `read_committed` consumers.
+    pub async fn abort_transaction(&mut self, timeout: Duration) -> Result<(), KafkaSinkError> {
+        if !self.in_transaction {
+            return Ok(());
+        }
+        self.in_transaction = false;
+        let producer = self.producer.clone();
+        tokio::task::spawn_blocking(move || producer.abort_transaction(timeout))
+            .await
+            .map_err(|_| KafkaSinkError::Canceled)?
+            .map_err(|e| self.transaction_error("abort", e))
     }
 
     /// A cheap handle that asks the cluster for metadata.
@@ -343,6 +472,22 @@ impl KafkaSink {
     /// Makes sure `topic` exists, creating it when allowed, and that every
     /// partition is served. Cached per session.
     pub async fn ensure_topic(&mut self, topic: &str) -> Result<(), KafkaSinkError> {
+        self.ensure_topic_with(topic, self.partitions, &[]).await
+    }
+
+    /// Makes sure the exactly-once progress topic exists: one partition,
+    /// compacted (one record per slot is all it must keep).
+    pub async fn ensure_progress_topic(&mut self, topic: &str) -> Result<(), KafkaSinkError> {
+        self.ensure_topic_with(topic, 1, &[("cleanup.policy", "compact")])
+            .await
+    }
+
+    async fn ensure_topic_with(
+        &mut self,
+        topic: &str,
+        partitions: i32,
+        overrides: &[(&str, &str)],
+    ) -> Result<(), KafkaSinkError> {
         self.absorb_warm_up().await;
         if self.known_topics.contains(topic) {
             return Ok(());
@@ -354,10 +499,17 @@ impl KafkaSink {
                     topic: topic.to_owned(),
                 });
             }
-            let new = self.topic_config.iter().fold(
+            let mut settings: Vec<(&str, &str)> = self
+                .topic_config
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+                .filter(|(k, _)| !overrides.iter().any(|(o, _)| o == k))
+                .collect();
+            settings.extend_from_slice(overrides);
+            let new = settings.iter().fold(
                 NewTopic::new(
                     topic,
-                    self.partitions,
+                    partitions,
                     TopicReplication::Fixed(self.replication_factor),
                 ),
                 |t, (k, v)| t.set(k, v),
@@ -378,7 +530,7 @@ impl KafkaSink {
                     Err((_, code)) => return Err(self.topic_create_error(topic, code)),
                 }
             }
-            tracing::info!(topic, partitions = self.partitions, "created topic");
+            tracing::info!(topic, partitions, "created topic");
         }
         // No record goes to a topic before every partition is served. A
         // broker creates a new topic's partitions one after another, and
@@ -482,8 +634,11 @@ impl KafkaSink {
         }
     }
 
-    /// Enqueues a record without waiting for the broker.
-    pub fn send(&self, rec: &KafkaRecord) -> Result<SendOutcome, KafkaSinkError> {
+    /// Enqueues a record without waiting for the broker; with a
+    /// transactional producer, inside the open Kafka transaction (opening
+    /// one if needed).
+    pub fn send(&mut self, rec: &KafkaRecord) -> Result<SendOutcome, KafkaSinkError> {
+        self.begin_if_needed()?;
         let mut headers = OwnedHeaders::new_with_capacity(rec.headers.len());
         for (k, v) in &rec.headers {
             headers = headers.insert(Header {
@@ -523,12 +678,25 @@ mod tests {
 
     #[test]
     fn the_producer_connects_to_every_broker_it_learns_of_unless_told_otherwise() {
-        let c = producer_config(&kafka(&[]), false);
+        let c = producer_config(&kafka(&[]), &SinkKind::default());
         assert_eq!(c.get("enable.sparse.connections"), Some("false"));
         assert_eq!(c.get("batch.num.messages"), None);
-        let c = producer_config(&kafka(&[("enable.sparse.connections", "true")]), true);
+        assert_eq!(c.get("transactional.id"), None);
+        let kind = SinkKind {
+            one_per_batch: true,
+            transactional_id: Some("outboxd.s".into()),
+        };
+        let c = producer_config(&kafka(&[("enable.sparse.connections", "true")]), &kind);
         assert_eq!(c.get("enable.sparse.connections"), Some("true"));
         assert_eq!(c.get("batch.num.messages"), Some("1"));
+        assert_eq!(c.get("transactional.id"), Some("outboxd.s"));
+        assert_eq!(
+            c.get("message.timeout.ms"),
+            Some("60000"),
+            "within the transaction timeout"
+        );
+        let c = producer_config(&kafka(&[("transaction.timeout.ms", "90000")]), &kind);
+        assert_eq!(c.get("message.timeout.ms"), Some("90000"));
         // The metadata and admin clients keep librdkafka's default.
         assert_eq!(client_config(&kafka(&[])).get("enable.sparse.connections"), None);
     }

@@ -10,6 +10,7 @@
 
 pub mod check;
 pub mod config;
+pub mod exactly_once;
 pub mod health;
 pub mod http;
 pub mod kafka;

@@ -44,6 +44,15 @@ pub struct Metrics {
     pub oldest_unpublished_seconds: Gauge,
     /// 1, labelled with the version.
     pub build_info: IntGaugeVec,
+    /// Exactly-once: Kafka transactions by outcome (`committed`, `aborted`).
+    pub kafka_transactions: IntCounterVec,
+    /// Exactly-once: how long a Kafka commit took (progress record to commit).
+    pub kafka_commit_seconds: Histogram,
+    /// Exactly-once: the commit LSN in the last committed progress record.
+    pub progress_lsn: IntGauge,
+    /// Exactly-once: PostgreSQL transactions skipped at start because the
+    /// progress record says they are in Kafka already.
+    pub skipped_transactions: IntCounter,
 }
 
 fn register<M: prometheus::core::Collector + Clone + 'static>(
@@ -79,6 +88,9 @@ pub const PUBLISH_ERROR_REASONS: &[&str] = &[
     "produce",
     "delivery",
     "canceled",
+    "fenced",
+    "transaction",
+    "progress",
 ];
 
 /// Every `reason` of `outboxd_dead_letters_total` (and of a dead letter's
@@ -156,6 +168,32 @@ impl Metrics {
             )?,
         )?;
         build_info.with_label_values(&[env!("CARGO_PKG_VERSION")]).set(1);
+        let kafka_transactions = register(
+            &registry,
+            IntCounterVec::new(
+                Opts::new(
+                    "outboxd_kafka_transactions_total",
+                    "Exactly-once: Kafka transactions by outcome (committed, aborted).",
+                ),
+                &["outcome"],
+            )?,
+        )?;
+        for outcome in ["committed", "aborted"] {
+            kafka_transactions.with_label_values(&[outcome]);
+        }
+        let kafka_commit_seconds = register(
+            &registry,
+            Histogram::with_opts(
+                HistogramOpts::new(
+                    "outboxd_kafka_commit_seconds",
+                    "Exactly-once: time to commit a Kafka transaction (after its records are acknowledged).",
+                )
+                .buckets(vec![
+                    0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5,
+                    1.0, 2.5, 5.0, 10.0, 30.0,
+                ]),
+            )?,
+        )?;
         Ok(Metrics {
             events_published: counter(
                 &registry,
@@ -204,6 +242,18 @@ impl Metrics {
             last_ack_timestamp_seconds,
             oldest_unpublished_seconds,
             build_info,
+            kafka_transactions,
+            kafka_commit_seconds,
+            progress_lsn: gauge(
+                &registry,
+                "outboxd_progress_lsn",
+                "Exactly-once: the commit LSN in the last committed progress record.",
+            )?,
+            skipped_transactions: counter(
+                &registry,
+                "outboxd_skipped_transactions_total",
+                "Exactly-once: transactions skipped because the progress record says they are in Kafka.",
+            )?,
             registry,
         })
     }
@@ -250,6 +300,11 @@ mod tests {
             "outboxd_reconnects_total",
             "outboxd_build_info{version=",
             "outboxd_ready",
+            "outboxd_kafka_transactions_total{outcome=\"committed\"} 0",
+            "outboxd_kafka_transactions_total{outcome=\"aborted\"} 0",
+            "outboxd_kafka_commit_seconds_bucket",
+            "outboxd_progress_lsn",
+            "outboxd_skipped_transactions_total",
         ] {
             assert!(text.contains(name), "missing {name}");
         }

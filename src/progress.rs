@@ -25,6 +25,13 @@ use crate::lsn::Lsn;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct TxnId(u64);
 
+impl TxnId {
+    #[cfg(test)]
+    pub(crate) fn for_tests(n: u64) -> TxnId {
+        TxnId(n)
+    }
+}
+
 #[derive(Debug)]
 struct Txn {
     /// Set at commit; `None` while the transaction is still being read.
@@ -120,6 +127,17 @@ impl AckTracker {
                 t.pending -= 1;
                 self.inflight -= 1;
             }
+        }
+        self.retire();
+    }
+
+    /// Kafka made `n` events of `id` durable at once (a committed Kafka
+    /// transaction).
+    pub fn acked_many(&mut self, id: TxnId, n: usize) {
+        if let Some(t) = self.txn_mut(id) {
+            let n = n.min(t.pending);
+            t.pending -= n;
+            self.inflight -= n;
         }
         self.retire();
     }

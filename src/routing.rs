@@ -200,6 +200,11 @@ pub struct KafkaRecord {
 }
 
 impl KafkaRecord {
+    /// Bytes of key, value and headers: what it costs in a batch.
+    pub fn size(&self) -> usize {
+        self.key.len() + self.value.len() + self.headers.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>()
+    }
+
     /// The value of header `name` as text (empty when it is missing).
     pub fn header_text(&self, name: &str) -> String {
         self.headers

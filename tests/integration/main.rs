@@ -6,6 +6,7 @@
 
 mod cluster;
 mod debezium;
+mod exactly_once;
 mod fuzz;
 mod harness;
 mod kafka_rules;

@@ -788,6 +788,12 @@ pub(crate) struct Daemon {
 
 impl Daemon {
     pub(crate) fn start(config: &Path, log: &Path) -> Daemon {
+        let level = std::env::var("OUTBOXD_DAEMON_LOG").unwrap_or("warn".into());
+        Daemon::start_logging(config, log, &level)
+    }
+
+    /// Starts outboxd with `RUST_LOG=level`, appending to `log`.
+    pub(crate) fn start_logging(config: &Path, log: &Path, level: &str) -> Daemon {
         let log_file = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -796,10 +802,7 @@ impl Daemon {
         let child = Command::new(bin())
             .args(["run", "--config"])
             .arg(config)
-            .env(
-                "RUST_LOG",
-                std::env::var("OUTBOXD_DAEMON_LOG").unwrap_or("warn".into()),
-            )
+            .env("RUST_LOG", level)
             .stdin(Stdio::null())
             .stdout(log_file.try_clone().unwrap())
             .stderr(log_file)
@@ -823,6 +826,20 @@ impl Daemon {
 
     pub(crate) fn restart(&mut self) {
         *self = Daemon::start(&self.config, &self.log);
+    }
+
+    /// Restarts with `RUST_LOG=level`.
+    pub(crate) fn restart_logging(&mut self, level: &str) {
+        *self = Daemon::start_logging(&self.config, &self.log, level);
+    }
+
+    /// Sends `signal` (e.g. "STOP", "CONT").
+    pub(crate) fn signal(&self, signal: &str) {
+        let status = Command::new("kill")
+            .args([&format!("-{signal}"), &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success(), "kill -{signal}");
     }
 
     pub(crate) fn sigterm(mut self) -> std::process::ExitStatus {

@@ -515,9 +515,27 @@ impl Consumed {
 
 /// Reads every partition of `topics` from the beginning until `want`
 /// records have arrived (or `timeout`), in partition-offset order.
+/// Transactional records count once committed (`read_committed`).
 pub fn consume(brokers: &str, topics: &[&str], want: usize, timeout: Duration) -> Vec<Consumed> {
+    consume_isolated(brokers, topics, want, timeout, "read_committed")
+}
+
+/// As [`consume`], but also reading records of open and aborted
+/// transactions (`read_uncommitted`).
+pub fn consume_uncommitted(brokers: &str, topics: &[&str], want: usize, timeout: Duration) -> Vec<Consumed> {
+    consume_isolated(brokers, topics, want, timeout, "read_uncommitted")
+}
+
+fn consume_isolated(
+    brokers: &str,
+    topics: &[&str],
+    want: usize,
+    timeout: Duration,
+    isolation: &str,
+) -> Vec<Consumed> {
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers)
+        .set("isolation.level", isolation)
         .set("group.id", format!("outboxd-test-{}", uuid::Uuid::new_v4()))
         .set("enable.auto.commit", "false")
         .set("enable.partition.eof", "false")

@@ -1,0 +1,705 @@
+//! The relay: replication stream in, Kafka records out, LSNs confirmed
+//! only behind Kafka's acknowledgements.
+//!
+//! # One session
+//!
+//! A session connects, makes sure the publication and slot exist, and
+//! starts replication at `0/0`, which the server reads as "from the slot's
+//! `confirmed_flush_lsn`". Then one `tokio::select!` loop runs, with these
+//! priorities (`biased`):
+//!
+//! 1. **shutdown**: stop reading, drain acknowledgements, confirm, exit;
+//! 2. **acknowledgements**: each finished delivery future is applied to the
+//!    [`AckTracker`]; a failed delivery ends the session (see below);
+//! 3. **status timer**: every `postgres.status_interval` a standby status
+//!    update reports write = received LSN, flush = apply = the tracker's
+//!    flushed LSN, even when the stream is busy; when idle it asks the
+//!    server to answer with a keepalive. Between ticks, a status update also
+//!    goes out (at most every 100 ms) as soon as acknowledgements move the
+//!    flushed LSN, so confirmation lags Kafka by milliseconds, not seconds;
+//! 4. **the next stream event**, read only while fewer than
+//!    `kafka.max_inflight` events are unacknowledged (backpressure: memory
+//!    stays bounded with any backlog):
+//!    * Begin opens a transaction in the tracker;
+//!    * each outbox Insert becomes a record and is enqueued at once
+//!      (`send_result`, no waiting); a full librdkafka queue waits for an
+//!      acknowledgement first, and a new topic for its creation. Such waits
+//!      go through [`OutboxStream::keep_alive_while`], which keeps sending
+//!      status updates, so no wait inside a step outlasts the server's
+//!      `wal_sender_timeout` (the status interval is at most a third of it);
+//!    * Commit records the transaction's end LSN, which becomes confirmable
+//!      when it and all earlier transactions are acknowledged;
+//!    * a keepalive's WAL end is confirmable when nothing is open or in
+//!      flight; a keepalive that asks for a reply gets a status update now.
+//!
+//! # Failures
+//!
+//! A failed delivery is never skipped. The session ends; the producer is
+//! replaced (dropping it purges what it still queued, so none of that lands
+//! after a replayed record); the next session resumes from the slot's
+//! confirmed LSN, which never passed the failed event. Duplicates are possible (bounded by what was in
+//! flight), loss is not. Errors that a retry can fix (network, broker down,
+//! server restart, slot busy) restart the session with exponential backoff;
+//! the others (bad rows, missing topics that may not be created, bad
+//! settings) stop outboxd with a message saying what to do.
+//!
+//! # Rows Kafka refuses
+//!
+//! A row that can never become a record (see `routing`) or cannot be read
+//! (`Unreadable`) follows `routing.on_poison` at once: a dead letter in the
+//! same transaction's place, or a stop naming the row. A record the broker
+//! refuses is different: Kafka refuses whole batches (a batch larger than
+//! the topic's `max.message.bytes`, one bad timestamp), so the refused
+//! record may be innocent. The session then ends with `BatchRefused`, and
+//! the sessions after it send one record per batch until the slot has
+//! passed everything the failed session had read (`isolate_until`). In that
+//! mode a refusal is the record's own, and only that record follows
+//! `on_poison`. Once past, intake pauses until nothing is in flight and a
+//! new batching producer takes over, so nothing queued is purged.
+//! Authorization errors are never the record's fault: outboxd stops and
+//! names the grant to add.
+
+mod commit;
+mod durability;
+mod poller;
+mod session;
+mod streaming;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::stream::FuturesUnordered;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use crate::config::{Config, Validated};
+use crate::exactly_once::{
+    read_progress, ForeignProgress, Identity, ProgressError, Refused, RefusedRecords, Resume, Transactions,
+};
+use crate::health::Health;
+use crate::kafka::{KafkaSink, KafkaSinkError, SinkKind};
+use crate::leader::LeaderElection;
+use crate::lsn::Lsn;
+use crate::metrics::Metrics;
+use crate::pg::admin::{self, AdminError, SlotState};
+use crate::pg::connection::{ReplicationConnection, StartOptions};
+use crate::pg::error::PgError;
+use crate::pg::outbox_stream::{OutboxStream, StreamError};
+use crate::pg::publication::{self, GuardState};
+use crate::progress::AckTracker;
+use durability::Durability;
+use poller::poll_slot_and_brokers;
+use session::Session;
+
+/// Why the relay stopped or a session ended.
+#[derive(Debug, thiserror::Error)]
+pub enum RelayError {
+    #[error(transparent)]
+    Admin(#[from] AdminError),
+    #[error(transparent)]
+    Pg(#[from] PgError),
+    #[error(transparent)]
+    Stream(#[from] StreamError),
+    #[error(transparent)]
+    Kafka(#[from] KafkaSinkError),
+    #[error("outbox row {id} at {lsn} can never be published: {error}; the slot has not moved past it. Fix the writer and restart after removing the cause, or set routing.on_poison = \"dead-letter\"")]
+    Poison { id: String, lsn: Lsn, error: String },
+    #[error("Kafka refused the batch holding the record at {lsn} for topic {topic:?}: {source}; re-sending the records from there one per batch, to set aside only the record Kafka refuses")]
+    BatchRefused {
+        lsn: Lsn,
+        topic: String,
+        source: rdkafka::error::KafkaError,
+    },
+    #[error("Kafka denied outboxd access to topic {topic:?}: {source}; grant the principal outboxd uses WRITE and DESCRIBE on the topic (and CREATE if kafka.create_topics is true), then restart. No event was set aside and the slot has not moved past it")]
+    KafkaDenied {
+        topic: String,
+        source: rdkafka::error::KafkaError,
+    },
+    #[error("Kafka refused the record at {lsn} for topic {topic:?} inside a Kafka transaction ({error}); the transaction is aborted and the replay sets the record aside", topic = refused.topic, error = refused.error)]
+    RefusedInTransaction { lsn: Lsn, refused: Refused },
+    #[error(transparent)]
+    Progress(#[from] ProgressError),
+    #[error(transparent)]
+    ForeignProgress(#[from] ForeignProgress),
+    #[error("the dead-letter topic failed, so a poison row cannot be set aside: {0}; outboxd stops rather than skip it")]
+    DeadLetterFailed(String),
+    #[error("{reason}. The publication changed while outboxd streamed, so outbox rows committed after WAL {verified} may never have been sent; outboxd has not confirmed past {verified}. Fix the publication, then re-publish the outbox rows committed since then (consumers deduplicate by id) before you restart: a restart streams that WAL with the publication as it was, and would skip such rows again")]
+    PublicationChanged { verified: Lsn, reason: String },
+    #[error("cannot read the publication's state to prove delivery: {0}")]
+    GuardFailed(String),
+    #[error("the server ended the replication stream")]
+    StreamEnded,
+    #[error("replication protocol out of order: {0}")]
+    OutOfOrder(&'static str),
+    #[error("replication slot {0} was invalidated: PostgreSQL removed WAL it still needed (max_slot_wal_keep_size was exceeded), so events committed after its confirmed LSN can no longer be streamed. Recovery: stop outboxd; run SELECT pg_drop_replication_slot('{0}'); start outboxd (it creates a new slot at the current WAL position); then re-publish the gap from the outbox table, e.g. by re-inserting rows created after the last event your consumers saw (consumers deduplicate by id). See the README, \"Reliability\"")]
+    SlotInvalidated(String),
+    #[error(
+        "lost the leader lock (its PostgreSQL session ended); stopping so that only one outboxd streams"
+    )]
+    LeadershipLost,
+}
+
+impl RelayError {
+    /// A short, bounded label for `outboxd_publish_errors_total{reason}`.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            RelayError::Admin(_) | RelayError::PublicationChanged { .. } | RelayError::SlotInvalidated(_) => {
+                "postgres_setup"
+            }
+            RelayError::Pg(_)
+            | RelayError::StreamEnded
+            | RelayError::LeadershipLost
+            | RelayError::GuardFailed(_) => "postgres_stream",
+            RelayError::Stream(_) | RelayError::OutOfOrder(_) => "decode",
+            RelayError::Kafka(e) => e.reason(),
+            RelayError::Poison { .. } => "poison",
+            RelayError::BatchRefused { .. } | RelayError::RefusedInTransaction { .. } => "batch_refused",
+            RelayError::Progress(_) | RelayError::ForeignProgress(_) => "progress",
+            RelayError::KafkaDenied { .. } => "denied",
+            RelayError::DeadLetterFailed(_) => "dead_letter",
+        }
+    }
+
+    /// Whether a new session (after a backoff) may succeed.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            RelayError::Admin(AdminError::Connect { .. } | AdminError::Query(_)) => true,
+            RelayError::Admin(AdminError::Replication(e)) | RelayError::Pg(e) => e.is_transient(),
+            RelayError::Admin(_) => false,
+            RelayError::Stream(e) => e.is_transient(),
+            RelayError::Kafka(e) => e.is_transient(),
+            RelayError::StreamEnded
+            | RelayError::OutOfOrder(_)
+            | RelayError::LeadershipLost
+            | RelayError::BatchRefused { .. }
+            | RelayError::RefusedInTransaction { .. }
+            | RelayError::GuardFailed(_) => true,
+            RelayError::Progress(e) => e.is_transient(),
+            RelayError::ForeignProgress(_) => false,
+            RelayError::KafkaDenied { .. }
+            | RelayError::Poison { .. }
+            | RelayError::DeadLetterFailed(_)
+            | RelayError::PublicationChanged { .. }
+            | RelayError::SlotInvalidated(_) => false,
+        }
+    }
+}
+
+/// The relay's shared state across sessions.
+pub struct Relay {
+    config: Config,
+    validated: Validated,
+    sink: KafkaSink,
+    metrics: Arc<Metrics>,
+    health: Arc<Health>,
+    election: LeaderElection,
+    /// Set after Kafka refused a batch: the insert LSN of the refused
+    /// record. Until the slot passes it, sessions send one record per batch.
+    isolate_until: Option<Lsn>,
+    /// Exactly-once: records Kafka refused inside a transaction, which the
+    /// replay sets aside.
+    refused: RefusedRecords,
+}
+
+impl std::fmt::Debug for Relay {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Relay")
+            .field("slot", &self.validated.slot)
+            .finish()
+    }
+}
+
+/// Exponential backoff with a cap and ±25% jitter.
+#[derive(Debug)]
+struct Backoff {
+    next: Duration,
+    max: Duration,
+}
+
+impl Backoff {
+    fn new(max: Duration) -> Self {
+        Backoff {
+            next: Duration::from_millis(500),
+            max,
+        }
+    }
+
+    fn step(&mut self) -> Duration {
+        let base = self.next;
+        self.next = (self.next * 2).min(self.max);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
+        let jitter = f64::from(nanos % 500) / 1000.0 - 0.25; // -0.25 ..= 0.25
+        base.mul_f64(1.0 + jitter).min(self.max)
+    }
+
+    fn reset(&mut self) {
+        self.next = Duration::from_millis(500);
+    }
+}
+
+/// How a session ended without error.
+enum SessionEnd {
+    Shutdown,
+}
+
+/// A session's replication stream, where it starts, its publication
+/// guard, and how often it must report.
+struct Connected {
+    durability: Durability,
+    stream: OutboxStream,
+    start: Lsn,
+    guard: watch::Receiver<GuardState>,
+    status_every: Duration,
+}
+
+/// What a session proves on its connection before streaming.
+struct Proven {
+    /// The server's `wal_sender_timeout`, if any.
+    server_timeout: Option<Duration>,
+    /// The publication delivers every INSERT on the table.
+    verified: publication::Verified,
+}
+
+/// Reads `wal_sender_timeout` and proves (creating it first, if allowed and
+/// missing) the publication, on the session's connection.
+async fn prove(
+    config: &Config,
+    v: &Validated,
+    client: &tokio_postgres::Client,
+) -> Result<Proven, AdminError> {
+    let server_timeout = admin::wal_sender_timeout(client).await?;
+    let verified = if config.postgres.create_publication {
+        admin::ensure_publication(client, &v.publication, &v.table).await?
+    } else {
+        publication::inspect(client, &v.publication, &v.table).await?
+    };
+    Ok(Proven {
+        server_timeout,
+        verified,
+    })
+}
+
+/// The status interval: `postgres.status_interval`, but never more than a
+/// third of the server's `wal_sender_timeout`, so that two updates can be
+/// late before the server gives up on the session.
+fn status_every(configured: Duration, wal_sender_timeout: Option<Duration>) -> Duration {
+    let Some(server) = wal_sender_timeout else {
+        return configured;
+    };
+    let most = (server / 3).max(Duration::from_millis(10));
+    if configured > most {
+        tracing::warn!(
+            status_interval = ?configured,
+            wal_sender_timeout = ?server,
+            using = ?most,
+            "postgres.status_interval is too long for the server's wal_sender_timeout; sending status updates more often"
+        );
+        return most;
+    }
+    configured
+}
+
+impl Relay {
+    pub fn new(
+        config: Config,
+        validated: Validated,
+        metrics: Arc<Metrics>,
+        health: Arc<Health>,
+    ) -> Result<Self, RelayError> {
+        let t = Instant::now();
+        let kind = SinkKind {
+            one_per_batch: false,
+            transactional_id: validated.transactional_id.clone(),
+        };
+        let sink = KafkaSink::build(&config.kafka, config.kafka.admin_timeout.0, &kind)?;
+        tracing::debug!(took = ?t.elapsed(), "Kafka clients created");
+        let election = LeaderElection::new(validated.pg.clone(), validated.slot.clone());
+        Ok(Relay {
+            config,
+            validated,
+            sink,
+            metrics,
+            health,
+            election,
+            isolate_until: None,
+            refused: RefusedRecords::default(),
+        })
+    }
+
+    /// Runs sessions until shutdown or a definite error.
+    pub async fn run(&mut self, shutdown: watch::Receiver<bool>) -> Result<(), RelayError> {
+        let poller = tokio::spawn(poll_slot_and_brokers(
+            self.validated.clone(),
+            self.sink.probe(),
+            self.config.health.poll_interval.0,
+            self.config.health.max_retained_wal_bytes,
+            self.metrics.clone(),
+            self.health.clone(),
+        ));
+        let result = self.sessions(shutdown).await;
+        poller.abort();
+        self.health.set_streaming(None);
+        result
+    }
+
+    async fn sessions(&mut self, mut shutdown: watch::Receiver<bool>) -> Result<(), RelayError> {
+        let mut backoff = Backoff::new(self.config.postgres.reconnect_backoff_max.0);
+        loop {
+            let mut streamed = false;
+            let result = self.session(&mut shutdown, &mut streamed).await;
+            self.health.set_streaming(None);
+            match result {
+                Ok(SessionEnd::Shutdown) => return Ok(()),
+                Err(e) if e.is_transient() => {
+                    self.metrics.reconnects.inc();
+                    self.metrics.error(e.reason());
+                    if streamed {
+                        backoff.reset();
+                    }
+                    let wait = backoff.step();
+                    tracing::warn!(error = %e, retry_in = ?wait, "replication session ended; reconnecting");
+                    tokio::select! {
+                        _ = tokio::time::sleep(wait) => {}
+                        _ = shutdown.changed() => return Ok(()),
+                    }
+                    self.health.beat();
+                }
+                Err(e) => {
+                    self.metrics.error(e.reason());
+                    return Err(e);
+                }
+            }
+            if *shutdown.borrow() {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Becomes the slot's leader, waiting as a hot standby while another
+    /// outboxd leads; `false` when shutdown came first.
+    async fn lead(&mut self, shutdown: &mut watch::Receiver<bool>) -> Result<bool, RelayError> {
+        let mut announced = false;
+        loop {
+            if self.election.try_lead().await? {
+                if announced {
+                    tracing::info!(
+                        slot = self.validated.slot.as_str(),
+                        "the leader is gone; taking over"
+                    );
+                }
+                self.health.set_standby(false);
+                return Ok(true);
+            }
+            if !announced {
+                tracing::info!(
+                    slot = self.validated.slot.as_str(),
+                    "another outboxd leads this slot; waiting as a hot standby"
+                );
+                announced = true;
+            }
+            self.health.set_standby(true);
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                _ = shutdown.changed() => return Ok(false),
+            }
+        }
+    }
+
+    /// Sets the session up on `client` (the publication proven on it) and
+    /// `repl`: the slot, then streaming.
+    async fn connect(
+        &mut self,
+        client: tokio_postgres::Client,
+        proven: Proven,
+        mut repl: ReplicationConnection,
+    ) -> Result<Connected, RelayError> {
+        let v = &self.validated;
+        let Proven {
+            server_timeout,
+            verified,
+        } = proven;
+        let status_every = status_every(self.config.postgres.status_interval.0, server_timeout);
+        let start = match admin::ensure_slot(&client, &mut repl, &v.slot, &v.pg.dbname).await? {
+            SlotState::Created { consistent_point } => {
+                tracing::info!(slot = v.slot.as_str(), %consistent_point, "created replication slot");
+                consistent_point
+            }
+            SlotState::Existing(info) if info.wal_status.as_deref() == Some("lost") => {
+                return Err(RelayError::SlotInvalidated(v.slot.as_str().to_owned()));
+            }
+            SlotState::Existing(info) => info.confirmed_flush_lsn.unwrap_or(Lsn::ZERO),
+        };
+        tracing::debug!("slot ready");
+        let durability = self.durability(&mut repl).await?;
+        let v = &self.validated;
+        let stream = repl
+            .start_replication(&StartOptions {
+                slot: v.slot.clone(),
+                publication: v.publication.clone(),
+                start_lsn: Lsn::ZERO,
+                messages: false,
+            })
+            .await
+            .map_err(|e| match e.sqlstate() {
+                Some("55006") => {
+                    tracing::warn!(
+                        slot = v.slot.as_str(),
+                        "replication slot is in use by another process: is another outboxd or a pg_recvlogical running? retrying"
+                    );
+                    RelayError::Pg(e)
+                }
+                // "can no longer get changes from replication slot": invalidated.
+                Some("55000") if e.to_string().contains("can no longer get changes") => {
+                    RelayError::SlotInvalidated(v.slot.as_str().to_owned())
+                }
+                _ => RelayError::Pg(e),
+            })?;
+        let table_oid = verified.table_oid;
+        let guard = publication::spawn_guard(client, v.publication.clone(), v.table.clone(), verified, start);
+        Ok(Connected {
+            stream: OutboxStream::new(stream, v.table.clone(), table_oid),
+            start,
+            guard,
+            status_every,
+            durability,
+        })
+    }
+
+    /// The session's delivery mode. Exactly-once first fences older
+    /// producers with the same `transactional.id` (which completes any
+    /// transaction they left), then reads the progress record, so that it
+    /// sees everything they committed.
+    async fn durability(&mut self, repl: &mut ReplicationConnection) -> Result<Durability, RelayError> {
+        if self.validated.transactional_id.is_none() {
+            return Ok(Durability::AtLeastOnce);
+        }
+        let eo = &self.config.kafka.exactly_once;
+        let slot = self.validated.slot.as_str().to_owned();
+        let timeout = eo.commit_timeout.0;
+        let started = Instant::now();
+        let system = repl.identify_system().await?;
+        self.sink.init_transactions(timeout).await?;
+        self.sink.ensure_progress_topic(&eo.progress_topic).await?;
+        let record = read_progress(&self.config.kafka, &eo.progress_topic, &slot, timeout).await?;
+        let identity = Identity {
+            writer: crate::exactly_once::writer_name(),
+            slot: slot.clone(),
+            database: self.validated.pg.dbname.clone(),
+            system_id: system.system_id,
+            timeline: system.timeline,
+        };
+        let mut t = Transactions::new(eo, identity);
+        if let Some(r) = &record {
+            t.check_owner(r)?;
+        }
+        match t.resume(record.as_ref())? {
+            Resume::FromSlot => tracing::info!(slot, "no progress record: starting at the slot"),
+            Resume::SkipThrough(lsn) => {
+                self.metrics.progress_lsn.set(i64::try_from(lsn.0).unwrap_or(i64::MAX));
+                self.health.set_progress_lsn(lsn.0);
+                tracing::info!(slot, progress = %lsn, took = ?started.elapsed(), "transactions up to the progress record are in Kafka; skipping them")
+            }
+            Resume::OtherTimeline { record, server } => tracing::warn!(
+                slot,
+                record_timeline = record,
+                server_timeline = server,
+                "the progress record was written on another timeline (a promotion or a point-in-time recovery): starting at the slot, so events confirmed-but-not-yet-acknowledged to the old primary may be published twice"
+            ),
+        }
+        Ok(Durability::ExactlyOnce(Box::new(t)))
+    }
+
+    async fn session(
+        &mut self,
+        shutdown: &mut watch::Receiver<bool>,
+        streamed: &mut bool,
+    ) -> Result<SessionEnd, RelayError> {
+        // Kafka's metadata, the leader lock, the session's connection with
+        // the publication's proof, and the replication connection are asked
+        // for at once: each costs a backend start or round trips, and the
+        // time to the first event is their sum otherwise.
+        self.sink.forget_topics();
+        let pg = self.validated.pg.clone();
+        let t = Instant::now();
+        let proven_on_new_connection = async {
+            let client = admin::connect(&pg).await?;
+            let proven = prove(&self.config, &self.validated, &client).await;
+            Ok::<_, AdminError>((client, proven))
+        };
+        let (first_try, session, repl) = tokio::join!(
+            self.election.try_lead(),
+            proven_on_new_connection,
+            ReplicationConnection::connect(&pg)
+        );
+        tracing::debug!(took = ?t.elapsed(), "leader lock, publication proven, replication connection open");
+        let (client, proven, repl) = if first_try? {
+            self.health.set_standby(false);
+            let (client, proven) = session?;
+            (client, proven?, repl?)
+        } else {
+            // Another outboxd leads: wait as a hot standby, without holding
+            // a walsender the leader may need, and prove the publication
+            // again once leading (it may have changed during the wait).
+            drop((session, repl));
+            if !self.lead(shutdown).await? {
+                return Ok(SessionEnd::Shutdown);
+            }
+            let client = admin::connect(&pg).await?;
+            let (proven, repl) = tokio::join!(
+                prove(&self.config, &self.validated, &client),
+                ReplicationConnection::connect(&pg)
+            );
+            (client, proven?, repl?)
+        };
+        let Connected {
+            mut stream,
+            start,
+            guard,
+            status_every,
+            durability,
+        } = match self.connect(client, proven, repl).await {
+            Ok(c) => c,
+            Err(e) => {
+                // A transactional producer that failed to start (or was
+                // fenced) cannot be started again: begin anew.
+                if self.validated.transactional_id.is_some() {
+                    self.sink = self.new_sink()?;
+                }
+                return Err(e);
+            }
+        };
+        *streamed = true;
+        tracing::info!(
+            slot = self.validated.slot.as_str(),
+            %start,
+            walsender_pid = stream.backend_pid(),
+            "streaming"
+        );
+        self.health.set_streaming(Some(stream.backend_pid()));
+        let mut s = Session {
+            tracker: AckTracker::new(start),
+            received: start,
+            open: None,
+            guard,
+            open_commit_ms: 0,
+            isolating: self.isolate_until.is_some(),
+            deliveries: FuturesUnordered::new(),
+            dead_letters: std::collections::VecDeque::new(),
+            on_poison: self.config.routing.on_poison,
+            dead_letter_topic: self.config.routing.dead_letter_topic.clone(),
+            reported_flush: start,
+            last_status: Instant::now(),
+            status_every,
+            acked: 0,
+            retired: 0,
+            last_ack: None,
+            durability,
+            skipping: false,
+            skipped: 0,
+        };
+        let result = self.stream_loop(&mut stream, &mut s, shutdown).await;
+        match result {
+            Ok(()) => {
+                self.drain(&mut stream, &mut s).await;
+                stream.stop(Duration::from_secs(5)).await?;
+                Ok(SessionEnd::Shutdown)
+            }
+            Err(e) => {
+                // A producer with a fatal error (fenced, most often) fails
+                // every record with a purge: name the cause instead.
+                let e = match self.sink.fatal_error() {
+                    Some(fatal) if matches!(e, RelayError::Kafka(_)) => RelayError::Kafka(fatal),
+                    _ => e,
+                };
+                // Whatever this session read may have shared a batch with
+                // the refused record: re-send all of it one per batch.
+                if let RelayError::BatchRefused { lsn, .. } = &e {
+                    let until = self.isolate_until.unwrap_or(Lsn::ZERO).max(*lsn).max(s.received);
+                    self.isolate_until = Some(until);
+                }
+                if let RelayError::RefusedInTransaction { lsn, refused } = &e {
+                    self.refused.insert(*lsn, refused.clone());
+                }
+                // Exactly-once: nothing of the open Kafka transaction may
+                // become visible. Abort it (best effort: a new producer's
+                // init_transactions aborts it anyway).
+                if self.sink.in_transaction() {
+                    self.metrics
+                        .kafka_transactions
+                        .with_label_values(&["aborted"])
+                        .inc();
+                    self.health.kafka_transaction_aborted();
+                    let abort = self.sink.abort_transaction(Duration::from_secs(5));
+                    if let Err(err) = abort.await {
+                        tracing::debug!(error = %err, "abort failed; the next producer's init_transactions aborts the transaction");
+                    }
+                }
+                // Never let a record queued before the failure land after
+                // the replay: drop the producer (which purges its queue)
+                // and start the next session with a new one.
+                self.sink = self.new_sink()?;
+                // Confirm what is safely acknowledged, best effort.
+                let _ = s.send_status(&mut stream, false).await;
+                Err(e)
+            }
+        }
+    }
+
+    /// A fresh sink: one record per batch while a refusal is being isolated.
+    fn new_sink(&self) -> Result<KafkaSink, KafkaSinkError> {
+        let (cfg, timeout) = (&self.config.kafka, self.config.kafka.admin_timeout.0);
+        let kind = SinkKind {
+            one_per_batch: self.isolate_until.is_some(),
+            transactional_id: self.validated.transactional_id.clone(),
+        };
+        KafkaSink::build(cfg, timeout, &kind)
+    }
+
+    /// Ends isolation once the slot is past the refused record: intake
+    /// waits (`false`) until nothing is in flight, then batching resumes
+    /// with a new producer, which purges nothing because nothing is queued.
+    /// Exactly-once: nothing waits for a Kafka commit either, and the new
+    /// producer registers its transactional.id first.
+    async fn end_isolation(&mut self, s: &mut Session) -> Result<bool, RelayError> {
+        let passed = self.isolate_until.is_none_or(|until| s.tracker.flushed() > until);
+        if !s.isolating || !passed {
+            return Ok(true);
+        }
+        // A Kafka transaction is open: keep reading to its commit, and
+        // swap producers right after it.
+        if !s.durability.settled() {
+            return Ok(true);
+        }
+        if s.tracker.inflight() > 0 || !s.deliveries.is_empty() || !s.dead_letters.is_empty() {
+            return Ok(false);
+        }
+        self.isolate_until = None;
+        self.sink = self.new_sink()?;
+        if self.validated.transactional_id.is_some() {
+            self.sink
+                .init_transactions(self.config.kafka.exactly_once.commit_timeout.0)
+                .await?;
+        }
+        s.isolating = false;
+        tracing::info!("past the record Kafka refused; sending in batches again");
+        Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_interval_stays_under_a_third_of_wal_sender_timeout() {
+        let ms = Duration::from_millis;
+        assert_eq!(status_every(ms(1000), None), ms(1000), "timeout disabled");
+        assert_eq!(status_every(ms(1000), Some(ms(60_000))), ms(1000));
+        assert_eq!(status_every(ms(30_000), Some(ms(60_000))), ms(20_000));
+        assert_eq!(status_every(ms(500), Some(ms(900))), ms(300));
+        assert_eq!(status_every(ms(500), Some(ms(1))), ms(10), "never a busy loop");
+    }
+}

@@ -1,0 +1,75 @@
+//! The background poller: retained WAL, the server's WAL end, brokers.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::config::Validated;
+use crate::health::Health;
+use crate::kafka::BrokerProbe;
+use crate::lsn::Lsn;
+use crate::metrics::Metrics;
+use crate::pg::admin;
+
+/// Every `health.poll_interval`: the slot's retained WAL (and the guard on
+/// it) from `pg_replication_slots`, and a broker probe.
+pub(super) async fn poll_slot_and_brokers(
+    v: Validated,
+    probe: BrokerProbe,
+    interval: Duration,
+    max_retained: Option<u64>,
+    metrics: Arc<Metrics>,
+    health: Arc<Health>,
+) {
+    let mut client: Option<tokio_postgres::Client> = None;
+    loop {
+        if client.as_ref().is_none_or(|c| c.is_closed()) {
+            client = admin::connect(&v.pg).await.ok();
+        }
+        if let Some(c) = &client {
+            let row = c
+                .query_opt(
+                    "SELECT (pg_current_wal_lsn() - restart_lsn)::bigint, wal_status, pg_current_wal_lsn()::text
+                       FROM pg_catalog.pg_replication_slots WHERE slot_name = $1",
+                    &[&v.slot.as_str()],
+                )
+                .await;
+            match row {
+                Ok(Some(row)) => {
+                    let retained = row.get::<_, Option<i64>>(0).unwrap_or(0).max(0);
+                    if let Some(end) = row
+                        .get::<_, Option<String>>(2)
+                        .and_then(|l| l.parse::<Lsn>().ok())
+                    {
+                        health.set_server_wal_end(end.0);
+                    }
+                    metrics.slot_retained_wal_bytes.set(retained);
+                    health.set_retained_wal(retained as u64);
+                    if max_retained.is_some_and(|max| retained as u64 > max) {
+                        tracing::error!(
+                            slot = v.slot.as_str(),
+                            retained_bytes = retained,
+                            "the slot retains more WAL than health.max_retained_wal_bytes: the primary's disk is at risk; check why outboxd cannot confirm (Kafka down? lag?)"
+                        );
+                    }
+                    if row.get::<_, Option<String>>(1).as_deref() == Some("lost") {
+                        tracing::error!(
+                            slot = v.slot.as_str(),
+                            "the replication slot was invalidated (max_slot_wal_keep_size exceeded); see the README for recovery"
+                        );
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::debug!(error = %e, "slot poll failed");
+                    client = None;
+                }
+            }
+        }
+        let reachable = probe.check().await.is_ok();
+        if !reachable {
+            tracing::warn!("Kafka brokers are unreachable");
+        }
+        health.set_kafka_reachable(reachable);
+        tokio::time::sleep(interval).await;
+    }
+}

@@ -1,0 +1,347 @@
+//! One replication session's state: what is in flight, what is
+//! confirmable, and what to do with each delivery report.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use futures::stream::FuturesUnordered;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use super::durability::Durability;
+use super::RelayError;
+use crate::config::OnPoison;
+use crate::exactly_once::Refused;
+use crate::kafka::{KafkaSinkError, Refusal};
+use crate::lsn::Lsn;
+use crate::metrics::Metrics;
+use crate::outbox::{OutboxRow, UnreadableRow};
+use crate::pg::error::PgError;
+use crate::pg::outbox_stream::OutboxStream;
+use crate::pg::publication::GuardState;
+use crate::progress::{AckTracker, TxnId};
+use crate::routing::{
+    dead_letter_for_record, dead_letter_for_row, dead_letter_for_unreadable, dead_letter_stub, KafkaRecord,
+    Poison,
+};
+
+/// What a delivery future resolves to, tagged with its transaction.
+pub(super) type Delivery = (
+    TxnId,
+    Lsn,
+    Sent,
+    Result<rdkafka::producer::future_producer::OwnedDeliveryResult, futures::channel::oneshot::Canceled>,
+);
+
+/// What a delivery future was for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Sent {
+    Event,
+    /// The progress record of an exactly-once Kafka transaction.
+    Progress,
+    /// A dead letter, with its reason for the metric; `stub` once Kafka
+    /// refused the full dead letter and only its stub is left to send.
+    DeadLetter {
+        reason: &'static str,
+        stub: bool,
+    },
+}
+
+/// A dead letter waiting to be sent.
+#[derive(Debug)]
+pub(super) struct DeadLetterJob {
+    pub(super) txn: TxnId,
+    pub(super) lsn: Lsn,
+    pub(super) record: KafkaRecord,
+    /// The event is already counted in the tracker (its first send failed).
+    pub(super) counted: bool,
+    pub(super) reason: &'static str,
+    /// This is the stub of a dead letter Kafka refused.
+    pub(super) stub: bool,
+}
+
+/// The record a broker refused, rebuilt from what librdkafka handed back.
+pub(super) fn record_from_message(msg: &rdkafka::message::OwnedMessage) -> KafkaRecord {
+    use rdkafka::message::{Headers, Message};
+    KafkaRecord {
+        topic: msg.topic().to_owned(),
+        key: String::from_utf8_lossy(msg.key().unwrap_or_default()).into_owned(),
+        value: msg.payload().unwrap_or_default().to_vec(),
+        headers: msg
+            .headers()
+            .map(|h| {
+                h.iter()
+                    .map(|h| (h.key.to_owned(), h.value.unwrap_or_default().to_vec()))
+                    .collect()
+            })
+            .unwrap_or_default(),
+        timestamp_ms: msg.timestamp().to_millis().unwrap_or(0),
+    }
+}
+
+/// Per-session state of the streaming loop.
+pub(super) struct Session {
+    pub(super) tracker: AckTracker,
+    pub(super) received: Lsn,
+    pub(super) open: Option<TxnId>,
+    /// The publication guard: nothing past its verified LSN is confirmed.
+    pub(super) guard: watch::Receiver<GuardState>,
+    /// The open transaction's commit time, in ms since the Unix epoch.
+    pub(super) open_commit_ms: i64,
+    /// This session's producer sends one record per batch (see
+    /// [`Relay::isolate_until`]); once the slot passes the refused record,
+    /// intake pauses until nothing is in flight, then batching resumes.
+    pub(super) isolating: bool,
+    pub(super) deliveries: FuturesUnordered<futures::future::BoxFuture<'static, Delivery>>,
+    /// Dead letters to send after the current step.
+    pub(super) dead_letters: std::collections::VecDeque<DeadLetterJob>,
+    pub(super) on_poison: OnPoison,
+    pub(super) dead_letter_topic: String,
+    /// The flush position last reported to PostgreSQL, and when.
+    pub(super) reported_flush: Lsn,
+    pub(super) last_status: Instant,
+    /// How often status updates go out, also while a step waits.
+    pub(super) status_every: Duration,
+    /// Acknowledged events and retired transactions not yet added to the counters.
+    pub(super) acked: u64,
+    pub(super) retired: u64,
+    pub(super) last_ack: Option<std::time::Instant>,
+    /// How sent records become durable (the delivery mode).
+    pub(super) durability: Durability,
+    /// The open PostgreSQL transaction is in Kafka already (exactly-once,
+    /// at or below the progress record): its rows are not sent again.
+    pub(super) skipping: bool,
+    /// PostgreSQL transactions skipped so, not yet added to the counter.
+    pub(super) skipped: u64,
+}
+
+/// Microseconds since the Unix epoch.
+pub(super) fn now_micros() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
+        .unwrap_or(0)
+}
+
+/// Shortest gap between status updates sent because the flush position moved.
+pub(super) const EAGER_CONFIRM: Duration = Duration::from_millis(100);
+
+impl Session {
+    /// What may be confirmed: acknowledged (the tracker) and proven to
+    /// have reached outboxd if it was an outbox row (the guard).
+    pub(super) fn confirmable(&self) -> Lsn {
+        self.tracker.flushed().min(self.guard.borrow().verified())
+    }
+
+    /// What a status update sent during a wait reports, and how often.
+    pub(super) fn beat(&self) -> (Lsn, Lsn, Duration) {
+        (self.received, self.confirmable(), self.status_every)
+    }
+
+    /// Reports write = received and flush = apply = the confirmable LSN.
+    pub(super) async fn send_status(
+        &mut self,
+        stream: &mut OutboxStream,
+        reply_requested: bool,
+    ) -> Result<(), PgError> {
+        let flushed = self.confirmable();
+        stream
+            .send_status(self.received, flushed, reply_requested)
+            .await?;
+        self.reported_flush = flushed;
+        self.last_status = Instant::now();
+        Ok(())
+    }
+
+    /// Applies an acknowledgement, and times every transaction it retires.
+    /// Applies an acknowledgement, and times every transaction it retires.
+    /// A record the broker refuses for good becomes a dead letter (or
+    /// stops the relay, per `routing.on_poison`).
+    pub(super) fn delivered(
+        &mut self,
+        metrics: &Metrics,
+        (txn, lsn, sent, result): Delivery,
+    ) -> Result<(), RelayError> {
+        let (e, msg) = match result {
+            Ok(Ok(_delivery)) => {
+                if let Sent::DeadLetter { reason, .. } = sent {
+                    metrics.dead_letters.with_label_values(&[reason]).inc();
+                }
+                if self.last_ack.is_none() {
+                    tracing::debug!(%lsn, "first acknowledgement of the session");
+                }
+                self.last_ack = Some(std::time::Instant::now());
+                if sent == Sent::Progress {
+                    return Ok(());
+                }
+                self.acked += self.durability.acked(&mut self.tracker, txn);
+                self.observe_retired(metrics);
+                return Ok(());
+            }
+            Ok(Err(failed)) => failed,
+            Err(_) => return Err(KafkaSinkError::Canceled.into()),
+        };
+        let topic = rdkafka::message::Message::topic(&msg).to_owned();
+        let in_transaction = !matches!(self.durability, Durability::AtLeastOnce);
+        match (sent, Refusal::of(&e)) {
+            (_, Refusal::Transient) | (Sent::Progress, _) => {
+                Err(KafkaSinkError::Delivery { topic, source: e }.into())
+            }
+            (_, Refusal::Denied) => Err(RelayError::KafkaDenied { topic, source: e }),
+            (Sent::DeadLetter { stub: true, .. }, Refusal::Record { .. }) => {
+                Err(RelayError::DeadLetterFailed(e.to_string()))
+            }
+            // Inside a Kafka transaction a refusal dooms the whole
+            // transaction: it is aborted, and the replay sets the record
+            // aside (see `exactly_once::Refused`).
+            (Sent::DeadLetter { reason, .. }, Refusal::Record { .. }) if in_transaction => {
+                Err(RelayError::RefusedInTransaction {
+                    lsn,
+                    refused: Refused {
+                        reason,
+                        error: e.to_string(),
+                        topic,
+                        omit_payload: false,
+                        stub: true,
+                    },
+                })
+            }
+            (Sent::Event, Refusal::Record { reason, omit_payload }) if in_transaction && self.isolating => {
+                Err(RelayError::RefusedInTransaction {
+                    lsn,
+                    refused: Refused {
+                        reason,
+                        error: e.to_string(),
+                        topic,
+                        omit_payload,
+                        stub: false,
+                    },
+                })
+            }
+            // Even the dead letter is too much for Kafka (a huge key or
+            // headers): send its stub, which names the row and the reason.
+            (Sent::DeadLetter { reason, stub: false }, Refusal::Record { .. }) => {
+                tracing::warn!(%lsn, error = %e, "Kafka refused a dead letter; sending its stub (id, reason, sizes) instead");
+                self.dead_letters.push_back(DeadLetterJob {
+                    txn,
+                    lsn,
+                    record: dead_letter_stub(&record_from_message(&msg), &e.to_string()),
+                    counted: true,
+                    reason,
+                    stub: true,
+                });
+                Ok(())
+            }
+            // Kafka refuses whole batches: the record may only have shared
+            // one with the record Kafka refuses. Find out, one per batch.
+            (Sent::Event, Refusal::Record { .. }) if !self.isolating => Err(RelayError::BatchRefused {
+                lsn,
+                topic,
+                source: e,
+            }),
+            (Sent::Event, Refusal::Record { reason, omit_payload }) => {
+                let record = record_from_message(&msg);
+                if self.on_poison == OnPoison::Stop {
+                    let id = record.header_text(crate::routing::header::ID);
+                    return Err(RelayError::Poison {
+                        id,
+                        lsn,
+                        error: format!("Kafka refused it for topic {topic:?}: {e}"),
+                    });
+                }
+                let poison = Poison {
+                    reason,
+                    error: e.to_string(),
+                    lsn,
+                    intended_topic: Some(topic),
+                    omit_payload,
+                };
+                tracing::warn!(%lsn, error = %e, "Kafka refused a record for good; sending it to the dead-letter topic");
+                let record = dead_letter_for_record(record, &poison, &self.dead_letter_topic);
+                self.dead_letters.push_back(DeadLetterJob {
+                    txn,
+                    lsn,
+                    record,
+                    counted: true,
+                    reason,
+                    stub: false,
+                });
+                Ok(())
+            }
+        }
+    }
+
+    /// A row that cannot be read as an event: a dead letter, or a stop.
+    pub(super) fn unreadable_row(
+        &mut self,
+        txn: TxnId,
+        row: &UnreadableRow,
+        lsn: Lsn,
+    ) -> Result<(), RelayError> {
+        if self.on_poison == OnPoison::Stop {
+            return Err(RelayError::Poison {
+                id: row.id.clone(),
+                lsn,
+                error: row.error.to_string(),
+            });
+        }
+        let poison = Poison {
+            reason: "unreadable",
+            error: row.error.to_string(),
+            lsn,
+            intended_topic: None,
+            omit_payload: false,
+        };
+        tracing::warn!(id = %row.id, %lsn, error = %row.error,
+            "outbox row cannot be read as an event; sending it to the dead-letter topic");
+        self.dead_letters.push_back(DeadLetterJob {
+            txn,
+            lsn,
+            record: dead_letter_for_unreadable(row, &poison, &self.dead_letter_topic),
+            counted: false,
+            reason: poison.reason,
+            stub: false,
+        });
+        Ok(())
+    }
+
+    /// A row that can never be published: a dead letter, or a stop.
+    pub(super) fn poison_row(
+        &mut self,
+        txn: TxnId,
+        row: &OutboxRow,
+        poison: Poison,
+    ) -> Result<(), RelayError> {
+        if self.on_poison == OnPoison::Stop {
+            return Err(RelayError::Poison {
+                id: row.id.to_string(),
+                lsn: poison.lsn,
+                error: poison.error,
+            });
+        }
+        tracing::warn!(id = %row.id, lsn = %poison.lsn, reason = poison.reason, error = %poison.error,
+            "outbox row can never be published; sending it to the dead-letter topic");
+        let record = dead_letter_for_row(row, &poison, &self.dead_letter_topic);
+        self.dead_letters.push_back(DeadLetterJob {
+            txn,
+            lsn: poison.lsn,
+            record,
+            counted: false,
+            reason: poison.reason,
+            stub: false,
+        });
+        Ok(())
+    }
+
+    pub(super) fn observe_retired(&mut self, metrics: &Metrics) {
+        let mut now = None;
+        for (commit_time, had_events) in self.tracker.drain_retired() {
+            self.retired += 1;
+            if had_events {
+                let now = *now.get_or_insert_with(now_micros);
+                metrics
+                    .commit_to_ack_seconds
+                    .observe(now.saturating_sub(commit_time).max(0) as f64 / 1e6);
+            }
+        }
+    }
+}

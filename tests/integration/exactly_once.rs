@@ -1,0 +1,581 @@
+//! Exactly-once delivery (`kafka.delivery = "exactly-once"`) on Apache
+//! Kafka: the progress record, skipping what it covers, fencing a zombie,
+//! and SIGKILLs at random points, all read by `read_committed` consumers.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use outboxd::config::KafkaConfig;
+use outboxd::exactly_once::{read_progress, ProgressRecord, PROGRESS_VERSION};
+use outboxd::Lsn;
+use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
+use serde_json::json;
+use uuid::Uuid;
+
+use crate::harness::broker::{broker, consume, consume_uncommitted, Consumed};
+use crate::harness::{wait_for, TestDb};
+use crate::relay::{
+    config_text, confirmed_flush, current_lsn, env_usize, expected_order, insert_batch, spawn_relay,
+    spawn_relay_with_slot, stop_relay, write_config, Daemon, Event,
+};
+
+/// A config in exactly-once mode: topics `<prefix>.<aggregate type>`, the
+/// progress in `<prefix>.progress`.
+pub(crate) fn eo_config(db_url: &str, slot: &str, brokers: &str, prefix: &str, kafka_extra: &str) -> String {
+    eo_config_with(db_url, slot, brokers, prefix, kafka_extra, "")
+}
+
+/// As [`eo_config`], with `eo_extra` in `[kafka.exactly_once]`.
+pub(crate) fn eo_config_with(
+    db_url: &str,
+    slot: &str,
+    brokers: &str,
+    prefix: &str,
+    kafka_extra: &str,
+    eo_extra: &str,
+) -> String {
+    config_text(
+        db_url,
+        slot,
+        brokers,
+        &format!("topic = \"{prefix}.{{aggregate_type}}\""),
+        &format!(
+            "delivery = \"exactly-once\"\n{kafka_extra}\n[kafka.exactly_once]\nprogress_topic = \"{prefix}.progress\"\n{eo_extra}\n"
+        ),
+    )
+}
+
+/// One written transaction: its events, its xid, and WAL insert positions
+/// read before it began and after it committed.
+#[derive(Clone, Debug)]
+pub(crate) struct Written {
+    pub(crate) events: Vec<Event>,
+    pub(crate) xid: String,
+    pub(crate) before: Lsn,
+    pub(crate) after: Lsn,
+}
+
+/// `txns` transactions of `per_txn` events over `aggregates` aggregates.
+pub(crate) async fn write_txns(
+    client: &tokio_postgres::Client,
+    tag: &str,
+    txns: usize,
+    per_txn: usize,
+    aggregates: usize,
+) -> Vec<Written> {
+    let mut out = Vec::new();
+    for t in 0..txns {
+        let events: Vec<Event> = (0..per_txn)
+            .map(|r| Event {
+                id: Uuid::now_v7(),
+                aggregate_type: "Order".to_owned(),
+                aggregate_id: format!("{tag}-agg-{}", (t * per_txn + r) % aggregates),
+                event_type: "eo.v1".to_owned(),
+                payload: json!({"tag": tag, "t": t, "r": r}),
+                txn: t,
+            })
+            .collect();
+        let before = current_lsn(client).await;
+        client.batch_execute("BEGIN").await.unwrap();
+        insert_batch(client, &events).await;
+        let xid: String = client
+            .query_one("SELECT txid_current()::text", &[])
+            .await
+            .unwrap()
+            .get(0);
+        client.batch_execute("COMMIT").await.unwrap();
+        let after = current_lsn(client).await;
+        out.push(Written {
+            events,
+            xid,
+            before,
+            after,
+        });
+    }
+    out
+}
+
+/// The start and end of `txn`'s commit record, from the WAL.
+pub(crate) async fn commit_record(client: &tokio_postgres::Client, txn: &Written) -> (Lsn, Lsn) {
+    client
+        .batch_execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect")
+        .await
+        .unwrap();
+    let row = client
+        .query_one(
+            "SELECT start_lsn::text, end_lsn::text FROM pg_get_wal_records_info($1::text::pg_lsn, $2::text::pg_lsn)
+              WHERE resource_manager = 'Transaction' AND record_type LIKE 'COMMIT%' AND xid::text = $3",
+            &[&txn.before.to_string(), &txn.after.to_string(), &txn.xid],
+        )
+        .await
+        .unwrap();
+    (
+        row.get::<_, String>(0).parse().unwrap(),
+        row.get::<_, String>(1).parse().unwrap(),
+    )
+}
+
+fn kafka_config(brokers: &str) -> KafkaConfig {
+    toml::from_str(&format!("brokers = \"{brokers}\"")).unwrap()
+}
+
+/// The progress record for `slot`, read as outboxd reads it.
+pub(crate) async fn progress(brokers: &str, topic: &str, slot: &str) -> Option<ProgressRecord> {
+    read_progress(&kafka_config(brokers), topic, slot, Duration::from_secs(30))
+        .await
+        .expect("the progress topic reads")
+}
+
+/// This server's system identifier and timeline.
+async fn system(client: &tokio_postgres::Client) -> (String, u32) {
+    let row = client
+        .query_one(
+            "SELECT (SELECT system_identifier::text FROM pg_control_system()),
+                    (SELECT timeline_id FROM pg_control_checkpoint())",
+            &[],
+        )
+        .await
+        .unwrap();
+    (row.get(0), row.get::<_, i32>(1) as u32)
+}
+
+/// Writes a progress record by hand (an ordinary, non-transactional record,
+/// which `read_committed` reads too).
+fn put_progress(brokers: &str, topic: &str, record: &ProgressRecord) {
+    let producer: BaseProducer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create()
+        .unwrap();
+    let value = serde_json::to_vec(record).unwrap();
+    producer
+        .send(BaseRecord::to(topic).key(record.slot.as_str()).payload(&value))
+        .map_err(|(e, _)| e)
+        .unwrap();
+    producer.flush(Duration::from_secs(10)).unwrap();
+}
+
+/// Every record of `topic` visible to `read_committed`, read until `want`
+/// distinct ids are there; then a further read proves nothing else comes.
+async fn committed_ids(brokers: &str, topic: &str, want: usize) -> Vec<Consumed> {
+    let (brokers, topic) = (brokers.to_owned(), topic.to_owned());
+    wait_for("the events, read_committed", Duration::from_secs(120), || {
+        let (brokers, topic) = (brokers.clone(), topic.clone());
+        async move {
+            let recs = tokio::task::spawn_blocking(move || {
+                consume(&brokers, &[&topic], usize::MAX, Duration::from_secs(3))
+            })
+            .await
+            .unwrap();
+            let ids: HashSet<&str> = recs.iter().filter_map(|r| r.header("id")).collect();
+            (ids.len() >= want).then_some(recs)
+        }
+    })
+    .await
+}
+
+fn ids(records: &[Consumed]) -> Vec<Uuid> {
+    records
+        .iter()
+        .map(|r| r.header("id").expect("id header").parse().unwrap())
+        .collect()
+}
+
+/// Asserts that `records` hold each of `events` exactly once, in
+/// per-aggregate order, and nothing else.
+fn assert_exactly_once(records: &[Consumed], events: &[Event]) {
+    let got = ids(records);
+    let unique: HashSet<Uuid> = got.iter().copied().collect();
+    let want: HashSet<Uuid> = events.iter().map(|e| e.id).collect();
+    assert_eq!(unique, want, "every event, nothing foreign");
+    let mut seen = HashSet::new();
+    let dups: Vec<&Uuid> = got.iter().filter(|id| !seen.insert(**id)).collect();
+    assert!(
+        dups.is_empty(),
+        "{} duplicates for read_committed, e.g. {:?}",
+        dups.len(),
+        dups.first()
+    );
+    let mut order: HashMap<String, Vec<Uuid>> = HashMap::new();
+    for r in records {
+        order
+            .entry(r.key.clone())
+            .or_default()
+            .push(r.header("id").unwrap().parse().unwrap());
+    }
+    assert_eq!(order, expected_order(events), "per-aggregate order");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exactly_once_skips_what_the_progress_record_holds_and_confirms_past_it() {
+    let db = TestDb::new("eo_skip").await;
+    let client = db.client().await;
+    let brokers = broker().brokers.clone();
+    let (slot, prefix) = ("eo_skip", "eo-skip");
+    let (topic, progress_topic) = (format!("{prefix}.order"), format!("{prefix}.progress"));
+    let text = eo_config(&db.superuser_url(), slot, &brokers, prefix, "");
+
+    // 1. Streaming: each event once, and the progress record names the
+    // commit of the last transaction exactly.
+    let (handle, stop) = spawn_relay_with_slot(&client, slot, &text).await;
+    let first = write_txns(&client, "a", 50, 4, 7).await;
+    let events: Vec<Event> = first.iter().flat_map(|t| t.events.clone()).collect();
+    let records = committed_ids(&brokers, &topic, events.len()).await;
+    assert_exactly_once(&records, &events);
+    let (last_commit, last_end) = commit_record(&client, first.last().unwrap()).await;
+    let record = wait_for("the last progress record", Duration::from_secs(30), || async {
+        progress(&brokers, &progress_topic, slot)
+            .await
+            .filter(|r| r.commit_lsn().unwrap() >= last_commit)
+    })
+    .await;
+    assert_eq!(record.commit_lsn().unwrap(), last_commit, "{record:?}");
+    assert_eq!(record.end_lsn().unwrap(), last_end);
+    assert_eq!(record.version, PROGRESS_VERSION);
+    let (system_id, timeline) = system(&client).await;
+    assert_eq!(
+        (record.system_id.as_str(), record.timeline),
+        (system_id.as_str(), timeline)
+    );
+    stop_relay(handle, stop).await;
+    let confirmed = confirmed_flush(&client, slot).await.unwrap();
+    assert!(
+        confirmed >= last_end,
+        "a clean stop confirms the last commit: {confirmed} < {last_end}"
+    );
+
+    // 2. A crash between a Kafka commit and the slot's confirmation, made by
+    // hand: the progress record says the first 30 of these transactions are
+    // in Kafka, the slot does not. They must be skipped, and the rest sent.
+    let second = write_txns(&client, "b", 60, 4, 7).await;
+    let (covered_commit, covered_end) = commit_record(&client, &second[29]).await;
+    put_progress(
+        &brokers,
+        &progress_topic,
+        &ProgressRecord {
+            commit_lsn: covered_commit.to_string(),
+            end_lsn: covered_end.to_string(),
+            writer: "by-hand/0".into(),
+            ..record.clone()
+        },
+    );
+    let (handle, stop) = spawn_relay(&text);
+    let sent: Vec<Event> = second[30..].iter().flat_map(|t| t.events.clone()).collect();
+    let all: Vec<Event> = events.iter().chain(sent.iter()).cloned().collect();
+    let records = committed_ids(&brokers, &topic, all.len()).await;
+    let last_after = second.last().unwrap().after;
+    wait_for(
+        "the slot past the last transaction",
+        Duration::from_secs(30),
+        || async { (confirmed_flush(&client, slot).await? >= last_after).then_some(()) },
+    )
+    .await;
+    let records: Vec<Consumed> = {
+        // Read again, now that everything is confirmed: nothing more came.
+        let (b, t) = (brokers.clone(), topic.clone());
+        let again =
+            tokio::task::spawn_blocking(move || consume(&b, &[&t], usize::MAX, Duration::from_secs(3)))
+                .await
+                .unwrap();
+        assert_eq!(
+            again.len(),
+            records.len(),
+            "no record arrived after the slot confirmed"
+        );
+        again
+    };
+    assert_exactly_once(&records, &all);
+    stop_relay(handle, stop).await;
+
+    // 3. A progress record from another PostgreSQL cluster is refused.
+    put_progress(
+        &brokers,
+        &progress_topic,
+        &ProgressRecord {
+            system_id: "1234567890".into(),
+            ..record.clone()
+        },
+    );
+    let (handle, _stop) = spawn_relay(&text);
+    let err = tokio::time::timeout(Duration::from_secs(60), handle)
+        .await
+        .expect("outboxd stops")
+        .unwrap()
+        .expect_err("a foreign progress record stops outboxd");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("1234567890") && msg.contains("reset the progress"),
+        "{msg}"
+    );
+    assert!(!err.is_transient());
+}
+
+/// Every progress record of `topic` visible to `read_committed`, in order.
+fn progress_history(brokers: &str, topic: &str) -> Vec<ProgressRecord> {
+    consume(brokers, &[topic], usize::MAX, Duration::from_secs(3))
+        .iter()
+        .map(|r| ProgressRecord::decode(&r.value).expect("a progress record"))
+        .collect()
+}
+
+/// Torture: 4 writers, 100,000 events, outboxd SIGKILLed at 20 random
+/// points (in the suite; `OUTBOXD_EO_TORTURE_EVENTS` and
+/// `OUTBOXD_EO_TORTURE_KILLS` change them). A `read_committed` consumer
+/// must see every event exactly once, in per-aggregate order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exactly_once_survives_sigkills_with_each_event_read_once() {
+    const WRITERS: usize = 4;
+    const PER_TXN: usize = 10;
+    let total = env_usize("OUTBOXD_EO_TORTURE_EVENTS", 100_000);
+    let kills = env_usize("OUTBOXD_EO_TORTURE_KILLS", 20);
+    let txns_per_writer = total / WRITERS / PER_TXN;
+    let db = TestDb::new("eo_torture").await;
+    let client = db.client().await;
+    let brokers = broker().brokers.clone();
+    let dir = tempfile::tempdir().unwrap();
+    let (slot, prefix) = ("eo_torture", "eo-torture");
+    let cfg = write_config(
+        dir.path(),
+        "eo.toml",
+        &eo_config(&db.superuser_url(), slot, &brokers, prefix, "max_inflight = 2000"),
+    );
+    let log = dir.path().join("outboxd.log");
+    let level = "warn,outboxd::pipeline=info";
+    let mut daemon = Daemon::start_logging(&cfg, &log, level);
+    wait_for("the slot", Duration::from_secs(30), || async {
+        confirmed_flush(&client, slot).await
+    })
+    .await;
+
+    let started = std::time::Instant::now();
+    let mut writers = Vec::new();
+    for w in 0..WRITERS {
+        let client = db.client().await;
+        writers.push(tokio::spawn(async move {
+            let mut all = Vec::new();
+            for t in 0..txns_per_writer {
+                let batch: Vec<Event> = (0..PER_TXN)
+                    .map(|r| Event {
+                        id: Uuid::now_v7(),
+                        aggregate_type: "Order".to_owned(),
+                        aggregate_id: format!("w{w}-agg-{}", (t * PER_TXN + r) % 25),
+                        event_type: "torture.v1".to_owned(),
+                        payload: json!({"w": w, "t": t, "r": r}),
+                        txn: t,
+                    })
+                    .collect();
+                insert_batch(&client, &batch).await;
+                all.extend(batch);
+            }
+            all
+        }));
+    }
+    let mut rng = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
+        | 1;
+    for _ in 0..kills {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        tokio::time::sleep(Duration::from_millis(150 + rng % 900)).await;
+        daemon.kill9();
+        daemon.restart_logging(level);
+    }
+    let mut events = Vec::new();
+    for w in writers {
+        events.extend(w.await.unwrap());
+    }
+    let written_in = started.elapsed();
+    assert_eq!(events.len(), txns_per_writer * WRITERS * PER_TXN);
+    let topic = format!("{prefix}.order");
+    let records = committed_ids(&brokers, &topic, events.len()).await;
+    let last = current_lsn(&client).await;
+    wait_for(
+        "the slot to confirm everything",
+        Duration::from_secs(60),
+        || async { (confirmed_flush(&client, slot).await? >= last).then_some(()) },
+    )
+    .await;
+    let status = daemon.sigterm();
+    assert!(status.success(), "SIGTERM exits 0: {status}");
+    let (b, t) = (brokers.clone(), topic.clone());
+    let records_after =
+        tokio::task::spawn_blocking(move || consume(&b, &[&t], usize::MAX, Duration::from_secs(3)))
+            .await
+            .unwrap();
+    assert_eq!(records_after.len(), records.len(), "nothing more arrived");
+    assert_exactly_once(&records_after, &events);
+
+    // What the kills hit. read_uncommitted also sees aborted transactions:
+    // the records a kill left in an open transaction, sent again after it.
+    let (b, t) = (brokers.clone(), topic.clone());
+    let uncommitted = tokio::task::spawn_blocking(move || {
+        consume_uncommitted(&b, &[&t], usize::MAX, Duration::from_secs(3))
+    })
+    .await
+    .unwrap();
+    let text = std::fs::read_to_string(&log).unwrap();
+    let ahead = text.matches("skipping them").count();
+    eprintln!(
+        "exactly-once torture: {WRITERS} writers, {} events written in {written_in:?}, {kills} SIGKILLs; \
+         read_committed: {} records, 0 duplicates; read_uncommitted: {} records ({} from aborted transactions); \
+         {ahead} of {} restarts found the progress record ahead of the slot (killed between a Kafka commit and its confirmation)",
+        events.len(),
+        records_after.len(),
+        uncommitted.len(),
+        uncommitted.len() - records_after.len(),
+        kills
+    );
+    assert!(
+        uncommitted.len() > records_after.len(),
+        "no kill left an open Kafka transaction behind: the test did not test what it claims"
+    );
+    assert!(
+        ahead > 0,
+        "no restart found the progress record ahead of the slot: the skip path was not exercised"
+    );
+    // The progress history only moves forward.
+    let history = progress_history(&brokers, &format!("{prefix}.progress"));
+    let lsns: Vec<Lsn> = history.iter().map(|r| r.commit_lsn().unwrap()).collect();
+    assert!(
+        lsns.windows(2).all(|w| w[0] < w[1]),
+        "progress records go forward"
+    );
+}
+
+/// A zombie: outboxd A freezes (SIGSTOP) inside a Kafka transaction and
+/// loses its leader lock; B takes the lock and starts with the same
+/// transactional.id, which fences A at the broker. A's replication
+/// connection stays up, so on waking A goes on as if nothing happened and
+/// tries to commit: the broker must refuse, and A must stop streaming.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fenced_zombie_never_commits_after_its_successor_starts() {
+    let db = TestDb::new("eo_fence").await;
+    let client = db.client().await;
+    let brokers = broker().brokers.clone();
+    let dir = tempfile::tempdir().unwrap();
+    let (slot, prefix) = ("eo_fence", "eo-fence");
+    // Long-lived Kafka transactions, so that A is frozen inside one.
+    let text = eo_config_with(
+        &db.superuser_url(),
+        slot,
+        &brokers,
+        prefix,
+        "",
+        "max_wait = \"400ms\"\nmax_events = 100000",
+    );
+    let cfg = write_config(dir.path(), "eo.toml", &text);
+    let level = "warn,outboxd::pipeline=info";
+    let a = Daemon::start_logging(&cfg, &dir.path().join("a.log"), level);
+    wait_for("the slot", Duration::from_secs(30), || async {
+        confirmed_flush(&client, slot).await
+    })
+    .await;
+    let (stop_writing, mut stopped) = tokio::sync::watch::channel(false);
+    let writer = {
+        let client = db.client().await;
+        tokio::spawn(async move {
+            let mut all = Vec::new();
+            let mut t = 0;
+            while !*stopped.borrow_and_update() {
+                let batch: Vec<Event> = (0..5)
+                    .map(|r| Event {
+                        id: Uuid::now_v7(),
+                        aggregate_type: "Order".to_owned(),
+                        aggregate_id: format!("agg-{}", (t * 5 + r) % 9),
+                        event_type: "fence.v1".to_owned(),
+                        payload: json!({"t": t, "r": r}),
+                        txn: t,
+                    })
+                    .collect();
+                insert_batch(&client, &batch).await;
+                all.extend(batch);
+                t += 1;
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            all
+        })
+    };
+    let a_writer = format!("{}/{}", hostname(), a.pid());
+    let progress_topic = format!("{prefix}.progress");
+    let history = |brokers: String, topic: String| async move {
+        tokio::task::spawn_blocking(move || progress_history(&brokers, &topic))
+            .await
+            .unwrap()
+    };
+    wait_for("A to commit", Duration::from_secs(60), || {
+        let (history, a_writer) = (history(brokers.clone(), progress_topic.clone()), a_writer.clone());
+        async move { history.await.iter().any(|r| r.writer == a_writer).then_some(()) }
+    })
+    .await;
+    // Into the next Kafka transaction (each lasts max_wait = 400 ms).
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    a.signal("STOP");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let a_commits = history(brokers.clone(), progress_topic.clone())
+        .await
+        .iter()
+        .filter(|r| r.writer == a_writer)
+        .count();
+    // A's leader lock goes; its walsender stays, so B cannot stream until A
+    // lets go of the slot, but B's start fences A's transactional.id.
+    let terminated: i64 = client
+        .query_one(
+            "SELECT count(pg_terminate_backend(l.pid)) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
+              WHERE l.locktype = 'advisory' AND l.granted AND a.datname = current_database()",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(terminated, 1, "A's leader lock session");
+    let b = Daemon::start_logging(&cfg, &dir.path().join("b.log"), level);
+    let b_writer = format!("{}/{}", hostname(), b.pid());
+    wait_for("B to fence A", Duration::from_secs(60), || async {
+        let log = std::fs::read_to_string(dir.path().join("b.log")).unwrap_or_default();
+        log.contains("progress record").then_some(())
+    })
+    .await;
+    a.signal("CONT");
+    wait_for("B to commit", Duration::from_secs(60), || {
+        let (history, b_writer) = (history(brokers.clone(), progress_topic.clone()), b_writer.clone());
+        async move { history.await.iter().any(|r| r.writer == b_writer).then_some(()) }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop_writing.send(true).unwrap();
+    let events = writer.await.unwrap();
+    let topic = format!("{prefix}.order");
+    committed_ids(&brokers, &topic, events.len()).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (bk, t) = (brokers.clone(), topic.clone());
+    let records =
+        tokio::task::spawn_blocking(move || consume(&bk, &[&t], usize::MAX, Duration::from_secs(3)))
+            .await
+            .unwrap();
+    assert_exactly_once(&records, &events);
+
+    let after = history(brokers.clone(), progress_topic.clone()).await;
+    let a_total = after.iter().filter(|r| r.writer == a_writer).count();
+    assert_eq!(a_total, a_commits, "the zombie committed after it was fenced");
+    let a_log = std::fs::read_to_string(dir.path().join("a.log")).unwrap();
+    assert!(
+        a_log.contains("took over"),
+        "A was told by the broker that it is fenced; A's log:\n{a_log}"
+    );
+    eprintln!(
+        "fencing: A {a_writer} froze after {a_commits} commits; B {b_writer} started with the same transactional.id; \
+         A woke, its commit was refused (fenced), and it committed nothing more; {} events each read once",
+        events.len()
+    );
+    assert!(b.sigterm().success());
+    assert!(a.sigterm().success(), "A (a standby by now) stops cleanly");
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .unwrap_or_default()
+        .trim()
+        .to_owned()
+}
