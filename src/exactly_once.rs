@@ -204,6 +204,30 @@ pub async fn read_progress(
         .map_err(|_| ProgressError::Kafka(KafkaError::Canceled))?
 }
 
+/// Writes a tombstone for `slot` to the progress topic: the next start
+/// publishes from the slot's confirmed LSN. Call it only with outboxd
+/// stopped.
+pub async fn reset_progress(
+    cfg: &KafkaConfig,
+    topic: &str,
+    slot: &str,
+    timeout: Duration,
+) -> Result<(), KafkaError> {
+    use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
+    let mut config = crate::kafka::client_config(cfg);
+    config.set("client.id", "outboxd-progress-reset");
+    let (topic, slot) = (topic.to_owned(), slot.to_owned());
+    tokio::task::spawn_blocking(move || {
+        let producer: BaseProducer = config.create()?;
+        producer
+            .send(BaseRecord::<str, [u8]>::to(&topic).key(slot.as_str()))
+            .map_err(|(e, _)| e)?;
+        producer.flush(timeout)
+    })
+    .await
+    .map_err(|_| KafkaError::Canceled)?
+}
+
 /// Offsets read per partition at first, from the end backwards; each miss
 /// reads eight times further back. A compacted topic holds one record per
 /// slot, but compaction lags, so the tail is where the answer is.

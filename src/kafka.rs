@@ -221,6 +221,23 @@ fn producer_config(cfg: &KafkaConfig, kind: &SinkKind) -> ClientConfig {
 /// back, unless a restart's `init_transactions` aborts it sooner.
 const DEFAULT_TRANSACTION_TIMEOUT_MS: &str = "60000";
 
+/// What a failed transactional call of producer `id` means.
+fn transaction_error(id: &str, op: &'static str, source: KafkaError) -> KafkaSinkError {
+    let id = id.to_owned();
+    match source.rdkafka_error_code() {
+        Some(
+            RDKafkaErrorCode::Fenced
+            | RDKafkaErrorCode::ProducerFenced
+            | RDKafkaErrorCode::InvalidProducerEpoch,
+        ) => KafkaSinkError::Fenced { id, source },
+        Some(
+            RDKafkaErrorCode::TransactionalIdAuthorizationFailed
+            | RDKafkaErrorCode::ClusterAuthorizationFailed,
+        ) => KafkaSinkError::TransactionDenied { id, source },
+        _ => KafkaSinkError::Transaction { op, source },
+    }
+}
+
 /// What kind of producer a sink has.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SinkKind {
@@ -342,19 +359,7 @@ impl KafkaSink {
 
     /// What a failed transactional call means.
     fn transaction_error(&self, op: &'static str, source: KafkaError) -> KafkaSinkError {
-        let id = self.transactional_id.clone().unwrap_or_default();
-        match source.rdkafka_error_code() {
-            Some(
-                RDKafkaErrorCode::Fenced
-                | RDKafkaErrorCode::ProducerFenced
-                | RDKafkaErrorCode::InvalidProducerEpoch,
-            ) => KafkaSinkError::Fenced { id, source },
-            Some(
-                RDKafkaErrorCode::TransactionalIdAuthorizationFailed
-                | RDKafkaErrorCode::ClusterAuthorizationFailed,
-            ) => KafkaSinkError::TransactionDenied { id, source },
-            _ => KafkaSinkError::Transaction { op, source },
-        }
+        transaction_error(self.transactional_id.as_deref().unwrap_or_default(), op, source)
     }
 
     /// Registers the transactional producer with its coordinator. This
@@ -410,6 +415,24 @@ impl KafkaSink {
         // commit ends the session and the producer with it.
         self.in_transaction = false;
         result.map_err(|e| self.transaction_error("commit", e))
+    }
+
+    /// Records and events librdkafka still holds (`rd_kafka_outq_len`).
+    pub fn in_flight(&self) -> i32 {
+        self.producer.in_flight_count()
+    }
+
+    /// Starts committing the open Kafka transaction in the background (see
+    /// [`KafkaSink::commit_transaction`]); the handle yields the outcome.
+    pub fn start_commit(&mut self, timeout: Duration) -> tokio::task::JoinHandle<Result<(), KafkaSinkError>> {
+        let producer = self.producer.clone();
+        let id = self.transactional_id.clone().unwrap_or_default();
+        self.in_transaction = false;
+        tokio::task::spawn_blocking(move || {
+            producer
+                .commit_transaction(timeout)
+                .map_err(|e| transaction_error(&id, "commit", e))
+        })
     }
 
     /// Aborts the open Kafka transaction, if any: its records are never

@@ -43,6 +43,16 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Exactly-once: show the progress record of the slot (what Kafka holds), or reset it.
+    Progress {
+        /// The TOML configuration file.
+        #[arg(short, long, env = "OUTBOXD_CONFIG")]
+        config: PathBuf,
+        /// Write a tombstone for the slot, so that the next start publishes
+        /// from the slot's confirmed LSN. Refused while the slot is active.
+        #[arg(long)]
+        reset: bool,
+    },
     /// Apply the shipped migrations (outbox, event store, orders) once each, in order.
     Migrate {
         /// The TOML configuration file.
@@ -186,6 +196,66 @@ async fn sql_client(
     }
 }
 
+async fn progress(path: PathBuf, reset: bool) -> ExitCode {
+    let (config, validated) = match load(&path) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    let (kafka, eo) = (&config.kafka, &config.kafka.exactly_once);
+    let slot = validated.slot.as_str();
+    let timeout = kafka.admin_timeout.0;
+    match outboxd::exactly_once::read_progress(kafka, &eo.progress_topic, slot, timeout).await {
+        Ok(Some(record)) => match serde_json::to_string_pretty(&record) {
+            Ok(text) => println!("{text}"),
+            Err(e) => eprintln!("outboxd: {e}"),
+        },
+        Ok(None) => println!("no progress record for slot {slot:?} in {:?}", eo.progress_topic),
+        Err(e) => {
+            eprintln!("outboxd: {e}");
+            return ExitCode::FAILURE;
+        }
+    }
+    if !reset {
+        return ExitCode::SUCCESS;
+    }
+    // Only with outboxd stopped: a running one would go on from its own
+    // position and write a new record at its next commit anyway.
+    let active = match outboxd::pg::admin::connect(&validated.pg).await {
+        Ok(client) => client
+            .query_opt(
+                "SELECT active FROM pg_catalog.pg_replication_slots WHERE slot_name = $1",
+                &[&slot],
+            )
+            .await
+            .map(|row| row.is_some_and(|r| r.get::<_, bool>(0))),
+        Err(e) => {
+            eprintln!("outboxd: cannot check that the slot is idle, so the progress is left as it is: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match active {
+        Ok(false) => {}
+        Ok(true) => {
+            eprintln!("outboxd: slot {slot:?} is active: stop outboxd before resetting its progress");
+            return ExitCode::FAILURE;
+        }
+        Err(e) => {
+            eprintln!("outboxd: cannot read the slot: {e}");
+            return ExitCode::FAILURE;
+        }
+    }
+    match outboxd::exactly_once::reset_progress(kafka, &eo.progress_topic, slot, timeout).await {
+        Ok(()) => {
+            println!("reset: the next start publishes from the slot's confirmed LSN");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("outboxd: the reset failed: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 async fn status(path: PathBuf, json: bool) -> ExitCode {
     let (config, validated) = match load(&path) {
         Ok(c) => c,
@@ -288,6 +358,7 @@ fn main() -> ExitCode {
             Command::Check { config, config_only } => check(config, config_only).await,
             Command::Status { config, json } => status(config, json).await,
             Command::Migrate { config } => migrate(config).await,
+            Command::Progress { config, reset } => progress(config, reset).await,
             Command::Retention {
                 config,
                 older_than,

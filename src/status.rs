@@ -44,6 +44,11 @@ pub struct StatusReport {
     pub outboxd_error: Option<String>,
     pub kafka_reachable: bool,
     pub kafka_error: Option<String>,
+    /// Exactly-once: the last committed progress record, read from Kafka
+    /// with `read_committed` (`None` in at-least-once mode or when there
+    /// is none).
+    pub progress: Option<crate::exactly_once::ProgressRecord>,
+    pub progress_error: Option<String>,
 }
 
 /// The status could not be read at all.
@@ -112,6 +117,8 @@ pub async fn gather(config: &Config, v: &Validated) -> Result<StatusReport, Stat
         outboxd_error: None,
         kafka_reachable: false,
         kafka_error: None,
+        progress: None,
+        progress_error: None,
     };
     let bytes = |v: Option<i64>| v.and_then(|b| u64::try_from(b).ok());
     if let Some(row) = &row {
@@ -148,6 +155,20 @@ pub async fn gather(config: &Config, v: &Validated) -> Result<StatusReport, Stat
             Err(e) => r.kafka_error = Some(e.to_string()),
         },
         Err(e) => r.kafka_error = Some(e.to_string()),
+    }
+    if v.transactional_id.is_some() && r.kafka_reachable {
+        let (kafka, eo) = (&config.kafka, &config.kafka.exactly_once);
+        match crate::exactly_once::read_progress(
+            kafka,
+            &eo.progress_topic,
+            v.slot.as_str(),
+            kafka.admin_timeout.0,
+        )
+        .await
+        {
+            Ok(p) => r.progress = p,
+            Err(e) => r.progress_error = Some(e.to_string()),
+        }
     }
     Ok(r)
 }
@@ -259,6 +280,28 @@ impl StatusReport {
             Some(e) => format!("UNREACHABLE: {e}"),
         };
         let _ = writeln!(o, "kafka           {kafka}");
+        match (&self.progress, &self.progress_error) {
+            (Some(p), _) => {
+                let _ = writeln!(
+                    o,
+                    "progress        {} (commit {}, by {} at {})",
+                    p.commit_lsn, p.commit_time, p.writer, p.written_at
+                );
+            }
+            (None, Some(e)) => {
+                let _ = writeln!(o, "progress        UNREADABLE: {e}");
+            }
+            (None, None) => {}
+        }
+        if let Some(s) = &self.outboxd {
+            if s.kafka_transactions_committed + s.kafka_transactions_aborted > 0 {
+                let _ = writeln!(
+                    o,
+                    "kafka txns      {} committed, {} aborted",
+                    s.kafka_transactions_committed, s.kafka_transactions_aborted
+                );
+            }
+        }
         o
     }
 }

@@ -49,7 +49,10 @@ use std::time::{Duration, Instant};
 
 use harness::broker::{create_topics_with, dedicated as dedicated_broker};
 use harness::postgres::{dedicated, PgServer};
-use measure::{ack_histogram, histogram_quantile, median, percentile, scrape, started_at, unix_now, usage};
+use measure::{
+    ack_histogram, commit_histogram, histogram_quantile, median, percentile, scrape, started_at, unix_now,
+    usage,
+};
 use outboxd::Lsn;
 use relays::{Kind, Running, Setting};
 use serde_json::{json, Value};
@@ -64,6 +67,7 @@ struct Args {
     startup_rounds: usize,
     warmup_secs: u64,
     debezium: bool,
+    exactly_once: bool,
     outboxd_kafka: Vec<String>,
 }
 
@@ -75,6 +79,7 @@ fn args() -> Args {
         startup_rounds: 3,
         warmup_secs: 10,
         debezium: true,
+        exactly_once: true,
         outboxd_kafka: Vec::new(),
     };
     let argv: Vec<String> = std::env::args().collect();
@@ -92,6 +97,7 @@ fn args() -> Args {
             "--startup-rounds" => a.startup_rounds = value().max(1),
             "--warmup-secs" => a.warmup_secs = value() as u64,
             "--skip-debezium" => a.debezium = false,
+            "--skip-exactly-once" => a.exactly_once = false,
             "--outboxd-kafka" => {
                 a.outboxd_kafka.push(
                     argv.get(i + 1)
@@ -589,6 +595,9 @@ async fn main() {
         outboxd_kafka: a.outboxd_kafka.clone(),
     };
     let mut kinds = vec![Kind::Outboxd];
+    if a.exactly_once {
+        kinds.push(Kind::OutboxdExactlyOnce);
+    }
     if a.debezium {
         kinds.push(Kind::Debezium);
     }
@@ -660,6 +669,7 @@ async fn main() {
             startup,
         });
     }
+    let fig = |k: Kind| kinds.iter().position(|x| *x == k).map(|i| &figures[i]);
     let o = &figures[0];
     let hist = ack_histogram(&o.latency.metrics);
     let ack_p50 = histogram_quantile(&hist, 0.5) * 1000.0;
@@ -682,7 +692,23 @@ async fn main() {
                     "commit_to_log_append_ms": o.latency.json()["commit_to_log_append_ms"]},
         "startup": o.startup_json(),
     });
-    if let Some(d) = figures.get(1) {
+    if let Some(e) = fig(Kind::OutboxdExactlyOnce) {
+        results["exactly_once"] = e.json(n);
+        results["vs_at_least_once"] = json!({
+            "events": n,
+            "at_least_once_drain_events_per_s": o.drain.rate(n), "exactly_once_drain_events_per_s": e.drain.rate(n),
+            "drain_ratio": e.drain.rate(n) / o.drain.rate(n),
+            "at_least_once_p99_ms": o.latency.p(0.99), "exactly_once_p99_ms": e.latency.p(0.99),
+            "at_least_once_p50_ms": o.latency.p(0.5), "exactly_once_p50_ms": e.latency.p(0.5),
+            "exactly_once_kafka_commit_ms": {
+                "p50": histogram_quantile(&commit_histogram(&e.latency.metrics), 0.5) * 1000.0,
+                "p99": histogram_quantile(&commit_histogram(&e.latency.metrics), 0.99) * 1000.0,
+            },
+            "at_least_once_peak_rss_mib": o.drain.rss_mib, "exactly_once_peak_rss_mib": e.drain.rss_mib,
+            "at_least_once_cpu_s_per_100k": o.drain.cpu_per_100k(n), "exactly_once_cpu_s_per_100k": e.drain.cpu_per_100k(n),
+        });
+    }
+    if let Some(d) = fig(Kind::Debezium) {
         results["debezium"] = d.json(n);
         results["debezium"]["version"] = json!(harness::debezium::version());
         results["debezium"]["connector_tuning"] = json!(relays::DEBEZIUM_TUNING);
@@ -754,10 +780,55 @@ async fn main() {
         o.startup_median(|r| r.consumed_s) * 1000.0,
         o.startup.len()
     );
-    if let Some(d) = figures.get(1) {
+    if let Some(e) = fig(Kind::OutboxdExactlyOnce) {
+        exactly_once_beside(n, o, e);
+    }
+    if let Some(d) = fig(Kind::Debezium) {
         side_by_side(n, o, d);
     }
     broker.kill();
+}
+
+/// outboxd's exactly-once delivery beside its at-least-once delivery, on
+/// the same backlog and the same load.
+fn exactly_once_beside(n: usize, o: &Figures, e: &Figures) {
+    println!();
+    println!("| outboxd: exactly-once vs at-least-once | at-least-once | exactly-once | ratio | goal |");
+    println!("|---|---|---|---|---|");
+    let drain = e.drain.rate(n) / o.drain.rate(n);
+    println!(
+        "| drain of {n} events | {:.0} events/s | {:.0} events/s | {drain:.2}× | ≥ 0.7× {} |",
+        o.drain.rate(n),
+        e.drain.rate(n),
+        if drain >= 0.7 { "✅" } else { "❌" }
+    );
+    let p99 = e.latency.p(0.99);
+    println!(
+        "| commit → consumed p99 (read_committed) at {:.0}/s | {:.1} ms | {p99:.1} ms | | ≤ 50 ms {} |",
+        e.latency.achieved,
+        o.latency.p(0.99),
+        if p99 <= 50.0 { "✅" } else { "❌" }
+    );
+    println!(
+        "| commit → consumed p50 | {:.1} ms | {:.1} ms | | |",
+        o.latency.p(0.5),
+        e.latency.p(0.5)
+    );
+    let commits = commit_histogram(&e.latency.metrics);
+    println!(
+        "| Kafka commit (progress record → committed), p50 / p99 | | {:.1} / {:.1} ms | | |",
+        histogram_quantile(&commits, 0.5) * 1000.0,
+        histogram_quantile(&commits, 0.99) * 1000.0
+    );
+    println!(
+        "| peak RSS (drain) | {:.1} MiB | {:.1} MiB | | |",
+        o.drain.rss_mib, e.drain.rss_mib
+    );
+    println!(
+        "| CPU per 100k events (drain) | {:.2} s | {:.2} s | | |",
+        o.drain.cpu_per_100k(n),
+        e.drain.cpu_per_100k(n)
+    );
 }
 
 /// The table of outboxd beside Debezium, with the ratios.

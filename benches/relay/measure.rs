@@ -117,8 +117,19 @@ pub fn scrape(port: u16) -> String {
 
 /// The buckets of `outboxd_commit_to_ack_seconds` as (le, cumulative count).
 pub fn ack_histogram(text: &str) -> Vec<(f64, f64)> {
+    histogram(text, "outboxd_commit_to_ack_seconds")
+}
+
+/// Exactly-once: the Kafka commit histogram's buckets.
+pub fn commit_histogram(text: &str) -> Vec<(f64, f64)> {
+    histogram(text, "outboxd_kafka_commit_seconds")
+}
+
+/// A histogram's cumulative buckets `(le, count)` from the exposition.
+fn histogram(text: &str, name: &str) -> Vec<(f64, f64)> {
+    let prefix = format!("{name}_bucket{{le=\"");
     text.lines()
-        .filter(|l| l.starts_with("outboxd_commit_to_ack_seconds_bucket{le=\""))
+        .filter(|l| l.starts_with(&prefix))
         .filter_map(|l| {
             let le = l.split("le=\"").nth(1)?.split('"').next()?;
             let le = if le == "+Inf" {

@@ -37,6 +37,8 @@ pub struct Setting {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {
     Outboxd,
+    /// outboxd with `kafka.delivery = "exactly-once"`.
+    OutboxdExactlyOnce,
     Polling,
     Debezium,
 }
@@ -45,6 +47,7 @@ impl Kind {
     pub fn name(self) -> &'static str {
         match self {
             Kind::Outboxd => "outboxd",
+            Kind::OutboxdExactlyOnce => "outboxd_eo",
             Kind::Polling => "polling",
             Kind::Debezium => "debezium",
         }
@@ -55,7 +58,7 @@ impl Kind {
     /// outboxd returns at once.
     pub fn start(self, s: &Setting, slot: &str, topic: &str) -> Running {
         match self {
-            Kind::Outboxd | Kind::Polling => {
+            Kind::Outboxd | Kind::OutboxdExactlyOnce | Kind::Polling => {
                 let http_port = free_port();
                 let mode = if self == Kind::Polling {
                     "mode = \"polling\""
@@ -84,7 +87,14 @@ level = "{level}"
                     pg = s.pg_port,
                     publication = s.publication,
                     brokers = s.brokers,
-                    kafka_extra = s.outboxd_kafka.join("\n"),
+                    kafka_extra = if self == Kind::OutboxdExactlyOnce {
+                        format!(
+                            "{}\ndelivery = \"exactly-once\"\n[kafka.exactly_once]\nprogress_topic = \"progress-{topic}\"",
+                            s.outboxd_kafka.join("\n")
+                        )
+                    } else {
+                        s.outboxd_kafka.join("\n")
+                    },
                 );
                 let config = s.dir.join(format!("{topic}.toml"));
                 std::fs::write(&config, text).expect("write outboxd's config");

@@ -1,5 +1,16 @@
 //! Exactly-once: committing the open Kafka transaction, with the progress
 //! record inside it, and what a shutdown does with it.
+//!
+//! A commit goes in steps, driven by the streaming loop so that status
+//! updates, delivery reports and read-ahead go on meanwhile:
+//!
+//! 1. a bound is reached at a PostgreSQL commit: the transaction closes
+//!    (new stream events are held) and the progress record goes in;
+//! 2. once every record in it has a delivery report, the commit starts in
+//!    the background ([`Relay::advance_commit`]);
+//! 3. when it is done ([`Relay::commit_finished`]), the transaction's
+//!    events count as acknowledged, the slot may move, and the held events
+//!    are handled ([`Relay::release_held`]), opening the next transaction.
 
 use std::time::Duration;
 
@@ -8,86 +19,108 @@ use tokio::time::Instant;
 
 use super::session::{Sent, Session};
 use super::{Relay, RelayError};
+use crate::kafka::KafkaSinkError;
 use crate::pg::outbox_stream::OutboxStream;
 
+/// Resolves when the background commit is done; never without one.
+pub(super) async fn commit_outcome(
+    handle: Option<&mut tokio::task::JoinHandle<Result<(), KafkaSinkError>>>,
+) -> Result<(), KafkaSinkError> {
+    match handle {
+        Some(h) => h.await.unwrap_or(Err(KafkaSinkError::Canceled)),
+        None => std::future::pending().await,
+    }
+}
+
 impl Relay {
-    /// Waits, keeping the replication session alive, until every record
-    /// sent so far has a delivery report.
-    async fn await_deliveries(
+    /// Moves a closing transaction on: sends its progress record, and once
+    /// every record has a delivery report, starts the commit.
+    pub(super) async fn advance_commit(
         &mut self,
         stream: &mut OutboxStream,
         s: &mut Session,
     ) -> Result<(), RelayError> {
-        while !s.deliveries.is_empty() {
-            let (received, flushed, every) = s.beat();
-            match stream
-                .keep_alive_while(received, flushed, every, s.deliveries.next())
-                .await?
-            {
-                Some(done) => s.delivered(&self.metrics, done)?,
-                None => break,
-            }
+        let Some(e) = s.durability.exactly_once() else {
+            return Ok(());
+        };
+        if !e.t.closing || e.committing.is_some() {
+            return Ok(());
+        }
+        if !e.t.progress_sent {
+            let (Some(last), Some(txn), Some(progress)) = (
+                e.t.group.last(),
+                e.t.group.last_txn(),
+                e.t.progress_record(chrono::Utc::now()),
+            ) else {
+                // Nothing was sent: nothing to commit.
+                e.t.closing = false;
+                return Ok(());
+            };
+            e.t.progress_sent = true;
+            e.closing_since = Some(std::time::Instant::now());
+            // Where the progress record lands in the transaction does not
+            // matter, only that the commit holds it with the rest.
+            self.send(stream, s, txn, last.commit_lsn, &progress, Sent::Progress, false)
+                .await?;
+        }
+        if !s.deliveries.is_empty() || !s.dead_letters.is_empty() {
+            return Ok(());
+        }
+        // Every report is in, but librdkafka may not have let go of the
+        // last one yet; its commit would then flush in 100 ms poll steps.
+        let settle = Instant::now() + Duration::from_millis(20);
+        while self.sink.in_flight() > 0 && Instant::now() < settle {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let timeout = self.config.kafka.exactly_once.commit_timeout.0;
+        let handle = self.sink.start_commit(timeout);
+        if let Some(e) = s.durability.exactly_once() {
+            e.committing = Some(handle);
+            e.commit_started = Some(std::time::Instant::now());
         }
         Ok(())
     }
 
-    /// Commits the open Kafka transaction: once every record in it is
-    /// reported, the progress record (the last PostgreSQL transaction's
-    /// commit LSN) goes in, then the commit. Only a successful commit makes
-    /// its events count as acknowledged, and so lets the slot move.
-    pub(super) async fn commit_kafka_transaction(
+    /// The background commit is done: on success its events are durable.
+    pub(super) fn commit_finished(
         &mut self,
-        stream: &mut OutboxStream,
         s: &mut Session,
+        outcome: Result<(), KafkaSinkError>,
     ) -> Result<(), RelayError> {
-        let Some(t) = s.durability.transactions() else {
+        let Some(e) = s.durability.exactly_once() else {
             return Ok(());
         };
-        let (Some(last), Some(txn), Some(progress)) = (
-            t.group.last(),
-            t.group.last_txn(),
-            t.progress_record(chrono::Utc::now()),
-        ) else {
-            // Nothing was sent: nothing to commit.
-            t.closing = false;
-            return Ok(());
-        };
-        self.await_deliveries(stream, s).await?;
-        self.send(stream, s, txn, last.commit_lsn, &progress, Sent::Progress, false)
-            .await?;
-        self.await_deliveries(stream, s).await?;
-
-        let started = Instant::now();
-        let timeout = self.config.kafka.exactly_once.commit_timeout.0;
-        let (received, flushed, every) = s.beat();
-        let committed = stream
-            .keep_alive_while(received, flushed, every, self.sink.commit_transaction(timeout))
-            .await?;
-        if let Err(e) = committed {
+        e.committing = None;
+        if let Err(err) = outcome {
             self.metrics
                 .kafka_transactions
                 .with_label_values(&["aborted"])
                 .inc();
             self.health.kafka_transaction_aborted();
-            return Err(e.into());
+            return Err(err.into());
         }
-        self.metrics
-            .kafka_commit_seconds
-            .observe(started.elapsed().as_secs_f64());
-        self.metrics
-            .kafka_transactions
-            .with_label_values(&["committed"])
-            .inc();
-        self.metrics
-            .progress_lsn
-            .set(i64::try_from(last.commit_lsn.0).unwrap_or(i64::MAX));
-        self.health.kafka_transaction_committed(last.commit_lsn.0);
-        let Some(t) = s.durability.transactions() else {
-            return Ok(());
-        };
-        t.closing = false;
-        t.progress_lsn = Some(last.commit_lsn);
-        for (txn, events) in t.group.take() {
+        let took = e.commit_started.take().map(|t| t.elapsed()).unwrap_or_default();
+        let closing = e.closing_since.take().map(|t| t.elapsed()).unwrap_or_default();
+        let last = e.t.group.last();
+        tracing::debug!(
+            events = e.t.group.events(),
+            transactions = e.t.group.transactions(),
+            ?closing,
+            ?took,
+            "Kafka transaction committed"
+        );
+        e.t.closing = false;
+        e.t.progress_sent = false;
+        let m = &self.metrics;
+        m.kafka_commit_seconds.observe(closing.as_secs_f64());
+        m.kafka_transactions.with_label_values(&["committed"]).inc();
+        if let Some(last) = last {
+            e.t.progress_lsn = Some(last.commit_lsn);
+            m.progress_lsn
+                .set(i64::try_from(last.commit_lsn.0).unwrap_or(i64::MAX));
+            self.health.kafka_transaction_committed(last.commit_lsn.0);
+        }
+        for (txn, events) in e.t.group.take() {
             s.tracker.acked_many(txn, events);
             s.acked += events as u64;
         }
@@ -95,9 +128,53 @@ impl Relay {
         Ok(())
     }
 
+    /// Handles the events read ahead during a commit, until they run out
+    /// or the next transaction closes.
+    pub(super) async fn release_held(
+        &mut self,
+        stream: &mut OutboxStream,
+        s: &mut Session,
+    ) -> Result<(), RelayError> {
+        while let Some(ev) = s.durability.release() {
+            self.handle_event(stream, s, ev).await?;
+            if !s.dead_letters.is_empty() {
+                self.flush_dead_letters(stream, s).await?;
+            }
+            if s.durability.commit_due() {
+                self.advance_commit(stream, s).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Drives a closing transaction to its commit, inline (at shutdown).
+    async fn commit_inline(&mut self, stream: &mut OutboxStream, s: &mut Session) -> Result<(), RelayError> {
+        loop {
+            self.advance_commit(stream, s).await?;
+            let (received, flushed, every) = s.beat();
+            if let Some(handle) = s.durability.commit_handle() {
+                let outcome = stream
+                    .keep_alive_while(received, flushed, every, commit_outcome(Some(handle)))
+                    .await?;
+                return self.commit_finished(s, outcome);
+            }
+            if s.durability.accepting() {
+                return Ok(());
+            }
+            match stream
+                .keep_alive_while(received, flushed, every, s.deliveries.next())
+                .await?
+            {
+                Some(done) => s.delivered(&self.metrics, done)?,
+                None => tokio::time::sleep(Duration::from_millis(1)).await,
+            }
+        }
+    }
+
     /// Shutdown with a Kafka transaction open: commit it if it ends at a
     /// PostgreSQL commit; abort it if a PostgreSQL transaction is half in
     /// it (the next start replays that part from the progress record).
+    /// Events read ahead are dropped: they were never sent nor confirmed.
     /// Bounded by `deadline` (the drain timeout).
     pub(super) async fn finish_kafka_transaction(
         &mut self,
@@ -105,18 +182,21 @@ impl Relay {
         s: &mut Session,
         deadline: Instant,
     ) {
-        let Some(t) = s.durability.transactions() else {
+        let Some(e) = s.durability.exactly_once() else {
             return;
         };
-        if t.group.is_empty() {
+        e.held.clear();
+        e.held_rows = 0;
+        let committable = e.committing.is_some() || e.t.closing || !e.t.group.mid_transaction();
+        if e.t.group.is_empty() && e.committing.is_none() {
             return;
         }
-        if !t.group.mid_transaction() {
-            t.closing = true;
-            match tokio::time::timeout_at(deadline, self.commit_kafka_transaction(stream, s)).await {
+        if committable {
+            e.t.closing = true;
+            match tokio::time::timeout_at(deadline, self.commit_inline(stream, s)).await {
                 Ok(Ok(())) => return,
-                Ok(Err(e)) => {
-                    tracing::warn!(error = %e, "the last Kafka transaction failed at shutdown; it is replayed after restart")
+                Ok(Err(err)) => {
+                    tracing::warn!(error = %err, "the last Kafka transaction failed at shutdown; it is replayed after restart")
                 }
                 Err(_) => tracing::warn!(
                     "the last Kafka transaction did not commit within shutdown.drain_timeout; it is replayed after restart"
@@ -130,8 +210,8 @@ impl Relay {
                 .inc();
             self.health.kafka_transaction_aborted();
         }
-        if let Err(e) = self.sink.abort_transaction(Duration::from_secs(5)).await {
-            tracing::debug!(error = %e, "abort at shutdown failed; the next start's init_transactions aborts the transaction");
+        if let Err(err) = self.sink.abort_transaction(Duration::from_secs(5)).await {
+            tracing::debug!(error = %err, "abort at shutdown failed; the next start's init_transactions aborts the transaction");
         }
         // The aborted records' reports are purge errors: nothing to wait for.
         s.deliveries.clear();

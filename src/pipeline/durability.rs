@@ -14,18 +14,60 @@
 //!   that a record reached the open Kafka transaction. Events count as
 //!   acknowledged in the tracker when that transaction commits, so the slot
 //!   never passes what a `read_committed` consumer cannot see.
+//!
+//!   A Kafka commit takes a few round trips, and the next transaction's
+//!   first write waits for the coordinator to finish the last one. So
+//!   while a commit is under way the stream is read ahead: its events are
+//!   held ([`ExactlyOnce::held`], bounded by `kafka.max_inflight` rows) and
+//!   handled in order once the commit is done. They never join the
+//!   transaction being committed.
 
+use std::collections::VecDeque;
 use std::time::Instant;
 
+use tokio::task::JoinHandle;
+
 use crate::exactly_once::{LastCommit, Transactions};
+use crate::kafka::KafkaSinkError;
 use crate::lsn::Lsn;
+use crate::pg::outbox_stream::StreamEvent;
 use crate::progress::{AckTracker, TxnId};
 
 /// The session's delivery mode.
 #[derive(Debug)]
 pub(super) enum Durability {
     AtLeastOnce,
-    ExactlyOnce(Box<Transactions>),
+    ExactlyOnce(Box<ExactlyOnce>),
+}
+
+/// Exactly-once state of a session: the open Kafka transaction, the
+/// commit under way, and the events read ahead meanwhile.
+#[derive(Debug)]
+pub(super) struct ExactlyOnce {
+    pub(super) t: Transactions,
+    /// Stream events read while closing, handled after the commit.
+    pub(super) held: VecDeque<StreamEvent>,
+    /// Outbox rows among them (the bound).
+    pub(super) held_rows: usize,
+    /// The commit running in the background.
+    pub(super) committing: Option<JoinHandle<Result<(), KafkaSinkError>>>,
+    /// When closing began (the progress record was sent), and when the
+    /// commit request went out.
+    pub(super) closing_since: Option<Instant>,
+    pub(super) commit_started: Option<Instant>,
+}
+
+impl ExactlyOnce {
+    pub(super) fn new(t: Transactions) -> Self {
+        ExactlyOnce {
+            t,
+            held: VecDeque::new(),
+            held_rows: 0,
+            committing: None,
+            closing_since: None,
+            commit_started: None,
+        }
+    }
 }
 
 impl Durability {
@@ -34,21 +76,21 @@ impl Durability {
     pub(super) fn admit(&self, final_lsn: Lsn) -> bool {
         match self {
             Durability::AtLeastOnce => true,
-            Durability::ExactlyOnce(t) => t.admit(final_lsn),
+            Durability::ExactlyOnce(e) => e.t.admit(final_lsn),
         }
     }
 
     /// A published PostgreSQL transaction began.
     pub(super) fn begin(&mut self) {
-        if let Durability::ExactlyOnce(t) = self {
-            t.group.begin();
+        if let Durability::ExactlyOnce(e) = self {
+            e.t.group.begin();
         }
     }
 
     /// A record of `txn`, `bytes` long, was handed to the producer.
     pub(super) fn sent(&mut self, txn: TxnId, bytes: usize) {
-        if let Durability::ExactlyOnce(t) = self {
-            t.group.sent(txn, bytes, Instant::now());
+        if let Durability::ExactlyOnce(e) = self {
+            e.t.group.sent(txn, bytes, Instant::now());
         }
     }
 
@@ -67,20 +109,61 @@ impl Durability {
 
     /// A published PostgreSQL transaction's commit was read.
     pub(super) fn committed(&mut self, last: LastCommit) {
-        if let Durability::ExactlyOnce(t) = self {
-            t.group.commit(last);
-            if t.group.due(&t.limits, Instant::now()) {
-                t.closing = true;
+        if let Durability::ExactlyOnce(e) = self {
+            e.t.group.commit(last);
+            if e.t.group.due(&e.t.limits, Instant::now()) {
+                e.t.closing = true;
             }
         }
     }
 
-    /// Whether the loop may read the next stream event (not while a Kafka
-    /// commit is due).
+    /// Whether stream events are handled now (`false`: held until the
+    /// Kafka commit under way is done).
     pub(super) fn accepting(&self) -> bool {
         match self {
             Durability::AtLeastOnce => true,
-            Durability::ExactlyOnce(t) => !t.closing,
+            Durability::ExactlyOnce(e) => !e.t.closing,
+        }
+    }
+
+    /// Holds a stream event read while a commit is under way.
+    pub(super) fn hold(&mut self, ev: StreamEvent) {
+        if let Durability::ExactlyOnce(e) = self {
+            if matches!(ev, StreamEvent::Insert { .. } | StreamEvent::Unreadable { .. }) {
+                e.held_rows += 1;
+            }
+            e.held.push_back(ev);
+        }
+    }
+
+    /// The next held event, once commits allow.
+    pub(super) fn release(&mut self) -> Option<StreamEvent> {
+        match self {
+            Durability::ExactlyOnce(e) if !e.t.closing => {
+                let ev = e.held.pop_front()?;
+                if matches!(ev, StreamEvent::Insert { .. } | StreamEvent::Unreadable { .. }) {
+                    e.held_rows -= 1;
+                }
+                Some(ev)
+            }
+            _ => None,
+        }
+    }
+
+    /// Rows read ahead and not yet handled (they count against
+    /// `kafka.max_inflight`).
+    pub(super) fn held_rows(&self) -> usize {
+        match self {
+            Durability::AtLeastOnce => 0,
+            Durability::ExactlyOnce(e) => e.held_rows,
+        }
+    }
+
+    /// The background commit, if one is under way.
+    pub(super) fn commit_handle(&mut self) -> Option<&mut JoinHandle<Result<(), KafkaSinkError>>> {
+        match self {
+            Durability::ExactlyOnce(e) => e.committing.as_mut(),
+            Durability::AtLeastOnce => None,
         }
     }
 
@@ -89,8 +172,12 @@ impl Durability {
     pub(super) fn deadline(&self) -> Option<tokio::time::Instant> {
         match self {
             Durability::AtLeastOnce => None,
-            Durability::ExactlyOnce(t) if t.closing || t.group.mid_transaction() => None,
-            Durability::ExactlyOnce(t) => t.group.deadline(&t.limits).map(tokio::time::Instant::from_std),
+            Durability::ExactlyOnce(e) if e.t.closing || e.t.group.mid_transaction() => None,
+            Durability::ExactlyOnce(e) => {
+                e.t.group
+                    .deadline(&e.t.limits)
+                    .map(tokio::time::Instant::from_std)
+            }
         }
     }
 
@@ -98,11 +185,11 @@ impl Durability {
     pub(super) fn commit_due(&mut self) -> bool {
         match self {
             Durability::AtLeastOnce => false,
-            Durability::ExactlyOnce(t) => {
-                if !t.closing && t.group.due(&t.limits, Instant::now()) {
-                    t.closing = true;
+            Durability::ExactlyOnce(e) => {
+                if !e.t.closing && e.t.group.due(&e.t.limits, Instant::now()) {
+                    e.t.closing = true;
                 }
-                t.closing
+                e.t.closing
             }
         }
     }
@@ -111,14 +198,14 @@ impl Durability {
     pub(super) fn settled(&self) -> bool {
         match self {
             Durability::AtLeastOnce => true,
-            Durability::ExactlyOnce(t) => t.group.is_empty(),
+            Durability::ExactlyOnce(e) => e.t.group.is_empty() && e.held.is_empty(),
         }
     }
 
-    pub(super) fn transactions(&mut self) -> Option<&mut Transactions> {
+    pub(super) fn exactly_once(&mut self) -> Option<&mut ExactlyOnce> {
         match self {
             Durability::AtLeastOnce => None,
-            Durability::ExactlyOnce(t) => Some(t),
+            Durability::ExactlyOnce(e) => Some(e),
         }
     }
 }

@@ -87,7 +87,7 @@ use crate::pg::error::PgError;
 use crate::pg::outbox_stream::{OutboxStream, StreamError};
 use crate::pg::publication::{self, GuardState};
 use crate::progress::AckTracker;
-use durability::Durability;
+use durability::{Durability, ExactlyOnce};
 use poller::poll_slot_and_brokers;
 use session::Session;
 
@@ -509,7 +509,7 @@ impl Relay {
                 "the progress record was written on another timeline (a promotion or a point-in-time recovery): starting at the slot, so events confirmed-but-not-yet-acknowledged to the old primary may be published twice"
             ),
         }
-        Ok(Durability::ExactlyOnce(Box::new(t)))
+        Ok(Durability::ExactlyOnce(Box::new(ExactlyOnce::new(t))))
     }
 
     async fn session(

@@ -7,6 +7,7 @@ use futures::StreamExt;
 use tokio::sync::watch;
 use tokio::time::{Instant, MissedTickBehavior};
 
+use super::commit::commit_outcome;
 use super::session::{now_micros, DeadLetterJob, Sent, Session, EAGER_CONFIRM};
 use super::{Relay, RelayError};
 use crate::exactly_once::LastCommit;
@@ -39,15 +40,19 @@ impl Relay {
             // not events waiting for a Kafka commit: a PostgreSQL
             // transaction larger than max_inflight must still be read to
             // its commit.
-            let intake = s.deliveries.len() < max_inflight
-                && s.durability.accepting()
-                && self.end_isolation(s).await?;
+            let intake =
+                s.deliveries.len() + s.durability.held_rows() < max_inflight && self.end_isolation(s).await?;
             let commit_at = s.durability.deadline();
             tokio::select! {
                 biased;
                 _ = shutdown.changed() => return Ok(()),
                 Some(done) = s.deliveries.next(), if !s.deliveries.is_empty() => {
                     s.delivered(&self.metrics, done)?;
+                }
+                // Exactly-once: the background Kafka commit is done.
+                outcome = commit_outcome(s.durability.commit_handle()) => {
+                    self.commit_finished(s, outcome)?;
+                    self.release_held(stream, s).await?;
                 }
                 _ = status.tick() => {
                     // When idle, ask for a keepalive: its WAL end lets the
@@ -82,7 +87,14 @@ impl Relay {
                 _ = tokio::time::sleep_until(commit_at.unwrap_or_else(Instant::now)), if commit_at.is_some() => {}
                 event = stream.next_event(), if intake => {
                     match event? {
-                        Some(ev) => self.handle_event(stream, s, ev).await?,
+                        Some(ev) if s.durability.accepting() => self.handle_event(stream, s, ev).await?,
+                        // Read ahead while a Kafka commit is under way.
+                        Some(ev) => {
+                            if matches!(ev, StreamEvent::Keepalive { reply_requested: true, .. }) {
+                                s.send_status(stream, false).await?;
+                            }
+                            s.durability.hold(ev);
+                        }
                         None => return Err(RelayError::StreamEnded),
                     }
                 }
@@ -91,7 +103,7 @@ impl Relay {
                 self.flush_dead_letters(stream, s).await?;
             }
             if s.durability.commit_due() {
-                self.commit_kafka_transaction(stream, s).await?;
+                self.advance_commit(stream, s).await?;
             }
             // Confirm soon after acknowledgements move the flush position,
             // not only on the timer, but at most every EAGER_CONFIRM.

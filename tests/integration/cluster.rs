@@ -160,13 +160,18 @@ async fn wait_all(cluster: &Broker, want: &HashSet<Uuid>, timeout: Duration) -> 
 /// run, waits for a new leader, then restarts the node and waits until it
 /// is back in the ISR. Returns the node it killed.
 async fn kill_leader_and_return(cluster: &Arc<Broker>, down_for: Duration) -> u32 {
+    kill_leader_of(cluster, TOPIC, down_for).await
+}
+
+/// As [`kill_leader_and_return`], for partition 0 of `topic`.
+async fn kill_leader_of(cluster: &Arc<Broker>, topic: &'static str, down_for: Duration) -> u32 {
     let c = cluster.clone();
     tokio::task::spawn_blocking(move || {
-        let leader = c.leader_of(TOPIC, 0).expect("partition 0 has a leader");
+        let leader = c.leader_of(topic, 0).expect("partition 0 has a leader");
         c.kill_node(leader);
         let killed_at = Instant::now();
         let deadline = killed_at + Duration::from_secs(60);
-        while c.leader_of(TOPIC, 0).is_none_or(|l| l == leader) {
+        while c.leader_of(topic, 0).is_none_or(|l| l == leader) {
             assert!(
                 Instant::now() < deadline,
                 "no new leader for partition 0 within 60 s"
@@ -174,14 +179,14 @@ async fn kill_leader_and_return(cluster: &Arc<Broker>, down_for: Duration) -> u3
             std::thread::sleep(Duration::from_millis(100));
         }
         eprintln!(
-            "cluster: killed leader {leader} of {TOPIC}/0; new leader {:?} after {:?}",
-            c.leader_of(TOPIC, 0),
+            "cluster: killed leader {leader} of {topic}/0; new leader {:?} after {:?}",
+            c.leader_of(topic, 0),
             killed_at.elapsed()
         );
         std::thread::sleep(down_for.saturating_sub(killed_at.elapsed()));
         c.restart_node(leader);
         let deadline = Instant::now() + Duration::from_secs(90);
-        while (0..3).any(|p| c.isr_count(TOPIC, p) != Some(3)) {
+        while (0..3).any(|p| c.isr_count(topic, p) != Some(3)) {
             assert!(
                 Instant::now() < deadline,
                 "node {leader} did not rejoin the ISR within 90 s"
@@ -426,6 +431,95 @@ async fn three_brokers_lose_their_leader_and_then_their_quorum_and_nothing_is_lo
     assert_confirmed_never_passed_a_missing_event(&all_samples, &all_txns, &all_ids);
     let status = daemon.sigterm();
     assert!(status.success(), "SIGTERM exits 0: {status}");
+
+    // Phase 3: exactly-once delivery on the same cluster, with the leader
+    // of a busy partition killed mid-stream: read_committed sees each event
+    // once, in order.
+    exactly_once_phase(&cluster, &db, dir.path()).await;
     let c = cluster.clone();
     tokio::task::spawn_blocking(move || c.kill()).await.unwrap();
+}
+
+const EO_TOPIC: &str = "cluster-eo.order";
+
+async fn exactly_once_phase(cluster: &Arc<Broker>, db: &TestDb, dir: &std::path::Path) {
+    let total = crate::relay::env_usize("OUTBOXD_CLUSTER_EO_EVENTS", 20_000);
+    let client = db.client().await;
+    let slot = "cluster_eo";
+    let text = crate::exactly_once::eo_config(
+        &db.superuser_url(),
+        slot,
+        &cluster.brokers,
+        "cluster-eo",
+        &format!("max_inflight = {MAX_INFLIGHT}\n[kafka.topic_config]\n\"min.insync.replicas\" = \"2\""),
+    )
+    .replace("topic_replication_factor = 1", "topic_replication_factor = 3");
+    let cfg = write_config(dir, "cluster-eo.toml", &text);
+    let daemon = Daemon::start(&cfg, &dir.join("outboxd-eo.log"));
+    wait_for("the slot", Duration::from_secs(30), || async {
+        confirmed_flush(&client, slot).await
+    })
+    .await;
+    let txns_per_writer = total / WRITERS / PER_TXN;
+    let writers: Vec<_> = (0..WRITERS)
+        .map(|w| {
+            let db_name = db.name.clone();
+            tokio::spawn(async move {
+                let db = TestDb { name: db_name };
+                write_paced(&db, 20 + w, txns_per_writer, Duration::from_millis(20), 0).await
+            })
+        })
+        .collect();
+    wait_for("the topic to carry events", Duration::from_secs(60), || {
+        let c = cluster.clone();
+        async move {
+            tokio::task::spawn_blocking(move || c.leader_of(EO_TOPIC, 0))
+                .await
+                .unwrap()
+        }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let killed = kill_leader_of(cluster, EO_TOPIC, Duration::from_secs(5)).await;
+    let mut txns = Vec::new();
+    for w in writers {
+        txns.extend(w.await.unwrap());
+    }
+    let events: Vec<Event> = txns.iter().flat_map(|t| t.events.clone()).collect();
+    let brokers = cluster.brokers.clone();
+    let want = events.len();
+    let records = wait_for("every event, read_committed", Duration::from_secs(180), || {
+        let brokers = brokers.clone();
+        async move {
+            let recs = tokio::task::spawn_blocking(move || {
+                consume(&brokers, &[EO_TOPIC], usize::MAX, Duration::from_secs(5))
+            })
+            .await
+            .unwrap();
+            let ids: HashSet<&str> = recs.iter().filter_map(|r| r.header("id")).collect();
+            (ids.len() >= want).then_some(recs)
+        }
+    })
+    .await;
+    let last = txns.iter().map(|t| t.after).max().unwrap();
+    wait_for(
+        "the slot to confirm the last transaction",
+        Duration::from_secs(60),
+        || async { (confirmed_flush(&client, slot).await? >= last).then_some(()) },
+    )
+    .await;
+    let brokers = cluster.brokers.clone();
+    let records_after = tokio::task::spawn_blocking(move || {
+        consume(&brokers, &[EO_TOPIC], usize::MAX, Duration::from_secs(5))
+    })
+    .await
+    .unwrap();
+    assert_eq!(records_after.len(), records.len(), "nothing more arrived");
+    crate::exactly_once::assert_exactly_once(&records_after, &events);
+    eprintln!(
+        "cluster phase 3 (exactly-once): {} events from {WRITERS} writers; killed leader {killed} of {EO_TOPIC}/0; each read once, in order",
+        events.len()
+    );
+    let status = daemon.sigterm();
+    assert!(status.success(), "SIGTERM exits 0: {status}");
 }
