@@ -434,7 +434,22 @@ async fn three_brokers_lose_their_leader_and_then_their_quorum_and_nothing_is_lo
 
     // Phase 3: exactly-once delivery on the same cluster, with the leader
     // of a busy partition killed mid-stream: read_committed sees each event
-    // once, in order.
+    // once, in order. First the broker still down from phase 2 returns.
+    let still_down = down[1];
+    let c = cluster.clone();
+    tokio::task::spawn_blocking(move || {
+        c.restart_node(still_down);
+        let deadline = Instant::now() + Duration::from_secs(90);
+        while (0..3).any(|p| c.isr_count(TOPIC, p) != Some(3)) {
+            assert!(
+                Instant::now() < deadline,
+                "node {still_down} did not rejoin the ISR within 90 s"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    })
+    .await
+    .unwrap();
     exactly_once_phase(&cluster, &db, dir.path()).await;
     let c = cluster.clone();
     tokio::task::spawn_blocking(move || c.kill()).await.unwrap();
