@@ -235,8 +235,9 @@ pub enum Delivery {
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ExactlyOnceConfig {
-    /// The producer's `transactional.id`. A new outboxd with the same id
-    /// fences the old one. Default: `outboxd.<slot>`.
+    /// The producers' `transactional.id` prefix: two producers, `<id>-0`
+    /// and `<id>-1`, take turns. A new outboxd with the same id fences the
+    /// old one. Default: `outboxd.<slot>`.
     #[serde(default)]
     pub transactional_id: Option<String>,
     /// The compacted topic holding, per slot, the commit LSN of the last

@@ -311,10 +311,13 @@ pub struct KafkaSink {
     timeout: Duration,
     /// The session's warm-up: topics already served when it began.
     warm_up: Option<tokio::task::JoinHandle<Vec<String>>>,
-    /// `Some` for a transactional producer.
+    /// `Some` for a transactional producer: the current producer's id.
     transactional_id: Option<String>,
     /// A Kafka transaction is open (begun, not yet committed or aborted).
     in_transaction: bool,
+    /// Transactional sinks have two producers, used in turn (see
+    /// [`KafkaSink::start_commit`]): the one not current, and its id.
+    spare: Option<(FutureProducer, String)>,
 }
 
 impl std::fmt::Debug for KafkaSink {
@@ -331,9 +334,29 @@ impl KafkaSink {
     }
 
     pub fn build(cfg: &KafkaConfig, timeout: Duration, kind: &SinkKind) -> Result<Self, KafkaSinkError> {
-        let client = producer_config(cfg, kind);
         let bad_config = |e| KafkaSinkError::Config(describe_config_error(&e, cfg));
-        let producer: FutureProducer = client.create().map_err(bad_config)?;
+        // Two transactional producers, `<id>-0` and `<id>-1`, take turns.
+        let ids = kind
+            .transactional_id
+            .as_ref()
+            .map(|base| [format!("{base}-0"), format!("{base}-1")]);
+        let with_id = |id: Option<&String>| SinkKind {
+            one_per_batch: kind.one_per_batch,
+            transactional_id: id.cloned(),
+        };
+        let first = ids.as_ref().map(|[a, _]| a);
+        let producer: FutureProducer = producer_config(cfg, &with_id(first))
+            .create()
+            .map_err(bad_config)?;
+        let spare = match &ids {
+            Some([_, b]) => Some((
+                producer_config(cfg, &with_id(Some(b)))
+                    .create()
+                    .map_err(bad_config)?,
+                b.clone(),
+            )),
+            None => None,
+        };
         let admin: AdminClient<DefaultClientContext> = client_config(cfg).create().map_err(bad_config)?;
         let probe_client: AdminClient<DefaultClientContext> =
             client_config(cfg).create().map_err(bad_config)?;
@@ -352,8 +375,9 @@ impl KafkaSink {
             topic_config: cfg.topic_config.clone().into_iter().collect(),
             timeout,
             warm_up: None,
-            transactional_id: kind.transactional_id.clone(),
+            transactional_id: first.cloned(),
             in_transaction: false,
+            spare,
         })
     }
 
@@ -367,22 +391,47 @@ impl KafkaSink {
     /// completes (commits or aborts) whatever transaction it left, so that
     /// a `read_committed` read afterwards sees all it committed.
     pub async fn init_transactions(&self, timeout: Duration) -> Result<(), KafkaSinkError> {
-        let producer = self.producer.clone();
-        tokio::task::spawn_blocking(move || producer.init_transactions(timeout))
-            .await
-            .map_err(|_| KafkaSinkError::Canceled)?
-            .map_err(|e| self.transaction_error("init", e))
+        let init = |producer: &FutureProducer, id: &str| {
+            let (producer, id) = (producer.clone(), id.to_owned());
+            tokio::task::spawn_blocking(move || {
+                producer
+                    .init_transactions(timeout)
+                    .map_err(|e| transaction_error(&id, "init", e))
+            })
+        };
+        let current = init(
+            &self.producer,
+            self.transactional_id.as_deref().unwrap_or_default(),
+        );
+        let spare = self.spare.as_ref().map(|(p, id)| init(p, id));
+        current.await.map_err(|_| KafkaSinkError::Canceled)??;
+        if let Some(spare) = spare {
+            spare.await.map_err(|_| KafkaSinkError::Canceled)??;
+        }
+        Ok(())
     }
 
     /// The producer's fatal error, if it has one: after it, every send and
     /// delivery fails with a purge, so this is what to report. A fenced
     /// transactional producer ends here.
     pub fn fatal_error(&self) -> Option<KafkaSinkError> {
-        let (code, reason) = self.producer.client().fatal_error()?;
-        let source = KafkaError::MessageProduction(code);
-        let err = self.transaction_error("produce", source);
-        tracing::debug!(%code, reason, "the producer has a fatal error");
-        Some(err)
+        let current = (
+            &self.producer,
+            self.transactional_id.as_deref().unwrap_or_default(),
+        );
+        let spare = self.spare.as_ref().map(|(p, id)| (p, id.as_str()));
+        [Some(current), spare]
+            .into_iter()
+            .flatten()
+            .find_map(|(producer, id)| {
+                let (code, reason) = producer.client().fatal_error()?;
+                tracing::debug!(%code, reason, id, "the producer has a fatal error");
+                Some(transaction_error(
+                    id,
+                    "produce",
+                    KafkaError::MessageProduction(code),
+                ))
+            })
     }
 
     /// Whether a Kafka transaction is open.
@@ -403,31 +452,31 @@ impl KafkaSink {
         Ok(())
     }
 
-    /// Commits the open Kafka transaction. Call it once every record's
-    /// delivery has been reported: librdkafka's commit first flushes, and
-    /// a flush with records outstanding sleeps in 100 ms steps.
-    pub async fn commit_transaction(&mut self, timeout: Duration) -> Result<(), KafkaSinkError> {
-        let producer = self.producer.clone();
-        let result = tokio::task::spawn_blocking(move || producer.commit_transaction(timeout))
-            .await
-            .map_err(|_| KafkaSinkError::Canceled)?;
-        // Committed or not, this transaction is over for outboxd: a failed
-        // commit ends the session and the producer with it.
-        self.in_transaction = false;
-        result.map_err(|e| self.transaction_error("commit", e))
-    }
-
     /// Records and events librdkafka still holds (`rd_kafka_outq_len`).
     pub fn in_flight(&self) -> i32 {
         self.producer.in_flight_count()
     }
 
-    /// Starts committing the open Kafka transaction in the background (see
-    /// [`KafkaSink::commit_transaction`]); the handle yields the outcome.
+    /// Starts committing the open Kafka transaction in the background; the
+    /// handle yields the outcome. Call it once every record's delivery has
+    /// been reported: librdkafka's commit first flushes, and a flush with
+    /// records outstanding sleeps in 100 ms steps.
+    ///
+    /// The other producer becomes current at once, so the next transaction
+    /// can fill while this one commits: a producer's next transaction would
+    /// otherwise wait for its coordinator to finish the last one (librdkafka
+    /// retries AddPartitionsToTxn every 20 ms meanwhile). The caller keeps
+    /// their order: one commit at a time, and no record of the next
+    /// transaction before every record of this one is acknowledged.
     pub fn start_commit(&mut self, timeout: Duration) -> tokio::task::JoinHandle<Result<(), KafkaSinkError>> {
         let producer = self.producer.clone();
         let id = self.transactional_id.clone().unwrap_or_default();
         self.in_transaction = false;
+        if let Some((spare, spare_id)) = self.spare.take() {
+            let previous = std::mem::replace(&mut self.producer, spare);
+            self.transactional_id = Some(spare_id);
+            self.spare = Some((previous, id.clone()));
+        }
         tokio::task::spawn_blocking(move || {
             producer
                 .commit_transaction(timeout)

@@ -6,11 +6,13 @@
 //!
 //! 1. a bound is reached at a PostgreSQL commit: the transaction closes
 //!    (new stream events are held) and the progress record goes in;
-//! 2. once every record in it has a delivery report, the commit starts in
-//!    the background ([`Relay::advance_commit`]);
-//! 3. when it is done ([`Relay::commit_finished`]), the transaction's
-//!    events count as acknowledged, the slot may move, and the held events
-//!    are handled ([`Relay::release_held`]), opening the next transaction.
+//! 2. once every record in it has a delivery report and the previous
+//!    commit is done, its commit starts in the background on its producer
+//!    ([`Relay::advance_commit`]), the other producer becomes current, and
+//!    the held events are handled ([`Relay::release_held`]), filling the
+//!    next transaction;
+//! 3. when the commit is done ([`Relay::commit_finished`]), the
+//!    transaction's events count as acknowledged and the slot may move.
 
 use std::time::Duration;
 
@@ -66,6 +68,10 @@ impl Relay {
         if !s.deliveries.is_empty() || !s.dead_letters.is_empty() {
             return Ok(());
         }
+        // One commit at a time: progress records land in commit order.
+        if s.durability.commit_handle().is_some() {
+            return Ok(());
+        }
         // Every report is in, but librdkafka may not have let go of the
         // last one yet; its commit would then flush in 100 ms poll steps.
         let settle = Instant::now() + Duration::from_millis(20);
@@ -77,6 +83,10 @@ impl Relay {
         if let Some(e) = s.durability.exactly_once() {
             e.committing = Some(handle);
             e.commit_started = Some(std::time::Instant::now());
+            e.committing_group = std::mem::take(&mut e.t.group);
+            e.committing_since = e.closing_since.take();
+            e.t.closing = false;
+            e.t.progress_sent = false;
         }
         Ok(())
     }
@@ -91,6 +101,7 @@ impl Relay {
             return Ok(());
         };
         e.committing = None;
+        let mut group = std::mem::take(&mut e.committing_group);
         if let Err(err) = outcome {
             self.metrics
                 .kafka_transactions
@@ -100,17 +111,15 @@ impl Relay {
             return Err(err.into());
         }
         let took = e.commit_started.take().map(|t| t.elapsed()).unwrap_or_default();
-        let closing = e.closing_since.take().map(|t| t.elapsed()).unwrap_or_default();
-        let last = e.t.group.last();
+        let closing = e.committing_since.take().map(|t| t.elapsed()).unwrap_or_default();
+        let last = group.last();
         tracing::debug!(
-            events = e.t.group.events(),
-            transactions = e.t.group.transactions(),
+            events = group.events(),
+            transactions = group.transactions(),
             ?closing,
             ?took,
             "Kafka transaction committed"
         );
-        e.t.closing = false;
-        e.t.progress_sent = false;
         let m = &self.metrics;
         m.kafka_commit_seconds.observe(closing.as_secs_f64());
         m.kafka_transactions.with_label_values(&["committed"]).inc();
@@ -120,7 +129,7 @@ impl Relay {
                 .set(i64::try_from(last.commit_lsn.0).unwrap_or(i64::MAX));
             self.health.kafka_transaction_committed(last.commit_lsn.0);
         }
-        for (txn, events) in e.t.group.take() {
+        for (txn, events) in group.take() {
             s.tracker.acked_many(txn, events);
             s.acked += events as u64;
         }
@@ -147,7 +156,8 @@ impl Relay {
         Ok(())
     }
 
-    /// Drives a closing transaction to its commit, inline (at shutdown).
+    /// Drives the commit under way and the closing transaction, if any,
+    /// to their ends, inline (at shutdown).
     async fn commit_inline(&mut self, stream: &mut OutboxStream, s: &mut Session) -> Result<(), RelayError> {
         loop {
             self.advance_commit(stream, s).await?;
@@ -156,7 +166,8 @@ impl Relay {
                 let outcome = stream
                     .keep_alive_while(received, flushed, every, commit_outcome(Some(handle)))
                     .await?;
-                return self.commit_finished(s, outcome);
+                self.commit_finished(s, outcome)?;
+                continue;
             }
             if s.durability.accepting() {
                 return Ok(());
@@ -171,11 +182,12 @@ impl Relay {
         }
     }
 
-    /// Shutdown with a Kafka transaction open: commit it if it ends at a
-    /// PostgreSQL commit; abort it if a PostgreSQL transaction is half in
-    /// it (the next start replays that part from the progress record).
-    /// Events read ahead are dropped: they were never sent nor confirmed.
-    /// Bounded by `deadline` (the drain timeout).
+    /// Shutdown with Kafka transactions open: the one committing finishes;
+    /// the open one commits if it ends at a PostgreSQL commit, and is
+    /// aborted if a PostgreSQL transaction is half in it (the next start
+    /// replays that part from the progress record). Events read ahead are
+    /// dropped: they were never sent nor confirmed. Bounded by `deadline`
+    /// (the drain timeout).
     pub(super) async fn finish_kafka_transaction(
         &mut self,
         stream: &mut OutboxStream,
@@ -187,21 +199,17 @@ impl Relay {
         };
         e.held.clear();
         e.held_rows = 0;
-        let committable = e.committing.is_some() || e.t.closing || !e.t.group.mid_transaction();
-        if e.t.group.is_empty() && e.committing.is_none() {
-            return;
-        }
-        if committable {
+        if !e.t.group.is_empty() && !e.t.group.mid_transaction() {
             e.t.closing = true;
-            match tokio::time::timeout_at(deadline, self.commit_inline(stream, s)).await {
-                Ok(Ok(())) => return,
-                Ok(Err(err)) => {
-                    tracing::warn!(error = %err, "the last Kafka transaction failed at shutdown; it is replayed after restart")
-                }
-                Err(_) => tracing::warn!(
-                    "the last Kafka transaction did not commit within shutdown.drain_timeout; it is replayed after restart"
-                ),
+        }
+        match tokio::time::timeout_at(deadline, self.commit_inline(stream, s)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(err)) => {
+                tracing::warn!(error = %err, "the last Kafka transaction failed at shutdown; it is replayed after restart")
             }
+            Err(_) => tracing::warn!(
+                "the last Kafka transaction did not commit within shutdown.drain_timeout; it is replayed after restart"
+            ),
         }
         if self.sink.in_transaction() {
             self.metrics
@@ -209,9 +217,9 @@ impl Relay {
                 .with_label_values(&["aborted"])
                 .inc();
             self.health.kafka_transaction_aborted();
-        }
-        if let Err(err) = self.sink.abort_transaction(Duration::from_secs(5)).await {
-            tracing::debug!(error = %err, "abort at shutdown failed; the next start's init_transactions aborts the transaction");
+            if let Err(err) = self.sink.abort_transaction(Duration::from_secs(5)).await {
+                tracing::debug!(error = %err, "abort at shutdown failed; the next start's init_transactions aborts the transaction");
+            }
         }
         // The aborted records' reports are purge errors: nothing to wait for.
         s.deliveries.clear();

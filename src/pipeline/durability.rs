@@ -15,19 +15,23 @@
 //!   acknowledged in the tracker when that transaction commits, so the slot
 //!   never passes what a `read_committed` consumer cannot see.
 //!
-//!   A Kafka commit takes a few round trips, and the next transaction's
-//!   first write waits for the coordinator to finish the last one. So
-//!   while a commit is under way the stream is read ahead: its events are
-//!   held ([`ExactlyOnce::held`], bounded by `kafka.max_inflight` rows) and
-//!   handled in order once the commit is done. They never join the
-//!   transaction being committed.
+//!   A Kafka commit takes a few round trips. So a closing transaction
+//!   commits in the background on one producer while the next one fills
+//!   on the other ([`crate::kafka::KafkaSink::start_commit`]). Between the
+//!   closing and the commit's start (until every record of the closing
+//!   transaction is acknowledged, and the previous commit is done), the
+//!   stream is read ahead: its events are held ([`ExactlyOnce::held`],
+//!   bounded by `kafka.max_inflight` rows) and handled in order once the
+//!   commit has started. They never join the transaction being committed,
+//!   and no record of theirs is sent before every record of it is
+//!   acknowledged, so each partition keeps commit order.
 
 use std::collections::VecDeque;
 use std::time::Instant;
 
 use tokio::task::JoinHandle;
 
-use crate::exactly_once::{LastCommit, Transactions};
+use crate::exactly_once::{Group, LastCommit, Transactions};
 use crate::kafka::KafkaSinkError;
 use crate::lsn::Lsn;
 use crate::pg::outbox_stream::StreamEvent;
@@ -49,11 +53,15 @@ pub(super) struct ExactlyOnce {
     pub(super) held: VecDeque<StreamEvent>,
     /// Outbox rows among them (the bound).
     pub(super) held_rows: usize,
-    /// The commit running in the background.
+    /// The commit running in the background, and the PostgreSQL
+    /// transactions it holds.
     pub(super) committing: Option<JoinHandle<Result<(), KafkaSinkError>>>,
+    pub(super) committing_group: Group,
     /// When closing began (the progress record was sent), and when the
     /// commit request went out.
     pub(super) closing_since: Option<Instant>,
+    /// The committing transaction's closing time, and its commit's start.
+    pub(super) committing_since: Option<Instant>,
     pub(super) commit_started: Option<Instant>,
 }
 
@@ -64,7 +72,9 @@ impl ExactlyOnce {
             held: VecDeque::new(),
             held_rows: 0,
             committing: None,
+            committing_group: Group::default(),
             closing_since: None,
+            committing_since: None,
             commit_started: None,
         }
     }
@@ -159,6 +169,14 @@ impl Durability {
         }
     }
 
+    /// Events are held, and may be handled now.
+    pub(super) fn releasable(&self) -> bool {
+        match self {
+            Durability::ExactlyOnce(e) => !e.t.closing && !e.held.is_empty(),
+            Durability::AtLeastOnce => false,
+        }
+    }
+
     /// The background commit, if one is under way.
     pub(super) fn commit_handle(&mut self) -> Option<&mut JoinHandle<Result<(), KafkaSinkError>>> {
         match self {
@@ -198,7 +216,7 @@ impl Durability {
     pub(super) fn settled(&self) -> bool {
         match self {
             Durability::AtLeastOnce => true,
-            Durability::ExactlyOnce(e) => e.t.group.is_empty() && e.held.is_empty(),
+            Durability::ExactlyOnce(e) => e.t.group.is_empty() && e.held.is_empty() && e.committing.is_none(),
         }
     }
 

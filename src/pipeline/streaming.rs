@@ -52,7 +52,6 @@ impl Relay {
                 // Exactly-once: the background Kafka commit is done.
                 outcome = commit_outcome(s.durability.commit_handle()) => {
                     self.commit_finished(s, outcome)?;
-                    self.release_held(stream, s).await?;
                 }
                 _ = status.tick() => {
                     // When idle, ask for a keepalive: its WAL end lets the
@@ -104,6 +103,9 @@ impl Relay {
             }
             if s.durability.commit_due() {
                 self.advance_commit(stream, s).await?;
+            }
+            if s.durability.releasable() {
+                self.release_held(stream, s).await?;
             }
             // Confirm soon after acknowledgements move the flush position,
             // not only on the timer, but at most every EAGER_CONFIRM.
