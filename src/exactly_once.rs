@@ -420,6 +420,11 @@ impl Group {
                 || now.duration_since(opened) >= limits.max_wait)
     }
 
+    /// It holds `max_events` events or `max_bytes` bytes.
+    pub fn over_size(&self, limits: &Limits) -> bool {
+        self.events >= limits.max_events || self.bytes >= limits.max_bytes
+    }
+
     /// When `max_wait` runs out, if it is still ahead.
     pub fn deadline(&self, limits: &Limits) -> Option<Instant> {
         self.opened_at.map(|o| o + limits.max_wait)
@@ -700,6 +705,7 @@ mod tests {
         g.sent(TxnId::for_tests(2), 2000, now);
         g.commit(last);
         assert!(g.due(&limits(), now), "max_bytes");
+        assert!(g.over_size(&limits()));
     }
 
     #[test]

@@ -69,6 +69,7 @@ struct Args {
     debezium: bool,
     exactly_once: bool,
     outboxd_kafka: Vec<String>,
+    exactly_once_settings: Vec<String>,
 }
 
 fn args() -> Args {
@@ -81,6 +82,7 @@ fn args() -> Args {
         debezium: true,
         exactly_once: true,
         outboxd_kafka: Vec::new(),
+        exactly_once_settings: Vec::new(),
     };
     let argv: Vec<String> = std::env::args().collect();
     let mut i = 1;
@@ -98,6 +100,14 @@ fn args() -> Args {
             "--warmup-secs" => a.warmup_secs = value() as u64,
             "--skip-debezium" => a.debezium = false,
             "--skip-exactly-once" => a.exactly_once = false,
+            "--exactly-once-setting" => {
+                a.exactly_once_settings.push(
+                    argv.get(i + 1)
+                        .expect("a `key = value` line after --exactly-once-setting")
+                        .clone(),
+                );
+                i += 1;
+            }
             "--outboxd-kafka" => {
                 a.outboxd_kafka.push(
                     argv.get(i + 1)
@@ -593,6 +603,7 @@ async fn main() {
         dir: dir.path().to_owned(),
         publication: "bench_pub".into(),
         outboxd_kafka: a.outboxd_kafka.clone(),
+        exactly_once_settings: a.exactly_once_settings.clone(),
     };
     let mut kinds = vec![Kind::Outboxd];
     if a.exactly_once {
@@ -681,6 +692,7 @@ async fn main() {
         "events": n,
         "wal_mb": wal_mb,
         "outboxd_kafka_settings": a.outboxd_kafka,
+        "exactly_once_settings": a.exactly_once_settings,
         "drain": o.drain.json(n),
         "pg_recvlogical": {"seconds": recv_secs, "events_per_second": recv_rate,
                            "seconds_before_outboxd": recv_before, "seconds_after_outboxd": recv_after},

@@ -32,6 +32,9 @@ pub struct Setting {
     pub publication: String,
     /// Extra lines for outboxd's `[kafka]` table (`--outboxd-kafka`).
     pub outboxd_kafka: Vec<String>,
+    /// Extra lines for `[kafka.exactly_once]` of the exactly-once run
+    /// (`--exactly-once-setting`).
+    pub exactly_once_settings: Vec<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -89,8 +92,9 @@ level = "{level}"
                     brokers = s.brokers,
                     kafka_extra = if self == Kind::OutboxdExactlyOnce {
                         format!(
-                            "{}\ndelivery = \"exactly-once\"\n[kafka.exactly_once]\nprogress_topic = \"progress-{topic}\"",
-                            s.outboxd_kafka.join("\n")
+                            "{}\ndelivery = \"exactly-once\"\n[kafka.exactly_once]\nprogress_topic = \"progress-{topic}\"\n{}",
+                            s.outboxd_kafka.join("\n"),
+                            s.exactly_once_settings.join("\n")
                         )
                     } else {
                         s.outboxd_kafka.join("\n")

@@ -66,6 +66,16 @@ pub(super) struct ExactlyOnce {
 }
 
 impl ExactlyOnce {
+    /// Whether the open Kafka transaction should close now: at a
+    /// PostgreSQL commit, past a bound. Past `max_wait` only, it goes on
+    /// filling while the previous commit is under way: closing would only
+    /// hold the stream back until that commit is done. Under load the
+    /// transactions so grow to what one commit's time brings in.
+    fn should_close(&self, now: Instant) -> bool {
+        let g = &self.t.group;
+        g.due(&self.t.limits, now) && (self.committing.is_none() || g.over_size(&self.t.limits))
+    }
+
     pub(super) fn new(t: Transactions) -> Self {
         ExactlyOnce {
             t,
@@ -121,7 +131,7 @@ impl Durability {
     pub(super) fn committed(&mut self, last: LastCommit) {
         if let Durability::ExactlyOnce(e) = self {
             e.t.group.commit(last);
-            if e.t.group.due(&e.t.limits, Instant::now()) {
+            if e.should_close(Instant::now()) {
                 e.t.closing = true;
             }
         }
@@ -190,7 +200,13 @@ impl Durability {
     pub(super) fn deadline(&self) -> Option<tokio::time::Instant> {
         match self {
             Durability::AtLeastOnce => None,
-            Durability::ExactlyOnce(e) if e.t.closing || e.t.group.mid_transaction() => None,
+            // Closing, half a PostgreSQL transaction in, or waiting for the
+            // commit under way (whose end wakes the loop anyway).
+            Durability::ExactlyOnce(e)
+                if e.t.closing || e.t.group.mid_transaction() || e.committing.is_some() =>
+            {
+                None
+            }
             Durability::ExactlyOnce(e) => {
                 e.t.group
                     .deadline(&e.t.limits)
@@ -204,7 +220,7 @@ impl Durability {
         match self {
             Durability::AtLeastOnce => false,
             Durability::ExactlyOnce(e) => {
-                if !e.t.closing && e.t.group.due(&e.t.limits, Instant::now()) {
+                if !e.t.closing && e.should_close(Instant::now()) {
                     e.t.closing = true;
                 }
                 e.t.closing
