@@ -48,7 +48,43 @@ pub async fn run_checks(config: &Config, v: &Validated) -> Vec<CheckLine> {
             },
         },
     );
+    if v.transactional_id.is_some() && out.last().is_some_and(|l| l.ok) {
+        out.push(progress_check(config, v).await);
+    }
     out
+}
+
+/// Exactly-once: the progress topic reads with `read_committed`. It never
+/// registers the transactional id: that would fence a running outboxd.
+async fn progress_check(config: &Config, v: &Validated) -> CheckLine {
+    let (kafka, eo) = (&config.kafka, &config.kafka.exactly_once);
+    let slot = v.slot.as_str();
+    match crate::exactly_once::read_progress(kafka, &eo.progress_topic, slot, kafka.admin_timeout.0).await {
+        Ok(Some(r)) => line(
+            "progress",
+            true,
+            format!(
+                "{}: slot {slot} is in Kafka up to commit {} (written by {} at {})",
+                eo.progress_topic, r.commit_lsn, r.writer, r.written_at
+            ),
+        ),
+        Ok(None) => line(
+            "progress",
+            true,
+            format!(
+                "{}: no record for slot {slot} yet; the first start publishes from the slot",
+                eo.progress_topic
+            ),
+        ),
+        Err(e) => line(
+            "progress",
+            false,
+            format!(
+                "{e}; outboxd needs READ on {} (and WRITE, and CREATE unless it exists)",
+                eo.progress_topic
+            ),
+        ),
+    }
 }
 
 async fn postgres_checks(config: &Config, v: &Validated) -> Vec<CheckLine> {

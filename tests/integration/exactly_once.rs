@@ -664,3 +664,99 @@ fn hostname() -> String {
         .trim()
         .to_owned()
 }
+
+fn outboxd(args: &[&str], config: &std::path::Path) -> (bool, String) {
+    let out = std::process::Command::new(crate::relay::bin())
+        .args(args)
+        .arg("--config")
+        .arg(config)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+/// `outboxd progress` shows the record, `check` and `status` name it, and
+/// `--reset` is refused while outboxd runs; after a clean stop and a
+/// reset, the next start publishes from the slot and duplicates nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn progress_command_shows_the_record_and_resets_only_a_stopped_slot() {
+    let db = TestDb::new("eo_progress_cli").await;
+    let client = db.client().await;
+    let brokers = broker().brokers.clone();
+    let dir = tempfile::tempdir().unwrap();
+    let (slot, prefix) = ("eo_cli", "eo-cli");
+    let cfg = write_config(
+        dir.path(),
+        "eo.toml",
+        &eo_config(&db.superuser_url(), slot, &brokers, prefix, ""),
+    );
+    let daemon = Daemon::start(&cfg, &dir.path().join("outboxd.log"));
+    wait_for("the slot", Duration::from_secs(30), || async {
+        confirmed_flush(&client, slot).await
+    })
+    .await;
+    let first = write_txns(&client, "p", 10, 3, 4).await;
+    let (last_commit, _) = commit_record(&client, first.last().unwrap()).await;
+    let progress_topic = format!("{prefix}.progress");
+    wait_for("the progress record", Duration::from_secs(30), || async {
+        progress(&brokers, &progress_topic, slot)
+            .await
+            .filter(|r| r.commit_lsn().unwrap() >= last_commit)
+    })
+    .await;
+
+    let (ok, text) = outboxd(&["progress"], &cfg);
+    assert!(
+        ok && text.contains(&format!("\"commitLsn\": \"{last_commit}\"")),
+        "{text}"
+    );
+    let (ok, text) = outboxd(&["check"], &cfg);
+    assert!(
+        ok && text.contains("progress") && text.contains(&last_commit.to_string()),
+        "{text}"
+    );
+    let (ok, text) = outboxd(&["status"], &cfg);
+    assert!(
+        ok && text.contains("progress") && text.contains(&last_commit.to_string()),
+        "{text}"
+    );
+    let (ok, text) = outboxd(&["progress", "--reset"], &cfg);
+    assert!(
+        !ok && text.contains("stop outboxd"),
+        "refused while running: {text}"
+    );
+
+    assert!(daemon.sigterm().success());
+    let (ok, text) = outboxd(&["progress", "--reset"], &cfg);
+    assert!(ok && text.contains("reset"), "{text}");
+    let (ok, text) = outboxd(&["progress"], &cfg);
+    assert!(ok && text.contains("no progress record"), "{text}");
+
+    let daemon = Daemon::start(&cfg, &dir.path().join("outboxd.log"));
+    let second = write_txns(&client, "q", 5, 3, 4).await;
+    let events: Vec<Event> = first
+        .iter()
+        .chain(second.iter())
+        .flat_map(|t| t.events.clone())
+        .collect();
+    let topic = format!("{prefix}.order");
+    committed_ids(&brokers, &topic, events.len()).await;
+    let last = second.last().unwrap().after;
+    wait_for(
+        "the slot past the last transaction",
+        Duration::from_secs(30),
+        || async { (confirmed_flush(&client, slot).await? >= last).then_some(()) },
+    )
+    .await;
+    let (b, t) = (brokers.clone(), topic.clone());
+    let records = tokio::task::spawn_blocking(move || consume(&b, &[&t], usize::MAX, Duration::from_secs(3)))
+        .await
+        .unwrap();
+    assert_exactly_once(&records, &events);
+    assert!(daemon.sigterm().success());
+}
