@@ -156,6 +156,23 @@ impl Relay {
         Ok(())
     }
 
+    /// Aborts the open Kafka transaction, if any, best effort: the next
+    /// producer's `init_transactions` aborts it anyway (or the broker's
+    /// `transaction.timeout.ms`).
+    pub(super) async fn abort_open_transaction(&mut self) {
+        if !self.sink.in_transaction() {
+            return;
+        }
+        self.metrics
+            .kafka_transactions
+            .with_label_values(&["aborted"])
+            .inc();
+        self.health.kafka_transaction_aborted();
+        if let Err(err) = self.sink.abort_transaction(Duration::from_secs(5)).await {
+            tracing::debug!(error = %err, "abort failed; the next producer's init_transactions aborts the transaction");
+        }
+    }
+
     /// Drives the commit under way and the closing transaction, if any,
     /// to their ends, inline (at shutdown).
     async fn commit_inline(&mut self, stream: &mut OutboxStream, s: &mut Session) -> Result<(), RelayError> {
@@ -211,16 +228,7 @@ impl Relay {
                 "the last Kafka transaction did not commit within shutdown.drain_timeout; it is replayed after restart"
             ),
         }
-        if self.sink.in_transaction() {
-            self.metrics
-                .kafka_transactions
-                .with_label_values(&["aborted"])
-                .inc();
-            self.health.kafka_transaction_aborted();
-            if let Err(err) = self.sink.abort_transaction(Duration::from_secs(5)).await {
-                tracing::debug!(error = %err, "abort at shutdown failed; the next start's init_transactions aborts the transaction");
-            }
-        }
+        self.abort_open_transaction().await;
         // The aborted records' reports are purge errors: nothing to wait for.
         s.deliveries.clear();
         s.dead_letters.clear();

@@ -624,19 +624,8 @@ impl Relay {
                     self.refused.insert(*lsn, refused.clone());
                 }
                 // Exactly-once: nothing of the open Kafka transaction may
-                // become visible. Abort it (best effort: a new producer's
-                // init_transactions aborts it anyway).
-                if self.sink.in_transaction() {
-                    self.metrics
-                        .kafka_transactions
-                        .with_label_values(&["aborted"])
-                        .inc();
-                    self.health.kafka_transaction_aborted();
-                    let abort = self.sink.abort_transaction(Duration::from_secs(5));
-                    if let Err(err) = abort.await {
-                        tracing::debug!(error = %err, "abort failed; the next producer's init_transactions aborts the transaction");
-                    }
-                }
+                // become visible.
+                self.abort_open_transaction().await;
                 // Never let a record queued before the failure land after
                 // the replay: drop the producer (which purges its queue)
                 // and start the next session with a new one.

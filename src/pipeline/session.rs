@@ -59,6 +59,28 @@ pub(super) struct DeadLetterJob {
     pub(super) stub: bool,
 }
 
+/// A refusal inside a Kafka transaction: the session ends, and the replay
+/// sets the record aside (its dead letter, or the stub of that).
+fn refused_in_transaction(
+    lsn: Lsn,
+    reason: &'static str,
+    e: &rdkafka::error::KafkaError,
+    topic: String,
+    omit_payload: bool,
+    stub: bool,
+) -> RelayError {
+    RelayError::RefusedInTransaction {
+        lsn,
+        refused: Refused {
+            reason,
+            error: e.to_string(),
+            topic,
+            omit_payload,
+            stub,
+        },
+    }
+}
+
 /// The record a broker refused, rebuilt from what librdkafka handed back.
 pub(super) fn record_from_message(msg: &rdkafka::message::OwnedMessage) -> KafkaRecord {
     use rdkafka::message::{Headers, Message};
@@ -194,28 +216,17 @@ impl Session {
             // transaction: it is aborted, and the replay sets the record
             // aside (see `exactly_once::Refused`).
             (Sent::DeadLetter { reason, .. }, Refusal::Record { .. }) if in_transaction => {
-                Err(RelayError::RefusedInTransaction {
-                    lsn,
-                    refused: Refused {
-                        reason,
-                        error: e.to_string(),
-                        topic,
-                        omit_payload: false,
-                        stub: true,
-                    },
-                })
+                Err(refused_in_transaction(lsn, reason, &e, topic, false, true))
             }
             (Sent::Event, Refusal::Record { reason, omit_payload }) if in_transaction && self.isolating => {
-                Err(RelayError::RefusedInTransaction {
+                Err(refused_in_transaction(
                     lsn,
-                    refused: Refused {
-                        reason,
-                        error: e.to_string(),
-                        topic,
-                        omit_payload,
-                        stub: false,
-                    },
-                })
+                    reason,
+                    &e,
+                    topic,
+                    omit_payload,
+                    false,
+                ))
             }
             // Even the dead letter is too much for Kafka (a huge key or
             // headers): send its stub, which names the row and the reason.

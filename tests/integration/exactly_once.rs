@@ -15,8 +15,8 @@ use uuid::Uuid;
 use crate::harness::broker::{broker, consume, consume_uncommitted, Consumed};
 use crate::harness::{wait_for, TestDb};
 use crate::relay::{
-    config_text, confirmed_flush, current_lsn, env_usize, expected_order, insert_batch, spawn_relay,
-    spawn_relay_with_slot, stop_relay, write_config, Daemon, Event,
+    config_text, confirmed_flush, current_lsn, env_usize, expected_order, insert_batch, seed, spawn_relay,
+    spawn_relay_with_slot, stop_relay, torture_writers, write_config, Daemon, Event,
 };
 
 /// A config in exactly-once mode: topics `<prefix>.<aggregate type>`, the
@@ -347,33 +347,8 @@ async fn exactly_once_survives_sigkills_with_each_event_read_once() {
     .await;
 
     let started = std::time::Instant::now();
-    let mut writers = Vec::new();
-    for w in 0..WRITERS {
-        let client = db.client().await;
-        writers.push(tokio::spawn(async move {
-            let mut all = Vec::new();
-            for t in 0..txns_per_writer {
-                let batch: Vec<Event> = (0..PER_TXN)
-                    .map(|r| Event {
-                        id: Uuid::now_v7(),
-                        aggregate_type: "Order".to_owned(),
-                        aggregate_id: format!("w{w}-agg-{}", (t * PER_TXN + r) % 25),
-                        event_type: "torture.v1".to_owned(),
-                        payload: json!({"w": w, "t": t, "r": r}),
-                        txn: t,
-                    })
-                    .collect();
-                insert_batch(&client, &batch).await;
-                all.extend(batch);
-            }
-            all
-        }));
-    }
-    let mut rng = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64
-        | 1;
+    let writers = torture_writers(&db, WRITERS, txns_per_writer, PER_TXN).await;
+    let mut rng = seed();
     // Each kill lands while the daemon streams: a start takes a while in
     // this mode (init_transactions waits for the broker to abort what the
     // killed one left open), and killing during it would test little.
@@ -758,5 +733,66 @@ async fn progress_command_shows_the_record_and_resets_only_a_stopped_slot() {
         .await
         .unwrap();
     assert_exactly_once(&records, &events);
+    assert!(daemon.sigterm().success());
+}
+
+/// A PostgreSQL transaction larger than every bound (100,000 rows against
+/// `max_events = 10000` and `kafka.max_inflight = 2000`) is one Kafka
+/// transaction, with one progress record, and memory stays bounded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_larger_than_the_bounds_is_one_kafka_transaction() {
+    const ROWS: usize = 100_000;
+    let db = TestDb::new("eo_large").await;
+    let client = db.client().await;
+    let brokers = broker().brokers.clone();
+    let dir = tempfile::tempdir().unwrap();
+    let (slot, prefix) = ("eo_large", "eo-large");
+    let cfg = write_config(
+        dir.path(),
+        "eo.toml",
+        &eo_config(&db.superuser_url(), slot, &brokers, prefix, "max_inflight = 2000"),
+    );
+    let daemon = Daemon::start(&cfg, &dir.path().join("outboxd.log"));
+    wait_for("the slot", Duration::from_secs(30), || async {
+        confirmed_flush(&client, slot).await
+    })
+    .await;
+    client
+        .batch_execute(&format!(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload)
+             SELECT gen_random_uuid(), 'Order', 'agg-' || (g % 100), 'big.v1',
+                    jsonb_build_object('n', g, 'pad', repeat(md5(g::text), 8))
+               FROM generate_series(1, {ROWS}) g"
+        ))
+        .await
+        .unwrap();
+    let after = current_lsn(&client).await;
+    wait_for(
+        "the slot past the transaction",
+        Duration::from_secs(240),
+        || async { (confirmed_flush(&client, slot).await? >= after).then_some(()) },
+    )
+    .await;
+    let rss_kib = std::fs::read_to_string(format!("/proc/{}/status", daemon.pid()))
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .unwrap();
+    let (b, t) = (brokers.clone(), format!("{prefix}.order"));
+    let records = tokio::task::spawn_blocking(move || consume(&b, &[&t], usize::MAX, Duration::from_secs(5)))
+        .await
+        .unwrap();
+    let unique: HashSet<&str> = records.iter().filter_map(|r| r.header("id")).collect();
+    assert_eq!((records.len(), unique.len()), (ROWS, ROWS), "each row once");
+    let history = progress_history(&brokers, &format!("{prefix}.progress"));
+    let big: Vec<&ProgressRecord> = history.iter().filter(|r| r.events > 0).collect();
+    assert_eq!(big.len(), 1, "one Kafka transaction: {history:?}");
+    assert_eq!((big[0].events, big[0].transactions), (ROWS as u64, 1));
+    eprintln!(
+        "large transaction, exactly-once: {ROWS} rows in one Kafka transaction, peak RSS {} MiB",
+        rss_kib / 1024
+    );
+    assert!(rss_kib < 256 * 1024, "peak RSS {rss_kib} KiB");
     assert!(daemon.sigterm().success());
 }

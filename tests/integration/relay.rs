@@ -850,6 +850,48 @@ impl Daemon {
     }
 }
 
+/// `writers` tasks, each writing `txns` transactions of `per_txn` events
+/// over 25 aggregates of its own; each returns its events in commit order.
+pub(crate) async fn torture_writers(
+    db: &TestDb,
+    writers: usize,
+    txns: usize,
+    per_txn: usize,
+) -> Vec<JoinHandle<Vec<Event>>> {
+    let mut handles = Vec::new();
+    for w in 0..writers {
+        let client = db.client().await;
+        handles.push(tokio::spawn(async move {
+            let mut all = Vec::new();
+            for t in 0..txns {
+                let batch: Vec<Event> = (0..per_txn)
+                    .map(|r| Event {
+                        id: Uuid::now_v7(),
+                        aggregate_type: "Order".to_owned(),
+                        aggregate_id: format!("w{w}-agg-{}", (t * per_txn + r) % 25),
+                        event_type: "torture.v1".to_owned(),
+                        payload: json!({"w": w, "t": t, "r": r}),
+                        txn: t,
+                    })
+                    .collect();
+                insert_batch(&client, &batch).await;
+                all.extend(batch);
+            }
+            all
+        }));
+    }
+    handles
+}
+
+/// A seed for the tests' xorshift: the clock's nanoseconds, never zero.
+pub(crate) fn seed() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
+        | 1
+}
+
 pub(crate) fn env_usize(name: &str, default: usize) -> usize {
     std::env::var(name)
         .ok()
@@ -891,33 +933,8 @@ async fn torture_sigkill_during_the_stream_loses_nothing_and_keeps_order() {
     .await;
 
     let started = std::time::Instant::now();
-    let mut writers = Vec::new();
-    for w in 0..WRITERS {
-        let client = db.client().await;
-        writers.push(tokio::spawn(async move {
-            let mut all = Vec::new();
-            for t in 0..txns_per_writer {
-                let batch: Vec<Event> = (0..PER_TXN)
-                    .map(|r| Event {
-                        id: Uuid::now_v7(),
-                        aggregate_type: "Order".to_owned(),
-                        aggregate_id: format!("w{w}-agg-{}", (t * PER_TXN + r) % 25),
-                        event_type: "torture.v1".to_owned(),
-                        payload: json!({"w": w, "t": t, "r": r}),
-                        txn: t,
-                    })
-                    .collect();
-                insert_batch(&client, &batch).await;
-                all.extend(batch);
-            }
-            all
-        }));
-    }
-    let mut rng = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64
-        | 1;
+    let writers = torture_writers(&db, WRITERS, txns_per_writer, PER_TXN).await;
+    let mut rng = seed();
     for _ in 0..kills {
         rng ^= rng << 13;
         rng ^= rng >> 7;
