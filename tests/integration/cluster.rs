@@ -23,8 +23,8 @@ use crate::harness::postgres::free_port;
 use crate::harness::{wait_for, TestDb};
 use crate::operations::get;
 use crate::relay::{
-    config_text, confirmed_flush, current_lsn, expected_order, first_occurrence_order, insert_batch,
-    write_config, Daemon, Event,
+    config_text, confirmed_flush, expected_order, first_occurrence_order, insert_with_bounds, write_config,
+    Daemon, Event,
 };
 
 const TOPIC: &str = "cluster.order";
@@ -117,16 +117,7 @@ async fn write_paced(db: &TestDb, w: usize, txns: usize, pause: Duration, first:
                 txn: t,
             })
             .collect();
-        let before = current_lsn(&client).await;
-        client.batch_execute("BEGIN").await.unwrap();
-        insert_batch(&client, &events).await;
-        let xid: String = client
-            .query_one("SELECT txid_current()::text", &[])
-            .await
-            .unwrap()
-            .get(0);
-        client.batch_execute("COMMIT").await.unwrap();
-        let after = current_lsn(&client).await;
+        let (xid, before, after) = insert_with_bounds(&client, &events).await;
         out.push(Txn {
             events,
             before,

@@ -15,8 +15,8 @@ use uuid::Uuid;
 use crate::harness::broker::{broker, consume, consume_uncommitted, Consumed};
 use crate::harness::{wait_for, TestDb};
 use crate::relay::{
-    config_text, confirmed_flush, current_lsn, env_usize, expected_order, insert_batch, seed, spawn_relay,
-    spawn_relay_with_slot, stop_relay, torture_writers, write_config, Daemon, Event,
+    config_text, confirmed_flush, current_lsn, env_usize, expected_order, insert_batch, insert_with_bounds,
+    seed, spawn_relay, spawn_relay_with_slot, stop_relay, torture_writers, write_config, Daemon, Event,
 };
 
 /// A config in exactly-once mode: topics `<prefix>.<aggregate type>`, the
@@ -75,16 +75,7 @@ pub(crate) async fn write_txns(
                 txn: t,
             })
             .collect();
-        let before = current_lsn(client).await;
-        client.batch_execute("BEGIN").await.unwrap();
-        insert_batch(client, &events).await;
-        let xid: String = client
-            .query_one("SELECT txid_current()::text", &[])
-            .await
-            .unwrap()
-            .get(0);
-        client.batch_execute("COMMIT").await.unwrap();
-        let after = current_lsn(client).await;
+        let (xid, before, after) = insert_with_bounds(client, &events).await;
         out.push(Written {
             events,
             xid,

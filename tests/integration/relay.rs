@@ -186,6 +186,25 @@ pub(crate) async fn insert_batch(client: &tokio_postgres::Client, batch: &[Event
         .unwrap();
 }
 
+/// Inserts `events` in one explicit transaction; returns its xid and the
+/// WAL insert positions read before it began and after it committed (its
+/// commit record lies between them).
+pub(crate) async fn insert_with_bounds(
+    client: &tokio_postgres::Client,
+    events: &[Event],
+) -> (String, Lsn, Lsn) {
+    let before = current_lsn(client).await;
+    client.batch_execute("BEGIN").await.unwrap();
+    insert_batch(client, events).await;
+    let xid: String = client
+        .query_one("SELECT txid_current()::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    client.batch_execute("COMMIT").await.unwrap();
+    (xid, before, current_lsn(client).await)
+}
+
 /// Per aggregate, the ids in the order their first copies were consumed.
 pub(crate) fn first_occurrence_order(records: &[Consumed]) -> HashMap<String, Vec<Uuid>> {
     let mut seen = HashSet::new();
