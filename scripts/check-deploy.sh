@@ -86,10 +86,10 @@ ha = kind("ha.yaml", "Deployment")[0]["spec"]
 assert ha["replicas"] == 2 and ha["strategy"]["type"] == "RollingUpdate", "the HA mode renders"
 rules = yaml.safe_load(open("helm/outboxd/files/alerts.yaml"))
 names = {r["alert"] for g in rules["groups"] for r in g["rules"]}
-assert {"OutboxdReplicationLagHigh", "OutboxdRetainedWalHigh", "OutboxdNoAcks", "OutboxdNotReady"} <= names
+assert {"OutboxdReplicationLagHigh", "OutboxdRetainedWalHigh", "OutboxdNoAcks", "OutboxdNotReady", "OutboxdKafkaTransactionsAborting"} <= names
 dash = json.load(open("deploy/grafana/outboxd-dashboard.json"))
 exprs = " ".join(t["expr"] for p in dash["panels"] for t in p["targets"])
-for m in ("outboxd_replication_lag_bytes", "outboxd_slot_retained_wal_bytes", "outboxd_commit_to_ack_seconds_bucket", "outboxd_ready"):
+for m in ("outboxd_replication_lag_bytes", "outboxd_slot_retained_wal_bytes", "outboxd_commit_to_ack_seconds_bucket", "outboxd_ready", "outboxd_kafka_transactions_total", "outboxd_kafka_commit_seconds_bucket"):
     assert m in exprs, m
 print("chart, alerts and dashboard: ok")
 PY
