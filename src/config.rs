@@ -217,6 +217,19 @@ pub struct KafkaConfig {
     pub options: BTreeMap<String, String>,
 }
 
+impl KafkaConfig {
+    /// The producer's `transaction.timeout.ms` (librdkafka's default 60 s):
+    /// how long the broker lets a Kafka transaction stay open.
+    pub fn transaction_timeout(&self) -> Duration {
+        Duration::from_millis(
+            self.options
+                .get("transaction.timeout.ms")
+                .and_then(|t| t.parse().ok())
+                .unwrap_or(60_000),
+        )
+    }
+}
+
 /// How records become durable in Kafka, and so what the slot may confirm.
 #[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq, Default)]
 #[serde(rename_all = "kebab-case")]
@@ -796,14 +809,11 @@ impl Config {
                 ));
             }
         }
-        let txn_timeout_ms: u64 = options
-            .get("transaction.timeout.ms")
-            .and_then(|t| t.parse().ok())
-            .unwrap_or(60_000);
+        let txn_timeout = self.kafka.transaction_timeout();
         if options
             .get("message.timeout.ms")
             .and_then(|t| t.parse::<u64>().ok())
-            .is_some_and(|m| m > txn_timeout_ms)
+            .is_some_and(|m| Duration::from_millis(m) > txn_timeout)
         {
             return Err(invalid(
                 "kafka.options.message.timeout.ms",

@@ -425,6 +425,11 @@ impl Group {
         self.events >= limits.max_events || self.bytes >= limits.max_bytes
     }
 
+    /// Since its first event was sent.
+    pub fn age(&self) -> Option<Duration> {
+        self.opened_at.map(|o| o.elapsed())
+    }
+
     /// When `max_wait` runs out, if it is still ahead.
     pub fn deadline(&self, limits: &Limits) -> Option<Instant> {
         self.opened_at.map(|o| o + limits.max_wait)

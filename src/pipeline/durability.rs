@@ -187,6 +187,15 @@ impl Durability {
         }
     }
 
+    /// How long the oldest Kafka transaction still open (committing or
+    /// filling) has been open.
+    pub(super) fn oldest_transaction_age(&self) -> Option<std::time::Duration> {
+        match self {
+            Durability::ExactlyOnce(e) => e.committing_group.age().max(e.t.group.age()),
+            Durability::AtLeastOnce => None,
+        }
+    }
+
     /// The background commit, if one is under way.
     pub(super) fn commit_handle(&mut self) -> Option<&mut JoinHandle<Result<(), KafkaSinkError>>> {
         match self {

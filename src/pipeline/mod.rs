@@ -117,6 +117,12 @@ pub enum RelayError {
     },
     #[error("Kafka refused the record at {lsn} for topic {topic:?} inside a Kafka transaction ({error}); the transaction is aborted and the replay sets the record aside", topic = refused.topic, error = refused.error)]
     RefusedInTransaction { lsn: Lsn, refused: Refused },
+    #[error("a Kafka transaction was open for {age:?}, longer than transaction.timeout.ms ({timeout:?}), so the broker aborted it ({source}); it is replayed from the progress record. If one PostgreSQL transaction takes that long to send (millions of rows), every replay ends the same way: raise kafka.options.\"transaction.timeout.ms\" (up to the broker's transaction.max.timeout.ms) or split the transaction")]
+    TransactionTimedOut {
+        age: Duration,
+        timeout: Duration,
+        source: Box<KafkaSinkError>,
+    },
     #[error(transparent)]
     Progress(#[from] ProgressError),
     #[error(transparent)]
@@ -155,6 +161,7 @@ impl RelayError {
             RelayError::Poison { .. } => "poison",
             RelayError::BatchRefused { .. } | RelayError::RefusedInTransaction { .. } => "batch_refused",
             RelayError::Progress(_) | RelayError::ForeignProgress(_) => "progress",
+            RelayError::TransactionTimedOut { .. } => "transaction",
             RelayError::KafkaDenied { .. } => "denied",
             RelayError::DeadLetterFailed(_) => "dead_letter",
         }
@@ -173,6 +180,7 @@ impl RelayError {
             | RelayError::LeadershipLost
             | RelayError::BatchRefused { .. }
             | RelayError::RefusedInTransaction { .. }
+            | RelayError::TransactionTimedOut { .. }
             | RelayError::GuardFailed(_) => true,
             RelayError::Progress(e) => e.is_transient(),
             RelayError::ForeignProgress(_) => false,
@@ -613,6 +621,20 @@ impl Relay {
                 let e = match self.sink.fatal_error() {
                     Some(fatal) if matches!(e, RelayError::Kafka(_)) => RelayError::Kafka(fatal),
                     _ => e,
+                };
+                // A Kafka transaction older than transaction.timeout.ms was
+                // aborted by the broker, which then refuses its producer:
+                // that, not another outboxd, is the cause to name.
+                let timeout = self.config.kafka.transaction_timeout();
+                let e = match (e, s.durability.oldest_transaction_age()) {
+                    (RelayError::Kafka(source), Some(age)) if age >= timeout => {
+                        RelayError::TransactionTimedOut {
+                            age,
+                            timeout,
+                            source: Box::new(source),
+                        }
+                    }
+                    (e, _) => e,
                 };
                 // Whatever this session read may have shared a batch with
                 // the refused record: re-send all of it one per batch.

@@ -787,3 +787,66 @@ async fn a_transaction_larger_than_the_bounds_is_one_kafka_transaction() {
     assert!(rss_kib < 256 * 1024, "peak RSS {rss_kib} KiB");
     assert!(daemon.sigterm().success());
 }
+
+/// One PostgreSQL transaction that takes longer to send than
+/// `transaction.timeout.ms`: the broker aborts its Kafka transaction, and
+/// outboxd says so (not "another outboxd took over"), and never confirms.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_outlasting_the_transaction_timeout_is_named() {
+    let db = TestDb::new("eo_txn_timeout").await;
+    let client = db.client().await;
+    let brokers = broker().brokers.clone();
+    let dir = tempfile::tempdir().unwrap();
+    let (slot, prefix) = ("eo_timeout", "eo-timeout");
+    // One record in flight at a time: 3,000 rows take seconds to send.
+    let text = eo_config_with(
+        &db.superuser_url(),
+        slot,
+        &brokers,
+        prefix,
+        "max_inflight = 1",
+        "commit_timeout = \"1s\"",
+    ) + "\n[kafka.options]\n\"transaction.timeout.ms\" = \"3000\"\n";
+    let cfg = write_config(dir.path(), "eo.toml", &text);
+    let log = dir.path().join("outboxd.log");
+    let mut daemon = Daemon::start(&cfg, &log);
+    wait_for("the slot", Duration::from_secs(30), || async {
+        confirmed_flush(&client, slot).await
+    })
+    .await;
+    client
+        .batch_execute(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload)
+             SELECT gen_random_uuid(), 'Order', 'agg-' || (g % 10), 'slow.v1', jsonb_build_object('n', g)
+               FROM generate_series(1, 3000) g",
+        )
+        .await
+        .unwrap();
+    let after = current_lsn(&client).await;
+    let text = wait_for(
+        "the timeout named in the log",
+        Duration::from_secs(120),
+        || async {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            text.contains("longer than transaction.timeout.ms")
+                .then_some(text)
+        },
+    )
+    .await;
+    assert!(text.contains("raise kafka.options"), "{text}");
+    let confirmed = confirmed_flush(&client, slot).await.unwrap();
+    assert!(
+        confirmed < after,
+        "the aborted transaction is not confirmed: {confirmed} >= {after}"
+    );
+    let (b, t) = (brokers.clone(), format!("{prefix}.order"));
+    let visible = tokio::task::spawn_blocking(move || consume(&b, &[&t], usize::MAX, Duration::from_secs(2)))
+        .await
+        .unwrap();
+    assert!(
+        visible.is_empty(),
+        "{} records of an aborted transaction are visible",
+        visible.len()
+    );
+    daemon.kill9();
+}
