@@ -517,14 +517,13 @@ pub struct Transactions {
     /// PostgreSQL transactions committed at or below this LSN are in Kafka.
     pub skip_through: Option<Lsn>,
     pub group: Group,
-    /// Intake is paused for a commit.
+    /// The open Kafka transaction is closing: new stream events are held
+    /// until its commit starts.
     pub closing: bool,
     /// The progress record is in the open Kafka transaction.
     pub progress_sent: bool,
     /// Who writes the progress records.
     pub identity: Identity,
-    /// The last committed progress record's commit LSN.
-    pub progress_lsn: Option<Lsn>,
 }
 
 /// What each progress record says about its writer.
@@ -582,7 +581,6 @@ impl Transactions {
             closing: false,
             progress_sent: false,
             identity,
-            progress_lsn: None,
         }
     }
 
@@ -599,7 +597,6 @@ impl Transactions {
         }
         let lsn = r.commit_lsn()?;
         self.skip_through = Some(lsn);
-        self.progress_lsn = Some(lsn);
         Ok(Resume::SkipThrough(lsn))
     }
 
