@@ -631,19 +631,11 @@ fn hostname() -> String {
         .to_owned()
 }
 
+/// `outboxd <args> --config <config>`: success, and stdout and stderr.
 fn outboxd(args: &[&str], config: &std::path::Path) -> (bool, String) {
-    let out = std::process::Command::new(crate::relay::bin())
-        .args(args)
-        .arg("--config")
-        .arg(config)
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), text)
+    let config = config.to_str().expect("a UTF-8 path");
+    let (ok, out, err) = crate::operations::outboxd(&[args, &["--config", config]].concat());
+    (ok, out + &err)
 }
 
 /// `outboxd progress` shows the record, `check` and `status` name it, and

@@ -231,7 +231,8 @@ async fn readiness_follows_postgres_and_the_broker() {
     own_broker.kill();
 }
 
-fn outboxd(args: &[&str]) -> (bool, String, String) {
+/// Runs the outboxd binary: success, stdout, stderr.
+pub(crate) fn outboxd(args: &[&str]) -> (bool, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_outboxd"))
         .args(args)
         .stdin(Stdio::null())
