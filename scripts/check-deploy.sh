@@ -89,7 +89,7 @@ names = {r["alert"] for g in rules["groups"] for r in g["rules"]}
 assert {"OutboxdReplicationLagHigh", "OutboxdRetainedWalHigh", "OutboxdNoAcks", "OutboxdNotReady", "OutboxdKafkaTransactionsAborting"} <= names
 dash = json.load(open("deploy/grafana/outboxd-dashboard.json"))
 exprs = " ".join(t["expr"] for p in dash["panels"] for t in p["targets"])
-for m in ("outboxd_replication_lag_bytes", "outboxd_slot_retained_wal_bytes", "outboxd_commit_to_ack_seconds_bucket", "outboxd_ready", "outboxd_kafka_transactions_total", "outboxd_kafka_commit_seconds_bucket"):
+for m in ("outboxd_replication_lag_bytes", "outboxd_slot_retained_wal_bytes", "outboxd_commit_to_ack_seconds_bucket", "outboxd_ready", "outboxd_kafka_transactions_total", "outboxd_kafka_commit_seconds_bucket", "outboxd_failover_protected"):
     assert m in exprs, m
 print("chart, alerts and dashboard: ok")
 PY

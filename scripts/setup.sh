@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the tests, the demo and the benchmarks need on a fresh
-# Debian/Ubuntu machine: the PostgreSQL 15 server binaries, the C build
+# Debian/Ubuntu machine: the PostgreSQL 15 server binaries, PostgreSQL 17
+# and 18 in Debian roots of their own (debootstrap; scripts/lib/
+# postgres-root.sh; OUTBOXD_PG_VERSIONS="17 18" by default), the C build
 # dependencies of librdkafka, the Rust toolchain components, a JDK (17+)
 # and Maven, and from Maven Central Apache Kafka's jars (the local test
 # broker; scripts/kafka.sh) and Kafka Connect with Debezium (the incumbent
@@ -33,6 +35,15 @@ if [ -z "$pg_bin" ]; then
   pg_bin=/usr/lib/postgresql/15/bin
 fi
 log "PostgreSQL binaries: $pg_bin"
+
+# Newer servers for the version matrix, each in a Debian root of its own.
+pg_versions=${OUTBOXD_PG_VERSIONS-17 18}
+if [ -n "$pg_versions" ]; then
+  dpkg -s debootstrap >/dev/null 2>&1 || { log "installing debootstrap"; apt_install debootstrap; }
+  for v in $pg_versions; do
+    log "PostgreSQL $v: $("$(dirname "$0")/lib/postgres-root.sh" "$v")"
+  done
+fi
 
 missing=()
 for pkg in libssl-dev pkg-config make g++; do

@@ -3,7 +3,8 @@
 # formatting, lints, the deployment checks (Dockerfile, Helm chart, image),
 # the quick start (scripts/demo.sh), unit tests and the end-to-end tests
 # against a real PostgreSQL and Apache Kafka that the test harness starts
-# and stops itself.
+# and stops itself: the whole suite on PostgreSQL 15, then the integration
+# suite on 17 and on 18 (OUTBOXD_PG_VERSIONS, default "17 18").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,9 +18,28 @@ scripts/demo.sh >/tmp/outboxd-demo.$$.log 2>&1 || { cat /tmp/outboxd-demo.$$.log
 echo "quick start (scripts/demo.sh): passed"
 rm -f /tmp/outboxd-demo.$$.log
 echo "broker: Apache Kafka $(scripts/kafka.sh version) (KRaft; the harness checks each broker's own \"Kafka version\" line)"
-log=$(mktemp)
-trap 'rm -f "$log"' EXIT
-cargo test --workspace --locked 2>&1 | tee "$log"
-# One closing line for the whole run (cargo prints one per test binary).
-awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($i ~ /^passed/) p += $(i-1); if ($i ~ /^failed/) f += $(i-1) } }
-     END { printf "tests: %d passed, %d failed\n", p, f }' "$log"
+
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
+# Totals of one cargo test run (cargo prints one line per test binary).
+totals() {
+  awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($i ~ /^passed/) p += $(i-1); if ($i ~ /^failed/) f += $(i-1) } }
+       END { printf "%d passed, %d failed\n", p, f }' "$@"
+}
+summary=()
+run() {
+  local label=$1 log="$logs/$1.log" start=$SECONDS status=0
+  shift
+  echo "=== $label"
+  "$@" 2>&1 | tee "$log" || status=$?
+  summary+=("tests, $label: $(totals "$log") in $((SECONDS - start)) s")
+  return "$status"
+}
+failed=0
+run "PostgreSQL 15, whole workspace" cargo test --workspace --locked || failed=1
+for v in ${OUTBOXD_PG_VERSIONS-17 18}; do
+  run "PostgreSQL $v, integration suite" env OUTBOXD_PG_VERSION="$v" cargo test --locked --test integration || failed=1
+done
+printf '%s\n' "${summary[@]}"
+echo "tests: $(totals "$logs"/*.log)"
+exit "$failed"

@@ -5,19 +5,25 @@ use std::fmt;
 
 use crate::config::{Config, Validated};
 use crate::kafka::KafkaSink;
-use crate::pg::admin;
+use crate::pg::{admin, failover};
 
 /// The result of one check.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CheckLine {
     pub name: &'static str,
     pub ok: bool,
+    /// Works, but not as safely as it could (printed as `warn`).
+    pub warning: bool,
     pub detail: String,
 }
 
 impl fmt::Display for CheckLine {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let mark = if self.ok { "ok  " } else { "FAIL" };
+        let mark = match (self.ok, self.warning) {
+            (false, _) => "FAIL",
+            (true, true) => "warn",
+            (true, false) => "ok  ",
+        };
         write!(f, "{mark} {:<12} {}", self.name, self.detail)
     }
 }
@@ -26,6 +32,7 @@ fn line(name: &'static str, ok: bool, detail: impl Into<String>) -> CheckLine {
     CheckLine {
         name,
         ok,
+        warning: false,
         detail: detail.into(),
     }
 }
@@ -48,24 +55,85 @@ pub async fn run_checks(config: &Config, v: &Validated) -> Vec<CheckLine> {
             },
         },
     );
-    if v.transactional_id.is_some() && out.last().is_some_and(|l| l.ok) {
+    let kafka_ok = out.last().is_some_and(|l| l.ok);
+    if config.kafka.keeps_slot_register() && kafka_ok && config.mode == crate::config::Mode::Cdc {
+        out.push(register_check(config, v).await);
+    }
+    if v.transactional_id.is_some() && kafka_ok {
         out.push(progress_check(config, v).await);
     }
     out
 }
 
+/// The slot register ([`crate::slot_register`]): a missing slot that
+/// outboxd streamed before was lost, and `run` will refuse to recreate it.
+async fn register_check(config: &Config, v: &Validated) -> CheckLine {
+    let kafka = &config.kafka;
+    let slot = v.slot.as_str();
+    let system = match crate::pg::connection::ReplicationConnection::connect(&v.pg).await {
+        Ok(mut repl) => repl.identify_system().await,
+        Err(e) => Err(e),
+    };
+    let system = match system {
+        Ok(s) => s,
+        Err(e) => {
+            return line(
+                "register",
+                false,
+                format!("cannot identify the PostgreSQL system: {e}"),
+            )
+        }
+    };
+    let exists = match admin::connect(&v.pg).await {
+        Ok(c) => admin::slot_info(&c, &v.slot).await.map(|i| i.is_some()),
+        Err(e) => Err(e),
+    };
+    let record = crate::slot_register::read(kafka, &system.system_id, slot, kafka.admin_timeout.0).await;
+    match (exists, record) {
+        (Err(e), _) => line("register", false, e.to_string()),
+        (_, Err(e)) => line("register", false, e.to_string()),
+        (Ok(false), Ok(Some(r))) => line(
+            "register",
+            false,
+            crate::slot_register::SlotLost::new(&r, system.timeline, kafka.progress_topic()).to_string(),
+        ),
+        (Ok(_), Ok(Some(r))) => line(
+            "register",
+            true,
+            format!(
+                "{}: outboxd streamed slot {slot} up to at least {} (seen at {})",
+                kafka.progress_topic(),
+                r.confirmed_lsn,
+                r.seen_at
+            ),
+        ),
+        (Ok(_), Ok(None)) => line(
+            "register",
+            true,
+            format!(
+                "{}: slot {slot} not streamed yet on this system",
+                kafka.progress_topic()
+            ),
+        ),
+    }
+}
+
 /// Exactly-once: the progress topic reads with `read_committed`. It never
 /// registers the transactional id: that would fence a running outboxd.
 async fn progress_check(config: &Config, v: &Validated) -> CheckLine {
-    let (kafka, eo) = (&config.kafka, &config.kafka.exactly_once);
+    let kafka = &config.kafka;
     let slot = v.slot.as_str();
-    match crate::exactly_once::read_progress(kafka, &eo.progress_topic, slot, kafka.admin_timeout.0).await {
+    match crate::exactly_once::read_progress(kafka, kafka.progress_topic(), slot, kafka.admin_timeout.0).await
+    {
         Ok(Some(r)) => line(
             "progress",
             true,
             format!(
                 "{}: slot {slot} is in Kafka up to commit {} (written by {} at {})",
-                eo.progress_topic, r.commit_lsn, r.writer, r.written_at
+                kafka.progress_topic(),
+                r.commit_lsn,
+                r.writer,
+                r.written_at
             ),
         ),
         Ok(None) => line(
@@ -73,7 +141,7 @@ async fn progress_check(config: &Config, v: &Validated) -> CheckLine {
             true,
             format!(
                 "{}: no record for slot {slot} yet; the first start publishes from the slot",
-                eo.progress_topic
+                kafka.progress_topic()
             ),
         ),
         Err(e) => line(
@@ -81,7 +149,7 @@ async fn progress_check(config: &Config, v: &Validated) -> CheckLine {
             false,
             format!(
                 "{e}; outboxd needs READ on {} (and WRITE, and CREATE unless it exists)",
-                eo.progress_topic
+                kafka.progress_topic()
             ),
         ),
     }
@@ -245,10 +313,15 @@ async fn postgres_checks(config: &Config, v: &Validated) -> Vec<CheckLine> {
                 v.slot.as_str()
             ),
         ),
-        Ok(Some(info)) if info.wal_status.as_deref() == Some("lost") => line(
+        Ok(Some(info)) if info.invalidated().is_some() => line(
             "slot",
             false,
-            format!("{} was invalidated (WAL removed): drop and recreate it; events written meanwhile must be re-published from the outbox table", v.slot.as_str()),
+            format!(
+                "{} was invalidated ({}: {}): drop and recreate it; events written meanwhile must be re-published from the outbox table",
+                v.slot.as_str(),
+                info.invalidated().unwrap_or_default(),
+                admin::explain_invalidation(&info.invalidated().unwrap_or_default())
+            ),
         ),
         Ok(Some(info)) => line(
             "slot",
@@ -265,5 +338,25 @@ async fn postgres_checks(config: &Config, v: &Validated) -> Vec<CheckLine> {
         ),
         Err(e) => line("slot", false, e.to_string()),
     });
+    out.push(failover_check(config, v, &client).await);
     out
+}
+
+/// Whether the slot would survive a promotion ([`failover::inspect`]): a
+/// warning when not, a failure only with
+/// `health.require_failover_protection`.
+async fn failover_check(config: &Config, v: &Validated, client: &tokio_postgres::Client) -> CheckLine {
+    match failover::inspect(client, &v.pg, &v.slot).await {
+        Ok(p) => {
+            let protected = p.gauge() == 1;
+            let required = config.health.require_failover_protection;
+            CheckLine {
+                name: "failover",
+                ok: protected || !required,
+                warning: !protected,
+                detail: p.describe(),
+            }
+        }
+        Err(e) => line("failover", false, e.to_string()),
+    }
 }

@@ -171,6 +171,12 @@ pub struct PostgresConfig {
     /// Create the publication when it is missing.
     #[serde(default = "yes")]
     pub create_publication: bool,
+    /// PostgreSQL 17+: make the slot a failover slot, so that a standby
+    /// with `sync_replication_slots = on` keeps a copy that outlives a
+    /// promotion (see the README, "Surviving a failover"). Ignored on older
+    /// servers.
+    #[serde(default = "yes")]
+    pub failover_slot: bool,
     /// How often to report progress to the server.
     #[serde(default = "default_status_interval")]
     pub status_interval: HumanDuration,
@@ -212,12 +218,39 @@ pub struct KafkaConfig {
     /// Exactly-once settings; used when `delivery = "exactly-once"`.
     #[serde(default)]
     pub exactly_once: ExactlyOnceConfig,
+    /// The compacted topic where outboxd keeps, per slot, the slot
+    /// register (both modes: which slots it streamed, so that a lost slot
+    /// is noticed) and the exactly-once progress record. Default
+    /// `outboxd.progress`; `kafka.exactly_once.progress_topic` is the
+    /// older spelling.
+    #[serde(default)]
+    pub progress_topic: Option<String>,
+    /// Keep the slot register (see `progress_topic`), so that a slot that
+    /// disappears (a promotion before the slot was synced, a dropped slot)
+    /// stops outboxd instead of a new slot silently skipping events.
+    /// Exactly-once always keeps it.
+    #[serde(default = "yes")]
+    pub slot_register: bool,
     /// librdkafka settings, passed as they are.
     #[serde(default)]
     pub options: BTreeMap<String, String>,
 }
 
 impl KafkaConfig {
+    /// The progress topic: `kafka.progress_topic`, else the older
+    /// `kafka.exactly_once.progress_topic`, else `outboxd.progress`.
+    pub fn progress_topic(&self) -> &str {
+        self.progress_topic
+            .as_deref()
+            .or(self.exactly_once.progress_topic.as_deref())
+            .unwrap_or("outboxd.progress")
+    }
+
+    /// Whether the slot register is kept: always with exactly-once.
+    pub fn keeps_slot_register(&self) -> bool {
+        self.slot_register || self.delivery == Delivery::ExactlyOnce
+    }
+
     /// The producer's `transaction.timeout.ms` (librdkafka's default 60 s):
     /// how long the broker lets a Kafka transaction stay open.
     pub fn transaction_timeout(&self) -> Duration {
@@ -253,10 +286,9 @@ pub struct ExactlyOnceConfig {
     /// old one. Default: `outboxd.<slot>`.
     #[serde(default)]
     pub transactional_id: Option<String>,
-    /// The compacted topic holding, per slot, the commit LSN of the last
-    /// PostgreSQL transaction in Kafka.
-    #[serde(default = "default_progress_topic")]
-    pub progress_topic: String,
+    /// The older spelling of `kafka.progress_topic`.
+    #[serde(default)]
+    pub progress_topic: Option<String>,
     /// A Kafka transaction is committed once it holds this many events
     /// (at the next PostgreSQL commit).
     #[serde(default = "default_txn_max_events")]
@@ -277,7 +309,7 @@ impl Default for ExactlyOnceConfig {
     fn default() -> Self {
         ExactlyOnceConfig {
             transactional_id: None,
-            progress_topic: default_progress_topic(),
+            progress_topic: None,
             max_events: default_txn_max_events(),
             max_bytes: default_txn_max_bytes(),
             max_wait: default_txn_max_wait(),
@@ -286,9 +318,6 @@ impl Default for ExactlyOnceConfig {
     }
 }
 
-fn default_progress_topic() -> String {
-    "outboxd.progress".to_owned()
-}
 fn default_txn_max_events() -> usize {
     10_000
 }
@@ -399,9 +428,15 @@ pub struct HealthConfig {
     /// /readyz fails, and an error is logged, when the slot retains more WAL than this (unset: no limit).
     #[serde(default)]
     pub max_retained_wal_bytes: Option<u64>,
-    /// How often to poll the slot's retained WAL and probe the brokers.
+    /// How often to poll the slot's retained WAL and failover protection,
+    /// and probe the brokers.
     #[serde(default = "default_poll_interval")]
     pub poll_interval: HumanDuration,
+    /// /readyz fails while the slot would not survive a promotion (see
+    /// `outboxd check`, "failover"). Off by default: a server without a
+    /// standby is a valid setup.
+    #[serde(default)]
+    pub require_failover_protection: bool,
 }
 
 impl Default for HealthConfig {
@@ -413,6 +448,7 @@ impl Default for HealthConfig {
             max_lag_bytes: None,
             max_retained_wal_bytes: None,
             poll_interval: default_poll_interval(),
+            require_failover_protection: false,
         }
     }
 }
@@ -425,6 +461,7 @@ impl HealthConfig {
             ack_max_age: self.ack_max_age.0,
             max_lag_bytes: self.max_lag_bytes,
             max_retained_wal_bytes: self.max_retained_wal_bytes,
+            require_failover_protection: self.require_failover_protection,
         }
     }
 }
@@ -747,6 +784,26 @@ impl Config {
     /// The delivery mode's own rules.
     fn validate_delivery(&self) -> Result<(), ConfigError> {
         let options = &self.kafka.options;
+        if let (Some(new), Some(old)) = (
+            &self.kafka.progress_topic,
+            &self.kafka.exactly_once.progress_topic,
+        ) {
+            if new != old {
+                return Err(invalid(
+                    "kafka.progress_topic",
+                    "differs from kafka.exactly_once.progress_topic (its older spelling): keep one",
+                ));
+            }
+        }
+        let progress_topic = self.kafka.progress_topic();
+        crate::routing::validate_topic(progress_topic)
+            .map_err(|e| invalid("kafka.progress_topic", e.to_string()))?;
+        if progress_topic == self.routing.dead_letter_topic {
+            return Err(invalid(
+                "kafka.progress_topic",
+                "must differ from routing.dead_letter_topic",
+            ));
+        }
         if options.contains_key("transactional.id") {
             return Err(invalid(
                 "kafka.options.transactional.id",
@@ -771,14 +828,6 @@ impl Config {
             return Err(invalid(
                 "kafka.exactly_once.transactional_id",
                 "must not be empty; leave it out for outboxd.<slot>",
-            ));
-        }
-        crate::routing::validate_topic(&eo.progress_topic)
-            .map_err(|e| invalid("kafka.exactly_once.progress_topic", e.to_string()))?;
-        if eo.progress_topic == self.routing.dead_letter_topic {
-            return Err(invalid(
-                "kafka.exactly_once.progress_topic",
-                "must differ from routing.dead_letter_topic",
             ));
         }
         if eo.max_events == 0 {

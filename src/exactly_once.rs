@@ -197,9 +197,37 @@ pub async fn read_progress(
     slot: &str,
     timeout: Duration,
 ) -> Result<Option<ProgressRecord>, ProgressError> {
-    let config = consumer_config(cfg);
-    let (topic, slot) = (topic.to_owned(), slot.to_owned());
-    tokio::task::spawn_blocking(move || read_blocking(&config, &topic, &slot, timeout))
+    match read_latest(cfg, topic, slot, Isolation::ReadCommitted, timeout).await? {
+        Some(value) => ProgressRecord::decode(&value).map(Some),
+        None => Ok(None),
+    }
+}
+
+/// Which records a reader of the progress topic sees.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isolation {
+    /// Committed transactions only; reading waits for open ones.
+    ReadCommitted,
+    /// Every record, also of open transactions: for records written
+    /// outside transactions, which an open transaction must not hold up.
+    ReadUncommitted,
+}
+
+/// The value of the last record keyed `key` in `topic`, or `None` (no
+/// record, no topic, or a tombstone).
+pub async fn read_latest(
+    cfg: &KafkaConfig,
+    topic: &str,
+    key: &str,
+    isolation: Isolation,
+    timeout: Duration,
+) -> Result<Option<Vec<u8>>, ProgressError> {
+    let mut config = consumer_config(cfg);
+    if isolation == Isolation::ReadUncommitted {
+        config.set("isolation.level", "read_uncommitted");
+    }
+    let (topic, key) = (topic.to_owned(), key.to_owned());
+    tokio::task::spawn_blocking(move || read_blocking(&config, &topic, &key, timeout))
         .await
         .map_err(|_| ProgressError::Kafka(KafkaError::Canceled))?
 }
@@ -213,19 +241,35 @@ pub async fn reset_progress(
     slot: &str,
     timeout: Duration,
 ) -> Result<(), KafkaError> {
-    use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
+    write_plain(cfg, topic, slot, None, timeout).await
+}
+
+/// Writes one record (`None`: a tombstone) outside any transaction, and
+/// waits until Kafka acknowledged it.
+pub async fn write_plain(
+    cfg: &KafkaConfig,
+    topic: &str,
+    key: &str,
+    value: Option<Vec<u8>>,
+    timeout: Duration,
+) -> Result<(), KafkaError> {
+    use rdkafka::producer::{FutureProducer, FutureRecord};
     let mut config = crate::kafka::client_config(cfg);
-    config.set("client.id", "outboxd-progress-reset");
-    let (topic, slot) = (topic.to_owned(), slot.to_owned());
-    tokio::task::spawn_blocking(move || {
-        let producer: BaseProducer = config.create()?;
-        producer
-            .send(BaseRecord::<str, [u8]>::to(&topic).key(slot.as_str()))
-            .map_err(|(e, _)| e)?;
-        producer.flush(timeout)
-    })
-    .await
-    .map_err(|_| KafkaError::Canceled)?
+    config
+        .set("client.id", "outboxd-progress-writer")
+        .set("acks", "all")
+        .set("message.timeout.ms", timeout.as_millis().max(1).to_string());
+    let producer: FutureProducer = config.create()?;
+    let mut record = FutureRecord::<str, [u8]>::to(topic).key(key);
+    if let Some(v) = &value {
+        record = record.payload(v.as_slice());
+    }
+    // The delivery report, not just the queue: a refused write is an error.
+    producer
+        .send(record, timeout)
+        .await
+        .map(|_| ())
+        .map_err(|(e, _)| e)
 }
 
 /// Offsets read per partition at first, from the end backwards; each miss
@@ -238,7 +282,7 @@ fn read_blocking(
     topic: &str,
     slot: &str,
     timeout: Duration,
-) -> Result<Option<ProgressRecord>, ProgressError> {
+) -> Result<Option<Vec<u8>>, ProgressError> {
     let consumer: BaseConsumer = config.create()?;
     let deadline = Instant::now() + timeout;
     let metadata = consumer.fetch_metadata(Some(topic), timeout)?;
@@ -268,10 +312,7 @@ fn read_blocking(
             window = window.saturating_mul(8);
         }
     }
-    match latest {
-        Some((_, Some(value))) => ProgressRecord::decode(&value).map(Some),
-        _ => Ok(None),
-    }
+    Ok(latest.and_then(|(_, value)| value))
 }
 
 /// A record keyed by the slot: its timestamp, and its value (`None`: a
@@ -572,10 +613,10 @@ pub fn writer_name() -> String {
 }
 
 impl Transactions {
-    pub fn new(config: &ExactlyOnceConfig, identity: Identity) -> Self {
+    pub fn new(config: &ExactlyOnceConfig, progress_topic: String, identity: Identity) -> Self {
         Transactions {
             limits: Limits::from(config),
-            progress_topic: config.progress_topic.clone(),
+            progress_topic,
             skip_through: None,
             group: Group::default(),
             closing: false,
@@ -726,7 +767,11 @@ mod tests {
 
     #[test]
     fn progress_records_round_trip_and_skip_what_is_in_kafka() {
-        let mut t = Transactions::new(&ExactlyOnceConfig::default(), identity());
+        let mut t = Transactions::new(
+            &ExactlyOnceConfig::default(),
+            "outboxd.progress".into(),
+            identity(),
+        );
         t.group.begin();
         t.group.sent(TxnId::for_tests(0), 1, Instant::now());
         t.group.commit(LastCommit {
@@ -742,7 +787,11 @@ mod tests {
         assert_eq!(decoded.events, 1);
         t.check_owner(&decoded).unwrap();
 
-        let mut fresh = Transactions::new(&ExactlyOnceConfig::default(), identity());
+        let mut fresh = Transactions::new(
+            &ExactlyOnceConfig::default(),
+            "outboxd.progress".into(),
+            identity(),
+        );
         assert!(fresh.admit(Lsn(1)));
         assert_eq!(
             fresh.resume(Some(&decoded)).unwrap(),
@@ -753,6 +802,7 @@ mod tests {
 
         let mut promoted = Transactions::new(
             &ExactlyOnceConfig::default(),
+            "outboxd.progress".into(),
             Identity {
                 timeline: 2,
                 ..identity()
@@ -766,6 +816,7 @@ mod tests {
 
         let other = Transactions::new(
             &ExactlyOnceConfig::default(),
+            "outboxd.progress".into(),
             Identity {
                 system_id: "42".into(),
                 ..identity()
@@ -779,7 +830,11 @@ mod tests {
     fn foreign_or_future_records_are_refused() {
         assert!(ProgressRecord::decode(b"{}").is_err());
         assert!(ProgressRecord::decode(b"not json").is_err());
-        let mut t = Transactions::new(&ExactlyOnceConfig::default(), identity());
+        let mut t = Transactions::new(
+            &ExactlyOnceConfig::default(),
+            "outboxd.progress".into(),
+            identity(),
+        );
         t.group.sent(TxnId::for_tests(0), 1, Instant::now());
         t.group.commit(LastCommit {
             commit_lsn: Lsn(1),

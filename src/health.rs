@@ -14,6 +14,7 @@
 //! All fields are atomics: the relay writes them without locks.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -26,6 +27,7 @@ pub struct Thresholds {
     pub ack_max_age: Duration,
     pub max_lag_bytes: Option<u64>,
     pub max_retained_wal_bytes: Option<u64>,
+    pub require_failover_protection: bool,
 }
 
 /// The relay's state as the probes see it.
@@ -51,6 +53,9 @@ pub struct Health {
     progress_lsn: AtomicU64,
     kafka_commits: AtomicU64,
     kafka_aborts: AtomicU64,
+    /// The last failover-protection reading: whether protected, and its
+    /// description (`None` before the first poll).
+    failover: Mutex<Option<(bool, String)>>,
 }
 
 /// A point-in-time view for `/status` and `outboxd status`.
@@ -78,6 +83,10 @@ pub struct Snapshot {
     pub kafka_transactions_committed: u64,
     #[serde(default)]
     pub kafka_transactions_aborted: u64,
+    /// Whether the slot would survive a promotion, and why (not) (see
+    /// `outboxd check`).
+    #[serde(default)]
+    pub failover: Option<String>,
 }
 
 const NEVER: u64 = u64::MAX;
@@ -104,6 +113,7 @@ impl Health {
             progress_lsn: AtomicU64::new(0),
             kafka_commits: AtomicU64::new(0),
             kafka_aborts: AtomicU64::new(0),
+            failover: Mutex::new(None),
         }
     }
 
@@ -240,7 +250,29 @@ impl Health {
                 "the slot retains {retained} bytes of WAL, over health.max_retained_wal_bytes"
             ));
         }
+        if t.require_failover_protection {
+            match self.failover() {
+                Some((true, _)) => {}
+                Some((false, why)) => {
+                    reasons.push(format!("failover {why} (health.require_failover_protection)"))
+                }
+                None => reasons.push(
+                    "failover protection not checked yet (health.require_failover_protection)".to_owned(),
+                ),
+            }
+        }
         reasons
+    }
+
+    /// The latest failover-protection reading.
+    pub fn set_failover(&self, protected: bool, description: String) {
+        if let Ok(mut f) = self.failover.lock() {
+            *f = Some((protected, description));
+        }
+    }
+
+    fn failover(&self) -> Option<(bool, String)> {
+        self.failover.lock().ok().and_then(|f| f.clone())
     }
 
     /// Exactly-once: the progress record read at start.
@@ -283,6 +315,7 @@ impl Health {
             },
             kafka_transactions_committed: self.kafka_commits.load(Ordering::Relaxed),
             kafka_transactions_aborted: self.kafka_aborts.load(Ordering::Relaxed),
+            failover: self.failover().map(|(_, why)| why),
         }
     }
 }
@@ -298,6 +331,7 @@ mod tests {
             ack_max_age: Duration::from_millis(50),
             max_lag_bytes: Some(1000),
             max_retained_wal_bytes: Some(5000),
+            require_failover_protection: false,
         }
     }
 
@@ -334,5 +368,28 @@ mod tests {
 
         h.set_streaming(None);
         assert!(!h.snapshot().ready);
+    }
+
+    #[test]
+    fn failover_protection_gates_readiness_only_when_required() {
+        let ready = |h: &Health| {
+            h.set_streaming(Some(1));
+            h.status_sent(10, 5, 5);
+            h.not_ready_reasons()
+        };
+        let h = Health::new(thresholds());
+        h.set_failover(false, "unprotected: no standby".into());
+        assert!(ready(&h).is_empty(), "not required: reported, not gating");
+        assert_eq!(h.snapshot().failover.as_deref(), Some("unprotected: no standby"));
+
+        let h = Health::new(Thresholds {
+            require_failover_protection: true,
+            ..thresholds()
+        });
+        assert!(ready(&h)[0].contains("not checked yet"));
+        h.set_failover(false, "unprotected: no standby".into());
+        assert!(ready(&h)[0].contains("failover unprotected: no standby"));
+        h.set_failover(true, "protected: b holds a synced copy".into());
+        assert!(ready(&h).is_empty());
     }
 }

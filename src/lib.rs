@@ -23,6 +23,7 @@ pub mod pipeline;
 pub mod polling;
 pub mod progress;
 pub mod routing;
+pub mod slot_register;
 pub mod status;
 pub mod telemetry;
 

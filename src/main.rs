@@ -43,13 +43,14 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Exactly-once: show the progress record of the slot (what Kafka holds), or reset it.
+    /// Show what Kafka remembers of the slot (the slot register; with exactly-once, the progress record), or reset it.
     Progress {
         /// The TOML configuration file.
         #[arg(short, long, env = "OUTBOXD_CONFIG")]
         config: PathBuf,
-        /// Write a tombstone for the slot, so that the next start publishes
-        /// from the slot's confirmed LSN. Refused while the slot is active.
+        /// Write tombstones for the slot: the next start publishes from the
+        /// slot's confirmed LSN, or creates a lost slot anew (acknowledging
+        /// the gap). Refused while the slot is active.
         #[arg(long)]
         reset: bool,
     },
@@ -201,15 +202,47 @@ async fn progress(path: PathBuf, reset: bool) -> ExitCode {
         Ok(c) => c,
         Err(code) => return code,
     };
-    let (kafka, eo) = (&config.kafka, &config.kafka.exactly_once);
+    let kafka = &config.kafka;
     let slot = validated.slot.as_str();
     let timeout = kafka.admin_timeout.0;
-    match outboxd::exactly_once::read_progress(kafka, &eo.progress_topic, slot, timeout).await {
+    match outboxd::exactly_once::read_progress(kafka, kafka.progress_topic(), slot, timeout).await {
         Ok(Some(record)) => match serde_json::to_string_pretty(&record) {
             Ok(text) => println!("{text}"),
             Err(e) => eprintln!("outboxd: {e}"),
         },
-        Ok(None) => println!("no progress record for slot {slot:?} in {:?}", eo.progress_topic),
+        Ok(None) => println!(
+            "no progress record for slot {slot:?} in {:?}",
+            kafka.progress_topic()
+        ),
+        Err(e) => {
+            eprintln!("outboxd: {e}");
+            return ExitCode::FAILURE;
+        }
+    }
+    // The slot register is keyed by the PostgreSQL system identifier.
+    let system = match outboxd::pg::connection::ReplicationConnection::connect(&validated.pg).await {
+        Ok(mut repl) => repl.identify_system().await,
+        Err(e) => Err(e),
+    };
+    let system = match system {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!(
+                "outboxd: cannot identify the PostgreSQL system, so the slot register cannot be read: {e}"
+            );
+            return ExitCode::FAILURE;
+        }
+    };
+    match outboxd::slot_register::read(kafka, &system.system_id, slot, timeout).await {
+        Ok(Some(record)) => match serde_json::to_string_pretty(&record) {
+            Ok(text) => println!("slot register:\n{text}"),
+            Err(e) => eprintln!("outboxd: {e}"),
+        },
+        Ok(None) => println!(
+            "no slot register record for slot {slot:?} of system {} in {:?}",
+            system.system_id,
+            kafka.progress_topic()
+        ),
         Err(e) => {
             eprintln!("outboxd: {e}");
             return ExitCode::FAILURE;
@@ -244,9 +277,16 @@ async fn progress(path: PathBuf, reset: bool) -> ExitCode {
             return ExitCode::FAILURE;
         }
     }
-    match outboxd::exactly_once::reset_progress(kafka, &eo.progress_topic, slot, timeout).await {
+    let reset =
+        match outboxd::exactly_once::reset_progress(kafka, kafka.progress_topic(), slot, timeout).await {
+            Ok(()) => outboxd::slot_register::forget(kafka, &system.system_id, slot, timeout)
+                .await
+                .map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+    match reset {
         Ok(()) => {
-            println!("reset: the next start publishes from the slot's confirmed LSN");
+            println!("reset: the next start publishes from the slot's confirmed LSN, or creates the slot if it is missing");
             ExitCode::SUCCESS
         }
         Err(e) => {

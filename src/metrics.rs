@@ -30,6 +30,9 @@ pub struct Metrics {
     pub replication_lag_bytes: IntGauge,
     /// WAL the slot keeps on the primary: current WAL LSN minus `restart_lsn`.
     pub slot_retained_wal_bytes: IntGauge,
+    /// 1 when the slot would survive a promotion (PostgreSQL 17+ failover
+    /// slot with a verified synced copy on a standby), else 0.
+    pub failover_protected: IntGauge,
     /// Events sent and not yet acknowledged.
     pub inflight_events: IntGauge,
     /// From the PostgreSQL commit timestamp to the last Kafka ack of the transaction.
@@ -91,6 +94,7 @@ pub const PUBLISH_ERROR_REASONS: &[&str] = &[
     "fenced",
     "transaction",
     "progress",
+    "slot_register",
 ];
 
 /// Every `reason` of `outboxd_dead_letters_total` (and of a dead letter's
@@ -225,6 +229,11 @@ impl Metrics {
                 "outboxd_slot_retained_wal_bytes",
                 "WAL retained by the slot: current WAL LSN minus restart_lsn.",
             )?,
+            failover_protected: gauge(
+                &registry,
+                "outboxd_failover_protected",
+                "1 when the slot would survive a promotion: a failover slot (PostgreSQL 17+) with a synced copy on a standby in postgres.url.",
+            )?,
             inflight_events: gauge(
                 &registry,
                 "outboxd_inflight_events",
@@ -294,6 +303,7 @@ mod tests {
             "outboxd_confirmed_lsn",
             "outboxd_replication_lag_bytes",
             "outboxd_slot_retained_wal_bytes",
+            "outboxd_failover_protected",
             "outboxd_inflight_events",
             "outboxd_commit_to_ack_seconds_bucket",
             "outboxd_last_ack_timestamp_seconds",

@@ -157,10 +157,10 @@ pub async fn gather(config: &Config, v: &Validated) -> Result<StatusReport, Stat
         Err(e) => r.kafka_error = Some(e.to_string()),
     }
     if v.transactional_id.is_some() && r.kafka_reachable {
-        let (kafka, eo) = (&config.kafka, &config.kafka.exactly_once);
+        let kafka = &config.kafka;
         match crate::exactly_once::read_progress(
             kafka,
-            &eo.progress_topic,
+            kafka.progress_topic(),
             v.slot.as_str(),
             kafka.admin_timeout.0,
         )

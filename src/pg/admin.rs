@@ -158,7 +158,8 @@ pub async fn ensure_publication(
     publication::inspect(client, publication, table).await
 }
 
-/// A row of `pg_replication_slots`.
+/// A row of `pg_replication_slots`. Columns newer than PostgreSQL 13 are
+/// `None` on servers that do not have them.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SlotInfo {
     pub plugin: Option<String>,
@@ -170,19 +171,62 @@ pub struct SlotInfo {
     pub confirmed_flush_lsn: Option<Lsn>,
     /// `reserved`, `extended`, `unreserved` or `lost`.
     pub wal_status: Option<String>,
+    /// PostgreSQL 16+: invalidated by a recovery conflict (on a standby).
+    pub conflicting: Option<bool>,
+    /// PostgreSQL 17+: `wal_removed`, `rows_removed`,
+    /// `wal_level_insufficient`; 18 adds `idle_timeout`.
+    pub invalidation_reason: Option<String>,
+    /// PostgreSQL 17+: a failover slot, kept on standbys that sync slots.
+    pub failover: Option<bool>,
+    /// PostgreSQL 17+: a standby's copy of a primary's failover slot.
+    pub synced: Option<bool>,
+    pub temporary: bool,
+}
+
+impl SlotInfo {
+    /// Why the slot can no longer stream, if it cannot: PostgreSQL 17+
+    /// names the reason; older servers show `wal_status = 'lost'` (WAL
+    /// removed) or, on 16, `conflicting` (rows removed on a standby).
+    pub fn invalidated(&self) -> Option<String> {
+        if let Some(reason) = &self.invalidation_reason {
+            return Some(reason.clone());
+        }
+        if self.conflicting == Some(true) {
+            return Some("rows_removed".to_owned());
+        }
+        (self.wal_status.as_deref() == Some("lost")).then(|| "wal_removed".to_owned())
+    }
+}
+
+/// What an invalidation reason of `pg_replication_slots` means, for the
+/// operator.
+pub fn explain_invalidation(reason: &str) -> &'static str {
+    match reason {
+        "wal_removed" => "PostgreSQL removed WAL it still needed (max_slot_wal_keep_size was exceeded)",
+        "rows_removed" => "catalog rows it still needed were removed (a recovery conflict, as after a promotion without hot_standby_feedback)",
+        "wal_level_insufficient" => "wal_level was lowered below logical",
+        "idle_timeout" => "it stayed inactive longer than idle_replication_slot_timeout",
+        _ => "PostgreSQL invalidated it",
+    }
 }
 
 fn lsn_col(row: &tokio_postgres::Row, idx: usize) -> Option<Lsn> {
     row.get::<_, Option<String>>(idx).and_then(|s| s.parse().ok())
 }
 
-/// Reads the slot's row, if it exists.
+/// Reads the slot's row, if it exists. Columns that only newer servers have
+/// are read through `to_jsonb`, so the query runs on every version.
 pub async fn slot_info(client: &Client, slot: &SlotName) -> Result<Option<SlotInfo>, AdminError> {
     let row = client
         .query_opt(
             "SELECT plugin::text, slot_type, database::text, active, active_pid,
-                    restart_lsn::text, confirmed_flush_lsn::text, wal_status
-               FROM pg_catalog.pg_replication_slots WHERE slot_name = $1",
+                    restart_lsn::text, confirmed_flush_lsn::text, wal_status,
+                    (to_jsonb(s) ->> 'conflicting')::boolean,
+                    to_jsonb(s) ->> 'invalidation_reason',
+                    (to_jsonb(s) ->> 'failover')::boolean,
+                    (to_jsonb(s) ->> 'synced')::boolean,
+                    temporary
+               FROM pg_catalog.pg_replication_slots s WHERE slot_name = $1",
             &[&slot.as_str()],
         )
         .await?;
@@ -195,6 +239,11 @@ pub async fn slot_info(client: &Client, slot: &SlotName) -> Result<Option<SlotIn
         restart_lsn: lsn_col(&r, 5),
         confirmed_flush_lsn: lsn_col(&r, 6),
         wal_status: r.get(7),
+        conflicting: r.get(8),
+        invalidation_reason: r.get(9),
+        failover: r.get(10),
+        synced: r.get(11),
+        temporary: r.get(12),
     }))
 }
 
@@ -207,43 +256,77 @@ pub enum SlotState {
     Existing(SlotInfo),
 }
 
-/// Creates the logical slot if it is missing; refuses a slot that belongs to
-/// another database or plugin.
+/// Checks that an existing slot is a pgoutput slot of this database.
+fn check_fits(info: &SlotInfo, slot: &SlotName, dbname: &str) -> Result<(), AdminError> {
+    let problem = if info.slot_type != "logical" {
+        Some(format!("is a {} slot, not a logical one", info.slot_type))
+    } else if info.plugin.as_deref() != Some("pgoutput") {
+        Some(format!(
+            "uses plugin {:?}, not pgoutput",
+            info.plugin.as_deref().unwrap_or("")
+        ))
+    } else if info.database.as_deref() != Some(dbname) {
+        Some(format!(
+            "belongs to database {:?}, not {dbname:?}",
+            info.database.as_deref().unwrap_or("")
+        ))
+    } else {
+        None
+    };
+    match problem {
+        Some(problem) => Err(AdminError::ForeignSlot {
+            slot: slot.as_str().to_owned(),
+            problem,
+        }),
+        None => Ok(()),
+    }
+}
+
+/// Creates the logical slot if it is missing; refuses a slot that belongs to another database or plugin. With
+/// `failover` set (only on PostgreSQL 17+) a new slot is a failover slot,
+/// and an existing one is altered to match; `None` leaves it alone.
 pub async fn ensure_slot(
     client: &Client,
     repl: &mut ReplicationConnection,
     slot: &SlotName,
     dbname: &str,
+    failover: Option<bool>,
 ) -> Result<SlotState, AdminError> {
-    if let Some(info) = slot_info(client, slot).await? {
-        let problem = if info.slot_type != "logical" {
-            Some(format!("is a {} slot, not a logical one", info.slot_type))
-        } else if info.plugin.as_deref() != Some("pgoutput") {
-            Some(format!(
-                "uses plugin {:?}, not pgoutput",
-                info.plugin.as_deref().unwrap_or("")
-            ))
-        } else if info.database.as_deref() != Some(dbname) {
-            Some(format!(
-                "belongs to database {:?}, not {dbname:?}",
-                info.database.as_deref().unwrap_or("")
-            ))
-        } else {
-            None
-        };
-        if let Some(problem) = problem {
-            return Err(AdminError::ForeignSlot {
-                slot: slot.as_str().to_owned(),
-                problem,
-            });
+    if let Some(mut info) = slot_info(client, slot).await? {
+        check_fits(&info, slot, dbname)?;
+        if let (Some(want), Some(have)) = (failover, info.failover) {
+            if want != have && info.invalidated().is_none() {
+                // Not fatal: a slot another process holds cannot be altered
+                // (starting it fails next, and is retried); the failover
+                // check reports a slot left as it was.
+                match repl.alter_slot_failover(slot, want).await {
+                    Ok(()) => {
+                        tracing::info!(
+                            slot = slot.as_str(),
+                            failover = want,
+                            "altered the slot's failover setting"
+                        );
+                        info.failover = Some(want);
+                    }
+                    Err(e) => tracing::warn!(
+                        slot = slot.as_str(),
+                        failover = want,
+                        error = %e,
+                        "cannot alter the slot's failover setting (postgres.failover_slot); going on with it as it is"
+                    ),
+                }
+            }
         }
         return Ok(SlotState::Existing(info));
     }
-    match repl.create_logical_slot(slot).await {
+    match repl.create_logical_slot(slot, failover == Some(true)).await {
         Ok(consistent_point) => Ok(SlotState::Created { consistent_point }),
         // Created concurrently by another process: use it.
         Err(e) if e.sqlstate() == Some("42710") => match slot_info(client, slot).await? {
-            Some(info) => Ok(SlotState::Existing(info)),
+            Some(info) => {
+                check_fits(&info, slot, dbname)?;
+                Ok(SlotState::Existing(info))
+            }
             None => Err(e.into()),
         },
         Err(e) => Err(e.into()),

@@ -471,13 +471,23 @@ impl ReplicationConnection {
     }
 
     /// `CREATE_REPLICATION_SLOT … LOGICAL pgoutput`; returns the slot's
-    /// consistent point, the first LSN it will stream.
-    pub async fn create_logical_slot(&mut self, slot: &SlotName) -> Result<Lsn, PgError> {
-        // NOEXPORT_SNAPSHOT is accepted by PostgreSQL 10 through 17.
-        let sql = format!(
-            "CREATE_REPLICATION_SLOT {} LOGICAL pgoutput NOEXPORT_SNAPSHOT",
-            slot.quoted()
-        );
+    /// consistent point, the first LSN it will stream. With `failover`
+    /// (PostgreSQL 17+) the slot is a failover slot: standbys with
+    /// `sync_replication_slots = on` keep a copy that survives a promotion.
+    pub async fn create_logical_slot(&mut self, slot: &SlotName, failover: bool) -> Result<Lsn, PgError> {
+        let sql = if failover {
+            // The option list exists since PostgreSQL 15, FAILOVER since 17.
+            format!(
+                "CREATE_REPLICATION_SLOT {} LOGICAL pgoutput (SNAPSHOT 'nothing', FAILOVER true)",
+                slot.quoted()
+            )
+        } else {
+            // The older spelling, accepted from PostgreSQL 10 on.
+            format!(
+                "CREATE_REPLICATION_SLOT {} LOGICAL pgoutput NOEXPORT_SNAPSHOT",
+                slot.quoted()
+            )
+        };
         let r = self.simple_query(&sql).await?;
         let point = r.value(0, "consistent_point").ok_or_else(|| {
             PgError::Protocol("CREATE_REPLICATION_SLOT returned no consistent_point".into())
@@ -485,6 +495,13 @@ impl ReplicationConnection {
         point
             .parse()
             .map_err(|_| PgError::Protocol(format!("bad consistent_point {point:?}")))
+    }
+
+    /// `ALTER_REPLICATION_SLOT … (FAILOVER …)` (PostgreSQL 17+): turns an
+    /// existing slot into a failover slot, or back.
+    pub async fn alter_slot_failover(&mut self, slot: &SlotName, failover: bool) -> Result<(), PgError> {
+        let sql = format!("ALTER_REPLICATION_SLOT {} (FAILOVER {failover})", slot.quoted());
+        self.simple_query(&sql).await.map(|_| ())
     }
 
     /// `START_REPLICATION`: the connection becomes a stream of WAL messages.

@@ -7,6 +7,7 @@
 //! * [`pgoutput`]: the pure pgoutput decoder;
 //! * [`outbox_stream`]: the decoded stream reduced to outbox transactions;
 //! * [`admin`]: publication and slot management on an ordinary connection;
+//! * [`failover`]: whether the slot would survive a promotion (17+);
 //! * [`publication`]: proof that the publication delivers every outbox
 //!   INSERT, at start and, through a guard, while streaming;
 //! * [`ident`]: validated, quoted SQL names.
@@ -16,6 +17,7 @@ pub mod connection;
 pub mod conninfo;
 pub mod copy_both;
 pub mod error;
+pub mod failover;
 pub mod ident;
 pub mod outbox_stream;
 pub mod pgoutput;

@@ -107,7 +107,7 @@ impl Reading {
 }
 
 /// The server's version number (`server_version_num`).
-async fn server_version(client: &Client) -> Result<i32, AdminError> {
+pub async fn server_version(client: &Client) -> Result<i32, AdminError> {
     let v: String = client
         .query_one("SELECT current_setting('server_version_num')", &[])
         .await?

@@ -82,13 +82,15 @@ use crate::leader::LeaderElection;
 use crate::lsn::Lsn;
 use crate::metrics::Metrics;
 use crate::pg::admin::{self, AdminError, SlotState};
-use crate::pg::connection::{ReplicationConnection, StartOptions};
+use crate::pg::connection::{ReplicationConnection, StartOptions, SystemIdentity};
 use crate::pg::error::PgError;
 use crate::pg::outbox_stream::{OutboxStream, StreamError};
 use crate::pg::publication::{self, GuardState};
 use crate::progress::AckTracker;
+use crate::slot_register::{self, SlotLost, SlotRecord};
 use durability::{Durability, ExactlyOnce};
 use poller::poll_slot_and_brokers;
+use session::RegisterRefresh;
 use session::Session;
 
 /// Why the relay stopped or a session ended.
@@ -127,6 +129,8 @@ pub enum RelayError {
     Progress(#[from] ProgressError),
     #[error(transparent)]
     ForeignProgress(#[from] ForeignProgress),
+    #[error(transparent)]
+    SlotLost(Box<SlotLost>),
     #[error("the dead-letter topic failed, so a poison row cannot be set aside: {0}; outboxd stops rather than skip it")]
     DeadLetterFailed(String),
     #[error("{reason}. The publication changed while outboxd streamed, so outbox rows committed after WAL {verified} may never have been sent; outboxd has not confirmed past {verified}. Fix the publication, then re-publish the outbox rows committed since then (consumers deduplicate by id) before you restart: a restart streams that WAL with the publication as it was, and would skip such rows again")]
@@ -137,8 +141,8 @@ pub enum RelayError {
     StreamEnded,
     #[error("replication protocol out of order: {0}")]
     OutOfOrder(&'static str),
-    #[error("replication slot {0} was invalidated: PostgreSQL removed WAL it still needed (max_slot_wal_keep_size was exceeded), so events committed after its confirmed LSN can no longer be streamed. Recovery: stop outboxd; run SELECT pg_drop_replication_slot('{0}'); start outboxd (it creates a new slot at the current WAL position); then re-publish the gap from the outbox table, e.g. by re-inserting rows created after the last event your consumers saw (consumers deduplicate by id). See the README, \"Reliability\"")]
-    SlotInvalidated(String),
+    #[error("replication slot {slot} was invalidated ({reason}: {}), so events committed after its confirmed LSN can no longer be streamed. Recovery: stop outboxd; run SELECT pg_drop_replication_slot('{slot}'); run `outboxd progress --reset` (the slot register remembers the slot and would refuse a new one); start outboxd (it creates a new slot at the current WAL position); then re-publish the gap from the outbox table, e.g. by re-inserting rows created after the last event your consumers saw (consumers deduplicate by id). See the README, \"Reliability\"", admin::explain_invalidation(.reason))]
+    SlotInvalidated { slot: String, reason: String },
     #[error(
         "lost the leader lock (its PostgreSQL session ended); stopping so that only one outboxd streams"
     )]
@@ -149,9 +153,10 @@ impl RelayError {
     /// A short, bounded label for `outboxd_publish_errors_total{reason}`.
     pub fn reason(&self) -> &'static str {
         match self {
-            RelayError::Admin(_) | RelayError::PublicationChanged { .. } | RelayError::SlotInvalidated(_) => {
-                "postgres_setup"
-            }
+            RelayError::Admin(_)
+            | RelayError::PublicationChanged { .. }
+            | RelayError::SlotInvalidated { .. }
+            | RelayError::SlotLost(_) => "postgres_setup",
             RelayError::Pg(_)
             | RelayError::StreamEnded
             | RelayError::LeadershipLost
@@ -188,7 +193,8 @@ impl RelayError {
             | RelayError::Poison { .. }
             | RelayError::DeadLetterFailed(_)
             | RelayError::PublicationChanged { .. }
-            | RelayError::SlotInvalidated(_) => false,
+            | RelayError::SlotInvalidated { .. }
+            | RelayError::SlotLost(_) => false,
         }
     }
 }
@@ -257,6 +263,7 @@ enum SessionEnd {
 /// guard, and how often it must report.
 struct Connected {
     durability: Durability,
+    register: Option<RegisterRefresh>,
     stream: OutboxStream,
     start: Lsn,
     guard: watch::Receiver<GuardState>,
@@ -424,24 +431,36 @@ impl Relay {
         proven: Proven,
         mut repl: ReplicationConnection,
     ) -> Result<Connected, RelayError> {
-        let v = &self.validated;
         let Proven {
             server_timeout,
             verified,
         } = proven;
         let status_every = status_every(self.config.postgres.status_interval.0, server_timeout);
-        let start = match admin::ensure_slot(&client, &mut repl, &v.slot, &v.pg.dbname).await? {
+        let failover = (publication::server_version(&client).await? >= 170_000)
+            .then_some(self.config.postgres.failover_slot);
+        let system = repl.identify_system().await?;
+        if self.config.kafka.keeps_slot_register() {
+            self.refuse_lost_slot(&client, &system).await?;
+        }
+        let v = &self.validated;
+        let start = match admin::ensure_slot(&client, &mut repl, &v.slot, &v.pg.dbname, failover).await? {
             SlotState::Created { consistent_point } => {
-                tracing::info!(slot = v.slot.as_str(), %consistent_point, "created replication slot");
+                tracing::info!(slot = v.slot.as_str(), %consistent_point, failover = failover == Some(true), "created replication slot");
                 consistent_point
             }
-            SlotState::Existing(info) if info.wal_status.as_deref() == Some("lost") => {
-                return Err(RelayError::SlotInvalidated(v.slot.as_str().to_owned()));
+            SlotState::Existing(info) => {
+                if let Some(reason) = info.invalidated() {
+                    return Err(RelayError::SlotInvalidated {
+                        slot: v.slot.as_str().to_owned(),
+                        reason,
+                    });
+                }
+                info.confirmed_flush_lsn.unwrap_or(Lsn::ZERO)
             }
-            SlotState::Existing(info) => info.confirmed_flush_lsn.unwrap_or(Lsn::ZERO),
         };
         tracing::debug!("slot ready");
-        let durability = self.durability(&mut repl).await?;
+        let register = self.register_slot(&system).await;
+        let durability = self.durability(&system).await?;
         let v = &self.validated;
         let stream = repl
             .start_replication(&StartOptions {
@@ -461,7 +480,10 @@ impl Relay {
                 }
                 // "can no longer get changes from replication slot": invalidated.
                 Some("55000") if e.to_string().contains("can no longer get changes") => {
-                    RelayError::SlotInvalidated(v.slot.as_str().to_owned())
+                    RelayError::SlotInvalidated {
+                        slot: v.slot.as_str().to_owned(),
+                        reason: "wal_removed".to_owned(),
+                    }
                 }
                 _ => RelayError::Pg(e),
             })?;
@@ -473,14 +495,67 @@ impl Relay {
             guard,
             status_every,
             durability,
+            register,
         })
+    }
+
+    /// The slot register's rule (see [`crate::slot_register`]): a missing
+    /// slot that outboxd streamed on this system before was lost, and is not
+    /// silently recreated.
+    async fn refuse_lost_slot(
+        &mut self,
+        client: &tokio_postgres::Client,
+        system: &SystemIdentity,
+    ) -> Result<(), RelayError> {
+        let kafka = &self.config.kafka;
+        let slot = self.validated.slot.as_str();
+        if admin::slot_info(client, &self.validated.slot).await?.is_some() {
+            return Ok(());
+        }
+        self.sink.ensure_progress_topic(kafka.progress_topic()).await?;
+        match slot_register::read(kafka, &system.system_id, slot, kafka.admin_timeout.0).await? {
+            Some(record) => Err(RelayError::SlotLost(Box::new(SlotLost::new(
+                &record,
+                system.timeline,
+                kafka.progress_topic(),
+            )))),
+            None => Ok(()),
+        }
+    }
+
+    /// What the session needs to keep the slot register's record (once the
+    /// slot exists): the first status tick writes it, in the background.
+    /// A progress topic that cannot be made is logged and counted, not
+    /// fatal: outboxd's own work goes on, only a lost slot could then not
+    /// be told from a first start (`outboxd check` fails on it).
+    async fn register_slot(&mut self, system: &SystemIdentity) -> Option<RegisterRefresh> {
+        let kafka = &self.config.kafka;
+        if !kafka.keeps_slot_register() {
+            return None;
+        }
+        if let Err(e) = self.sink.ensure_progress_topic(kafka.progress_topic()).await {
+            self.metrics.error("slot_register");
+            tracing::warn!(
+                topic = kafka.progress_topic(),
+                error = %e,
+                "cannot make the progress topic for the slot register: a lost slot cannot be detected until this is fixed (or set kafka.slot_register = false)"
+            );
+        }
+        let record = SlotRecord::new(
+            self.validated.slot.as_str(),
+            &self.validated.pg.dbname,
+            &system.system_id,
+            system.timeline,
+            Lsn::ZERO,
+        );
+        Some(RegisterRefresh::new(kafka.clone(), record, self.metrics.clone()))
     }
 
     /// The session's delivery mode. Exactly-once first fences older
     /// producers with the same `transactional.id` (which completes any
     /// transaction they left), then reads the progress record, so that it
     /// sees everything they committed.
-    async fn durability(&mut self, repl: &mut ReplicationConnection) -> Result<Durability, RelayError> {
+    async fn durability(&mut self, system: &SystemIdentity) -> Result<Durability, RelayError> {
         if self.validated.transactional_id.is_none() {
             return Ok(Durability::AtLeastOnce);
         }
@@ -488,10 +563,11 @@ impl Relay {
         let slot = self.validated.slot.as_str().to_owned();
         let timeout = eo.commit_timeout.0;
         let started = Instant::now();
-        let system = repl.identify_system().await?;
+        let system = system.clone();
         self.sink.init_transactions(timeout).await?;
-        self.sink.ensure_progress_topic(&eo.progress_topic).await?;
-        let record = read_progress(&self.config.kafka, &eo.progress_topic, &slot, timeout).await?;
+        let topic = self.config.kafka.progress_topic().to_owned();
+        self.sink.ensure_progress_topic(&topic).await?;
+        let record = read_progress(&self.config.kafka, &topic, &slot, timeout).await?;
         let identity = Identity {
             writer: crate::exactly_once::writer_name(),
             slot: slot.clone(),
@@ -499,7 +575,7 @@ impl Relay {
             system_id: system.system_id,
             timeline: system.timeline,
         };
-        let mut t = Transactions::new(eo, identity);
+        let mut t = Transactions::new(eo, topic, identity);
         if let Some(r) = &record {
             t.check_owner(r)?;
         }
@@ -568,6 +644,7 @@ impl Relay {
             guard,
             status_every,
             durability,
+            register,
         } = match self.connect(client, proven, repl).await {
             Ok(c) => c,
             Err(e) => {
@@ -607,6 +684,7 @@ impl Relay {
             durability,
             skipping: false,
             skipped: 0,
+            register,
         };
         let result = self.stream_loop(&mut stream, &mut s, shutdown).await;
         match result {

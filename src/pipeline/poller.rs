@@ -1,4 +1,5 @@
-//! The background poller: retained WAL, the server's WAL end, brokers.
+//! The background poller: retained WAL, the server's WAL end, failover
+//! protection, brokers.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -8,10 +9,11 @@ use crate::health::Health;
 use crate::kafka::BrokerProbe;
 use crate::lsn::Lsn;
 use crate::metrics::Metrics;
-use crate::pg::admin;
+use crate::pg::{admin, failover};
 
 /// Every `health.poll_interval`: the slot's retained WAL (and the guard on
-/// it) from `pg_replication_slots`, and a broker probe.
+/// it) from `pg_replication_slots`, whether the slot would survive a
+/// promotion ([`failover::inspect`]), and a broker probe.
 pub(super) async fn poll_slot_and_brokers(
     v: Validated,
     probe: BrokerProbe,
@@ -21,6 +23,7 @@ pub(super) async fn poll_slot_and_brokers(
     health: Arc<Health>,
 ) {
     let mut client: Option<tokio_postgres::Client> = None;
+    let mut last_failover: Option<String> = None;
     loop {
         if client.as_ref().is_none_or(|c| c.is_closed()) {
             client = admin::connect(&v.pg).await.ok();
@@ -63,6 +66,24 @@ pub(super) async fn poll_slot_and_brokers(
                     tracing::debug!(error = %e, "slot poll failed");
                     client = None;
                 }
+            }
+        }
+        if let Some(c) = &client {
+            match failover::inspect(c, &v.pg, &v.slot).await {
+                Ok(p) => {
+                    let description = p.describe();
+                    if last_failover.as_ref() != Some(&description) {
+                        if matches!(p, failover::Protection::Unprotected { .. }) {
+                            tracing::warn!(slot = v.slot.as_str(), "failover {description}");
+                        } else {
+                            tracing::info!(slot = v.slot.as_str(), "failover {description}");
+                        }
+                        last_failover = Some(description.clone());
+                    }
+                    metrics.failover_protected.set(p.gauge());
+                    health.set_failover(p.gauge() == 1, description);
+                }
+                Err(e) => tracing::debug!(error = %e, "failover poll failed"),
             }
         }
         let reachable = probe.check().await.is_ok();

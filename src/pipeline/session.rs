@@ -1,15 +1,17 @@
 //! One replication session's state: what is in flight, what is
 //! confirmable, and what to do with each delivery report.
 
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures::stream::FuturesUnordered;
+use futures::FutureExt;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::durability::Durability;
 use super::RelayError;
-use crate::config::OnPoison;
+use crate::config::{KafkaConfig, OnPoison};
 use crate::exactly_once::Refused;
 use crate::kafka::{KafkaSinkError, Refusal};
 use crate::lsn::Lsn;
@@ -23,6 +25,7 @@ use crate::routing::{
     dead_letter_for_record, dead_letter_for_row, dead_letter_for_unreadable, dead_letter_stub, KafkaRecord,
     Poison,
 };
+use crate::slot_register::{self, SlotRecord};
 
 /// What a delivery future resolves to, tagged with its transaction.
 pub(super) type Delivery = (
@@ -134,6 +137,78 @@ pub(super) struct Session {
     pub(super) skipping: bool,
     /// PostgreSQL transactions skipped so, not yet added to the counter.
     pub(super) skipped: u64,
+    /// Refreshes the slot register's record (`None`: not kept).
+    pub(super) register: Option<RegisterRefresh>,
+}
+
+/// Keeps the slot register's record (see [`crate::slot_register`]) near the
+/// confirmed LSN: written at the session's first status tick, then at most
+/// every [`slot_register::REFRESH`] while the LSN moves, in a task of its
+/// own so that Kafka's answer never holds up streaming. A failed write is
+/// logged and counted (`outboxd_publish_errors_total{reason="slot_register"}`)
+/// and tried again at a later tick.
+pub(super) struct RegisterRefresh {
+    kafka: KafkaConfig,
+    record: SlotRecord,
+    metrics: Arc<Metrics>,
+    /// The LSN and time of the last write (`None`: not written yet).
+    written: Option<(Lsn, Instant)>,
+    pending: Option<tokio::task::JoinHandle<bool>>,
+}
+
+impl RegisterRefresh {
+    pub(super) fn new(kafka: KafkaConfig, record: SlotRecord, metrics: Arc<Metrics>) -> Self {
+        RegisterRefresh {
+            kafka,
+            record,
+            metrics,
+            written: None,
+            pending: None,
+        }
+    }
+
+    /// Called on each status tick with the LSN confirmed to PostgreSQL.
+    pub(super) fn tick(&mut self, confirmed: Lsn) {
+        if let Some(p) = &self.pending {
+            if !p.is_finished() {
+                return;
+            }
+        }
+        if let Some(p) = self.pending.take() {
+            // A failed write is written again at the next tick.
+            if p.now_or_never().and_then(Result::ok) != Some(true) {
+                self.written = None;
+            }
+        }
+        if let Some((lsn, at)) = self.written {
+            if confirmed <= lsn || at.elapsed() < slot_register::REFRESH {
+                return;
+            }
+        }
+        let record = SlotRecord::new(
+            &self.record.slot,
+            &self.record.database,
+            &self.record.system_id,
+            self.record.timeline,
+            confirmed,
+        );
+        let (kafka, metrics) = (self.kafka.clone(), self.metrics.clone());
+        self.written = Some((confirmed, Instant::now()));
+        self.pending = Some(tokio::spawn(async move {
+            match slot_register::write(&kafka, &record, kafka.admin_timeout.0).await {
+                Ok(()) => true,
+                Err(e) => {
+                    metrics.error("slot_register");
+                    tracing::warn!(
+                        topic = kafka.progress_topic(),
+                        error = %e,
+                        "cannot write the slot register: a lost slot cannot be detected until this works (grant write on the topic, or set kafka.slot_register = false); trying again"
+                    );
+                    false
+                }
+            }
+        }));
+    }
 }
 
 /// Microseconds since the Unix epoch.

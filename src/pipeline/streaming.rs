@@ -382,6 +382,9 @@ impl Relay {
             });
         self.health.set_inflight(inflight, oldest);
         self.health.status_sent(s.received.0, flushed.0, lag);
+        if let Some(register) = &mut s.register {
+            register.tick(flushed);
+        }
         m.ready.set(i64::from(self.health.not_ready_reasons().is_empty()));
     }
 

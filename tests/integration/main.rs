@@ -7,6 +7,7 @@
 mod cluster;
 mod debezium;
 mod exactly_once;
+mod failover;
 mod fuzz;
 mod harness;
 mod kafka_rules;

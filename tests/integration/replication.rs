@@ -32,7 +32,7 @@ async fn open_stream(db: &TestDb, publication: &str, slot: &str) -> (OutboxStrea
     let mut repl = ReplicationConnection::connect(&cfg)
         .await
         .expect("replication connection");
-    let state = admin::ensure_slot(&client, &mut repl, &slot, &db.name)
+    let state = admin::ensure_slot(&client, &mut repl, &slot, &db.name, None)
         .await
         .expect("slot");
     assert!(matches!(state, SlotState::Created { .. }), "{state:?}");
@@ -503,9 +503,15 @@ async fn server_errors_keep_sqlstate_and_slots_are_checked() {
         .await
         .unwrap();
     let mut repl = ReplicationConnection::connect(&cfg(&url)).await.unwrap();
-    let err = admin::ensure_slot(&client, &mut repl, &SlotName::new("td_slot").unwrap(), &db.name)
-        .await
-        .unwrap_err();
+    let err = admin::ensure_slot(
+        &client,
+        &mut repl,
+        &SlotName::new("td_slot").unwrap(),
+        &db.name,
+        None,
+    )
+    .await
+    .unwrap_err();
     assert!(
         err.to_string().contains("test_decoding") && err.to_string().contains("pg_drop_replication_slot"),
         "{err}"
@@ -513,13 +519,13 @@ async fn server_errors_keep_sqlstate_and_slots_are_checked() {
     // An existing pgoutput slot is reused, not recreated.
     let slot = SlotName::new("reuse_slot").unwrap();
     assert!(matches!(
-        admin::ensure_slot(&client, &mut repl, &slot, &db.name)
+        admin::ensure_slot(&client, &mut repl, &slot, &db.name, None)
             .await
             .unwrap(),
         SlotState::Created { .. }
     ));
     assert!(matches!(
-        admin::ensure_slot(&client, &mut repl, &slot, &db.name)
+        admin::ensure_slot(&client, &mut repl, &slot, &db.name, None)
             .await
             .unwrap(),
         SlotState::Existing(_)

@@ -6,6 +6,14 @@
 //! and a `pg_hba.conf` with trust, cleartext, md5 and scram-sha-256 users.
 //! When the tests run as root the server runs as the `postgres` OS user.
 //!
+//! `OUTBOXD_PG_VERSION` picks the server: 15 (the default) is the host's
+//! own; 17 and 18 run inside the Debian roots that
+//! `scripts/lib/postgres-root.sh` makes (`scripts/setup.sh` with
+//! `OUTBOXD_PG_VERSIONS="17 18"`), through its chroot wrappers. Their files
+//! then live under the root's `/tmp`, at a path that means the same file on
+//! both sides of the chroot. `OUTBOXD_PG_BIN` names a binary directory
+//! directly.
+//!
 //! A watchdog shell process stops the server and deletes the directory as
 //! soon as the test process exits, however it exits (normal end, a panic
 //! escaping the harness, SIGKILL). If the server cannot start, every test
@@ -36,6 +44,17 @@ pub struct PgServer {
     /// A CA that signed nothing, for negative TLS tests.
     pub other_ca_cert: PathBuf,
     pub log_file: PathBuf,
+    install: Install,
+}
+
+/// Where the server binaries are and how they run.
+#[derive(Clone, Debug)]
+struct Install {
+    bin_dir: PathBuf,
+    /// The directory to keep the server's files in, for binaries that run
+    /// in a chroot (their wrappers switch to the postgres user themselves).
+    chroot_tmp: Option<PathBuf>,
+    /// Run the binaries through `runuser -u postgres` (tests run as root).
     run_as_postgres: bool,
 }
 
@@ -64,17 +83,55 @@ fn is_root() -> bool {
         .unwrap_or(false)
 }
 
-fn find_bin_dir() -> Result<PathBuf, String> {
+/// The major version `OUTBOXD_PG_VERSION` asks for (15 when unset).
+pub fn wanted_version() -> u32 {
+    std::env::var("OUTBOXD_PG_VERSION")
+        .ok()
+        .filter(|v| !v.is_empty())
+        .map(|v| {
+            v.parse()
+                .unwrap_or_else(|_| panic!("OUTBOXD_PG_VERSION={v:?} is not a major version such as 17"))
+        })
+        .unwrap_or(15)
+}
+
+fn find_install() -> Result<Install, String> {
+    let run_as_postgres = is_root();
     if let Some(dir) = std::env::var_os("OUTBOXD_PG_BIN") {
-        return Ok(PathBuf::from(dir));
+        return Ok(Install {
+            bin_dir: PathBuf::from(dir),
+            chroot_tmp: None,
+            run_as_postgres,
+        });
     }
-    for v in ["15", "16", "17"] {
-        let dir = PathBuf::from(format!("/usr/lib/postgresql/{v}/bin"));
-        if dir.join("postgres").exists() {
-            return Ok(dir);
-        }
+    let version = wanted_version();
+    let host = PathBuf::from(format!("/usr/lib/postgresql/{version}/bin"));
+    if host.join("postgres").exists() {
+        return Ok(Install {
+            bin_dir: host,
+            chroot_tmp: None,
+            run_as_postgres,
+        });
     }
-    Err("no PostgreSQL server binaries: install the `postgresql` package (scripts/setup.sh does) or set OUTBOXD_PG_BIN".into())
+    let roots = std::env::var_os("OUTBOXD_PG_ROOTS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/outboxd/postgres")
+        });
+    let bin_dir = roots.join(version.to_string()).join("bin");
+    match std::fs::read_to_string(bin_dir.join(".outboxd-chroot-tmp")) {
+        Ok(tmp) => Ok(Install {
+            bin_dir,
+            chroot_tmp: Some(PathBuf::from(tmp.trim())),
+            run_as_postgres: false,
+        }),
+        Err(_) => Err(format!(
+            "no PostgreSQL {version} server: neither {} nor {} exists; \
+             run `OUTBOXD_PG_VERSIONS={version} scripts/setup.sh`",
+            host.display(),
+            bin_dir.display()
+        )),
+    }
 }
 
 pub fn free_port() -> u16 {
@@ -87,7 +144,14 @@ pub fn free_port() -> u16 {
 impl PgServer {
     /// Runs a server binary (initdb, pg_ctl, ...) as the server's OS user.
     pub fn command(&self, tool: &str) -> Command {
-        command_as(self.run_as_postgres, &self.bin_dir.join(tool))
+        self.install.command(tool)
+    }
+
+    /// A fresh directory for files the server reads or writes (a data
+    /// directory of a standby, say): under the chroot's `/tmp` for servers
+    /// that run in one, owned by the server's OS user.
+    pub fn scratch_dir(&self, prefix: &str) -> PathBuf {
+        self.install.scratch_dir(prefix).unwrap_or_else(|e| panic!("{e}"))
     }
 
     /// `pg_ctl` with the data directory filled in; waits for it to finish.
@@ -110,6 +174,85 @@ impl PgServer {
                 self.log_tail()
             ))
         }
+    }
+
+    /// A streaming physical standby of this server on `port`, through the
+    /// physical slot `slot` (created on this server by `pg_basebackup`),
+    /// with `extra_conf` appended. It connects with `dbname=postgres` and
+    /// `hot_standby_feedback`, as slot synchronisation (PostgreSQL 17+)
+    /// needs. Stopped when the test process exits.
+    pub fn standby(&self, port: u16, slot: &str, extra_conf: &str) -> PgServer {
+        let root = self.scratch_dir("outboxd-pg-standby-");
+        let data_dir = root.join("data");
+        let socket_dir = root.join("sock");
+        std::fs::create_dir_all(&socket_dir).unwrap();
+        let mut chown = Command::new("chown");
+        chown.args(["-R", "postgres:postgres"]).arg(&socket_dir);
+        if self.install.run_as_postgres || self.install.chroot_tmp.is_some() {
+            run(chown, "chown of the standby's socket directory").unwrap();
+        }
+        let mut backup = self.command("pg_basebackup");
+        backup.arg("-D").arg(&data_dir).args([
+            "-h",
+            "127.0.0.1",
+            "-p",
+            &self.port.to_string(),
+            "-U",
+            "postgres",
+            "-X",
+            "stream",
+            "-C",
+            "-S",
+            slot,
+            "-R",
+            "--no-sync",
+        ]);
+        run(backup, "pg_basebackup").unwrap_or_else(|e| panic!("{e}\n{}", self.log_tail()));
+        let conf = format!(
+            "port = {port}\n\
+             unix_socket_directories = '{sock}'\n\
+             primary_conninfo = 'host=127.0.0.1 port={primary} user=postgres dbname=postgres application_name=standby'\n\
+             primary_slot_name = '{slot}'\n\
+             hot_standby = on\n\
+             hot_standby_feedback = on\n\
+             {extra_conf}\n",
+            sock = socket_dir.display(),
+            primary = self.port,
+        );
+        let mut auto = std::fs::OpenOptions::new()
+            .append(true)
+            .open(data_dir.join("postgresql.auto.conf"))
+            .unwrap();
+        std::io::Write::write_all(&mut auto, conf.as_bytes()).unwrap();
+        drop(auto);
+        let server = PgServer {
+            port,
+            socket_dir,
+            data_dir,
+            bin_dir: self.bin_dir.clone(),
+            ca_cert: self.ca_cert.clone(),
+            other_ca_cert: self.other_ca_cert.clone(),
+            log_file: root.join("server.log"),
+            install: self.install.clone(),
+        };
+        spawn_watchdog(&server, &root);
+        server
+            .pg_ctl(&[
+                "start",
+                "-w",
+                "-t",
+                "60",
+                "-l",
+                &server.log_file.display().to_string(),
+            ])
+            .unwrap();
+        wait_accepting(&server).unwrap();
+        server
+    }
+
+    /// `pg_ctl promote`, waiting until the server accepts writes.
+    pub fn promote(&self) {
+        self.pg_ctl(&["promote", "-w", "-t", "60"]).unwrap();
     }
 
     /// The last lines of the server log, for failure messages.
@@ -163,13 +306,35 @@ pub fn urlencode(s: &str) -> String {
         .replace('+', "%20")
 }
 
-fn command_as(run_as_postgres: bool, program: &Path) -> Command {
-    if run_as_postgres {
-        let mut c = Command::new("runuser");
-        c.args(["-u", "postgres", "--"]).arg(program);
-        c
-    } else {
-        Command::new(program)
+impl Install {
+    fn command(&self, tool: &str) -> Command {
+        let program = self.bin_dir.join(tool);
+        if self.run_as_postgres {
+            let mut c = Command::new("runuser");
+            c.args(["-u", "postgres", "--"]).arg(program);
+            c
+        } else {
+            Command::new(program)
+        }
+    }
+
+    /// A new directory (kept until the watchdog removes it) owned by the
+    /// server's user.
+    fn scratch_dir(&self, prefix: &str) -> Result<PathBuf, String> {
+        let mut builder = tempfile::Builder::new();
+        builder.prefix(prefix);
+        let dir = match &self.chroot_tmp {
+            Some(tmp) => builder.tempdir_in(tmp),
+            None => builder.tempdir(),
+        }
+        .map_err(|e| format!("cannot create a temporary directory: {e}"))?
+        .keep();
+        if self.run_as_postgres || self.chroot_tmp.is_some() {
+            let mut chown = Command::new("chown");
+            chown.args(["-R", "postgres:postgres"]).arg(&dir);
+            run(chown, "chown of the test directory to the postgres user")?;
+        }
+        Ok(dir)
     }
 }
 
@@ -220,6 +385,8 @@ fn write_certs(dir: &Path) -> Result<(PathBuf, PathBuf), String> {
 const HBA: &str = "\
 # TYPE  DATABASE  USER         ADDRESS        METHOD
 local   all       all                         trust
+local   replication all                       trust
+host    replication postgres   127.0.0.1/32   trust
 host    all       postgres     127.0.0.1/32   trust
 host    all       trust_user   127.0.0.1/32   trust
 host    all       clear_user   127.0.0.1/32   password
@@ -229,23 +396,18 @@ host    all       all          127.0.0.1/32   scram-sha-256
 ";
 
 fn start(extra_conf: &str) -> Result<PgServer, String> {
-    let bin_dir = find_bin_dir()?;
-    let run_as_postgres = is_root();
-    let root = tempfile::Builder::new()
-        .prefix("outboxd-pg-")
-        .tempdir()
-        .map_err(|e| format!("cannot create a temporary directory: {e}"))?
-        .keep();
+    let install = find_install()?;
+    let root = install.scratch_dir("outboxd-pg-")?;
     let data_dir = root.join("data");
     let socket_dir = root.join("sock");
     std::fs::create_dir_all(&socket_dir).map_err(|e| e.to_string())?;
     let (ca_cert, other_ca_cert) = write_certs(&root)?;
-    if run_as_postgres {
+    if install.run_as_postgres || install.chroot_tmp.is_some() {
         let mut chown = Command::new("chown");
         chown.args(["-R", "postgres:postgres"]).arg(&root);
         run(chown, "chown of the test directory to the postgres user")?;
     }
-    let mut initdb = command_as(run_as_postgres, &bin_dir.join("initdb"));
+    let mut initdb = install.command("initdb");
     initdb.arg("-D").arg(&data_dir).args([
         "-U",
         "postgres",
@@ -298,11 +460,11 @@ fn start(extra_conf: &str) -> Result<PgServer, String> {
         port,
         socket_dir,
         data_dir,
-        bin_dir,
+        bin_dir: install.bin_dir.clone(),
         ca_cert,
         other_ca_cert,
         log_file,
-        run_as_postgres,
+        install,
     };
     spawn_watchdog(&server, &root);
     server.pg_ctl(&[
@@ -325,7 +487,7 @@ fn spawn_watchdog(server: &PgServer, root: &Path) {
         server.bin_dir.join("pg_ctl").display(),
         server.data_dir.display()
     );
-    let stop = if server.run_as_postgres {
+    let stop = if server.install.run_as_postgres {
         format!("runuser -u postgres -- {stop}")
     } else {
         stop

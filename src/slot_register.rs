@@ -1,0 +1,215 @@
+//! The slot register: Kafka remembers which slots outboxd streamed, so
+//! that a slot which disappears stops outboxd instead of being recreated.
+//!
+//! # Why
+//!
+//! A logical slot is outboxd's only position in at-least-once mode. If it
+//! disappears (a promotion before the standby had a synced copy, a slot
+//! dropped by hand or by a cleanup job), creating a new one starts at the
+//! *current* WAL position, and every event committed in between is
+//! skipped, silently. A restarted process cannot tell that apart from a
+//! first start unless the position is remembered outside the database.
+//!
+//! # The flow
+//!
+//! 1. At every session start, before the slot is created, outboxd reads the
+//!    record keyed `slot/<system id>/<slot>` from the progress topic (the
+//!    same compacted topic as the exactly-once progress record; the system
+//!    identifier is shared by a primary and its physical standbys, so the
+//!    record follows a promotion).
+//! 2. If the slot is missing and a record exists, the slot was lost: the
+//!    session stops with [`SlotLost`], which names the last position seen
+//!    and the recovery steps. `outboxd progress --reset` forgets the record
+//!    once the gap is handled.
+//! 3. Once the slot exists (found or created), the record is written with
+//!    its confirmed LSN, and again by the poller whenever the confirmed LSN
+//!    moved and the last write is older than [`REFRESH`]. Writes are plain
+//!    (not transactional) and wait for Kafka's acknowledgement.
+//!
+//! The record's LSN is a lower bound of what consumers have: the recovery
+//! re-publishes from its time, which can only duplicate, never skip.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::KafkaConfig;
+use crate::exactly_once::{read_latest, write_plain, Isolation, ProgressError};
+use crate::lsn::Lsn;
+
+/// The record's format version.
+pub const REGISTER_VERSION: u32 = 1;
+
+/// How often the poller refreshes the record while the slot moves.
+pub const REFRESH: Duration = Duration::from_secs(60);
+
+/// The value of a slot register record.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SlotRecord {
+    pub version: u32,
+    pub slot: String,
+    pub database: String,
+    /// `IDENTIFY_SYSTEM`'s `systemid`: the same on a primary and its
+    /// physical standbys.
+    pub system_id: String,
+    /// The server's timeline when the record was written.
+    pub timeline: u32,
+    /// The slot's `confirmed_flush_lsn` when the record was written.
+    pub confirmed_lsn: String,
+    /// When the record was written (RFC 3339, outboxd's clock). Events of
+    /// transactions committed up to `confirmedLsn` are in Kafka; a
+    /// transaction committed later started at most its own duration
+    /// before this time, which bounds the rows to re-publish.
+    pub seen_at: String,
+    /// Which outboxd wrote it: `host/pid`.
+    pub writer: String,
+}
+
+impl SlotRecord {
+    pub fn new(slot: &str, database: &str, system_id: &str, timeline: u32, confirmed: Lsn) -> Self {
+        SlotRecord {
+            version: REGISTER_VERSION,
+            slot: slot.to_owned(),
+            database: database.to_owned(),
+            system_id: system_id.to_owned(),
+            timeline,
+            confirmed_lsn: confirmed.to_string(),
+            seen_at: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+            writer: crate::exactly_once::writer_name(),
+        }
+    }
+}
+
+/// What every slot register key starts with (exactly-once progress
+/// records are keyed by the bare slot name, which cannot hold a `/`).
+pub const KEY_PREFIX: &str = "slot/";
+
+/// The record's key in the progress topic.
+pub fn key(system_id: &str, slot: &str) -> String {
+    format!("{KEY_PREFIX}{system_id}/{slot}")
+}
+
+/// The slot's record, if outboxd streamed it on this system before.
+pub async fn read(
+    cfg: &KafkaConfig,
+    system_id: &str,
+    slot: &str,
+    timeout: Duration,
+) -> Result<Option<SlotRecord>, ProgressError> {
+    // Register records are written outside transactions: an open
+    // exactly-once transaction (of a fenced zombie, say) must not hold the
+    // read up.
+    let isolation = Isolation::ReadUncommitted;
+    let Some(value) = read_latest(
+        cfg,
+        cfg.progress_topic(),
+        &key(system_id, slot),
+        isolation,
+        timeout,
+    )
+    .await?
+    else {
+        return Ok(None);
+    };
+    let record: SlotRecord =
+        serde_json::from_slice(&value).map_err(|e| ProgressError::Malformed(e.to_string()))?;
+    if record.version != REGISTER_VERSION {
+        return Err(ProgressError::Malformed(format!(
+            "slot register version {} (this outboxd writes {REGISTER_VERSION})",
+            record.version
+        )));
+    }
+    Ok(Some(record))
+}
+
+/// Writes the record and waits for Kafka's acknowledgement.
+pub async fn write(cfg: &KafkaConfig, record: &SlotRecord, timeout: Duration) -> Result<(), ProgressError> {
+    let value = serde_json::to_vec(record).map_err(|e| ProgressError::Malformed(e.to_string()))?;
+    write_plain(
+        cfg,
+        cfg.progress_topic(),
+        &key(&record.system_id, &record.slot),
+        Some(value),
+        timeout,
+    )
+    .await
+    .map_err(ProgressError::from)
+}
+
+/// Forgets the slot (a tombstone): the next start may create it anew.
+pub async fn forget(
+    cfg: &KafkaConfig,
+    system_id: &str,
+    slot: &str,
+    timeout: Duration,
+) -> Result<(), ProgressError> {
+    write_plain(cfg, cfg.progress_topic(), &key(system_id, slot), None, timeout)
+        .await
+        .map_err(ProgressError::from)
+}
+
+/// The slot is missing, but outboxd streamed it on this system before.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "replication slot {slot} does not exist, but outboxd streamed it on this PostgreSQL system (timeline {then_timeline}, now {now_timeline}) up to at least {confirmed} at {seen_at} (slot register in {topic}). \
+     The slot was lost ({cause}); a new slot would start at the current WAL position and skip every event committed in between, so outboxd does not create one. \
+     Recovery: 1. run `outboxd progress --reset --config <file>` to acknowledge the gap; 2. start outboxd, which creates a new slot; \
+     3. re-publish the outbox rows of transactions committed after LSN {confirmed}: to be safe, the rows created since {seen_at} minus your longest transaction (consumers deduplicate by id). \
+     Or bring back the server that held the slot. See the README, \"Surviving a failover\""
+)]
+pub struct SlotLost {
+    pub slot: String,
+    pub confirmed: String,
+    pub seen_at: String,
+    pub then_timeline: u32,
+    pub now_timeline: u32,
+    pub topic: String,
+    pub cause: &'static str,
+}
+
+impl SlotLost {
+    pub fn new(record: &SlotRecord, now_timeline: u32, topic: &str) -> Self {
+        SlotLost {
+            slot: record.slot.clone(),
+            confirmed: record.confirmed_lsn.clone(),
+            seen_at: record.seen_at.clone(),
+            then_timeline: record.timeline,
+            now_timeline,
+            topic: topic.to_owned(),
+            cause: if now_timeline > record.timeline {
+                "the server was promoted since, and its copy of the slot was not synced: see `outboxd check`, line failover"
+            } else {
+                "it was dropped"
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn record_round_trips_and_lost_names_the_recovery() {
+        let r = SlotRecord::new("s1", "app", "7300000000000000001", 1, Lsn(0x16B_3748));
+        let back: SlotRecord = serde_json::from_slice(&serde_json::to_vec(&r).unwrap()).unwrap();
+        assert_eq!(back, r);
+        assert!(serde_json::to_string(&r)
+            .unwrap()
+            .contains("\"confirmedLsn\":\"0/16B3748\""));
+        assert_eq!(key("73", "s1"), "slot/73/s1");
+
+        let promoted = SlotLost::new(&r, 2, "outboxd.progress").to_string();
+        assert!(
+            promoted.contains("promoted") && promoted.contains("progress --reset"),
+            "{promoted}"
+        );
+        assert!(
+            promoted.contains(&r.seen_at) && promoted.contains("0/16B3748"),
+            "{promoted}"
+        );
+        let dropped = SlotLost::new(&r, 1, "outboxd.progress").to_string();
+        assert!(dropped.contains("dropped"), "{dropped}");
+    }
+}
