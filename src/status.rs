@@ -30,6 +30,12 @@ pub struct StatusReport {
     pub slot_active: Option<bool>,
     pub walsender_pid: Option<i32>,
     pub wal_status: Option<String>,
+    /// PostgreSQL 17+: why the slot was invalidated, if it was.
+    pub invalidation_reason: Option<String>,
+    /// PostgreSQL 17+: since when no one streams from the slot.
+    pub inactive_since: Option<String>,
+    /// PostgreSQL 17+: whether the slot is a failover slot.
+    pub failover_slot: Option<bool>,
     pub confirmed_lsn: Option<String>,
     pub restart_lsn: Option<String>,
     pub current_wal_lsn: Option<String>,
@@ -91,7 +97,10 @@ pub async fn gather(config: &Config, v: &Validated) -> Result<StatusReport, Stat
             "SELECT s.active, s.active_pid, s.wal_status, s.confirmed_flush_lsn::text, s.restart_lsn::text,
                     pg_current_wal_lsn()::text,
                     (pg_current_wal_lsn() - s.confirmed_flush_lsn)::bigint,
-                    (pg_current_wal_lsn() - s.restart_lsn)::bigint
+                    (pg_current_wal_lsn() - s.restart_lsn)::bigint,
+                    to_jsonb(s) ->> 'invalidation_reason',
+                    to_jsonb(s) ->> 'inactive_since',
+                    (to_jsonb(s) ->> 'failover')::boolean
                FROM pg_catalog.pg_replication_slots s WHERE s.slot_name = $1",
             &[&v.slot.as_str()],
         )
@@ -104,6 +113,9 @@ pub async fn gather(config: &Config, v: &Validated) -> Result<StatusReport, Stat
         slot_active: None,
         walsender_pid: None,
         wal_status: None,
+        invalidation_reason: None,
+        inactive_since: None,
+        failover_slot: None,
         confirmed_lsn: None,
         restart_lsn: None,
         current_wal_lsn: None,
@@ -130,6 +142,9 @@ pub async fn gather(config: &Config, v: &Validated) -> Result<StatusReport, Stat
         r.current_wal_lsn = row.get(5);
         r.lag_bytes = bytes(row.get(6));
         r.retained_wal_bytes = bytes(row.get(7));
+        r.invalidation_reason = row.get(8);
+        r.inactive_since = row.get(9);
+        r.failover_slot = row.get(10);
     }
     let cfg = config.clone();
     let val = v.clone();
@@ -230,9 +245,28 @@ impl StatusReport {
             let _ = writeln!(o, "slot            {} {active}", self.slot);
             let _ = writeln!(
                 o,
-                "wal status      {}",
-                self.wal_status.clone().unwrap_or_else(dash)
+                "wal status      {}{}",
+                self.wal_status.clone().unwrap_or_else(dash),
+                match &self.invalidation_reason {
+                    Some(reason) => format!(" (invalidated: {reason})"),
+                    None => String::new(),
+                }
             );
+            if let (Some(false), Some(since)) = (self.slot_active, &self.inactive_since) {
+                let _ = writeln!(o, "inactive since  {since}");
+            }
+            let failover = match self.failover_slot {
+                Some(true) => "failover slot",
+                Some(false) => "not a failover slot",
+                None => "no failover slots before PostgreSQL 17",
+            };
+            let reading = self
+                .outboxd
+                .as_ref()
+                .and_then(|s| s.failover.clone())
+                .map(|f| format!("; {f}"))
+                .unwrap_or_default();
+            let _ = writeln!(o, "failover        {failover}{reading}");
             let _ = writeln!(
                 o,
                 "confirmed LSN   {}",

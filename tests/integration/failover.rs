@@ -29,7 +29,7 @@ use tokio::task::JoinHandle;
 use tokio_postgres::NoTls;
 use uuid::Uuid;
 
-use crate::harness::broker::{broker, consume};
+use crate::harness::broker::{broker, consume, record_count};
 use crate::harness::postgres::{self, PgServer};
 use crate::harness::wait_for;
 use crate::relay::{bin, config_text, confirmed_flush, current_lsn, write_config};
@@ -175,6 +175,16 @@ fn spawn_writers(url: String, stop: Arc<AtomicBool>) -> Vec<JoinHandle<u64>> {
         .collect()
 }
 
+/// `outboxd check`'s output.
+fn check_output(cfg: &std::path::Path) -> String {
+    let out = std::process::Command::new(bin())
+        .args(["check", "--config"])
+        .arg(cfg)
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 /// Waits until the relay reports the slot protected, or fails with the
 /// relay's last reason.
 async fn wait_protected(r: &InProcess, timeout: Duration) {
@@ -241,8 +251,24 @@ async fn outboxd_follows_promotions_through_failover_slots() {
     let writers = spawn_writers(url.clone(), stop_writers.clone());
 
     let mut takeovers = Vec::new();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write_config(dir.path(), "failover.toml", &text);
+    let mut standby_started = Instant::now();
     for round in 1..=rounds {
-        wait_protected(&r, Duration::from_secs(90)).await;
+        wait_protected(&r, Duration::from_secs(120)).await;
+        eprintln!(
+            "failover round {round}: the standby's copy protects the slot {:?} after the standby started",
+            standby_started.elapsed()
+        );
+        if round == 1 {
+            let out = check_output(&cfg);
+            assert!(
+                out.lines().any(|l| l.starts_with("ok   failover")
+                    && l.contains("protected: 127.0.0.1:")
+                    && l.contains("holds a synced copy")),
+                "{out}"
+            );
+        }
         // Let the writers and the relay run on the protected pair a while.
         tokio::time::sleep(Duration::from_secs(2)).await;
 
@@ -277,6 +303,7 @@ async fn outboxd_follows_promotions_through_failover_slots() {
         let free_port = old.port;
         drop(old);
         standby = primary.standby(free_port, STANDBY_SLOT, sync);
+        standby_started = Instant::now();
         protect_with_standby(&primary).await;
     }
 
@@ -313,11 +340,13 @@ async fn outboxd_follows_promotions_through_failover_slots() {
         .collect();
     let topic = format!("{prefix}.failover");
     let brokers = broker().brokers.clone();
-    let want = rows.len();
-    let records =
-        tokio::task::spawn_blocking(move || consume(&brokers, &[&topic], want, Duration::from_secs(60)))
-            .await
-            .unwrap();
+    // Every record, duplicates included.
+    let records = tokio::task::spawn_blocking(move || {
+        let want = record_count(&brokers, &topic);
+        consume(&brokers, &[&topic], want, Duration::from_secs(60))
+    })
+    .await
+    .unwrap();
     let mut seen = HashSet::new();
     let mut order: HashMap<String, Vec<i64>> = HashMap::new();
     let mut duplicates = 0;
@@ -382,14 +411,17 @@ async fn a_slot_lost_in_a_promotion_stops_outboxd_with_the_recovery() {
     let slot = "lost_in_promotion";
     let prefix = format!("lost{}", std::process::id());
     let url = both_url(port_a, port_b);
-    let text = relay_config(&url, slot, &prefix);
+    let text = relay_config(&url, slot, &prefix) + "require_failover_protection = true\n";
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write_config(dir.path(), "lost.toml", &text);
 
     let r = start_relay(&text);
     wait_for("the slot", Duration::from_secs(30), || async {
         confirmed_flush(&c, slot).await
     })
     .await;
-    // The relay sees the danger before it happens.
+    // The relay sees the danger before it happens, and (as asked for) is
+    // not ready; `check` fails on it.
     let reading = wait_for("the failover reading", Duration::from_secs(30), || async {
         r.health.snapshot().failover
     })
@@ -399,6 +431,16 @@ async fn a_slot_lost_in_a_promotion_stops_outboxd_with_the_recovery() {
         "{reading}"
     );
     assert_eq!(r.metrics.failover_protected.get(), 0);
+    assert!(
+        r.health
+            .not_ready_reasons()
+            .iter()
+            .any(|x| x.contains("require_failover_protection")),
+        "{:?}",
+        r.health.not_ready_reasons()
+    );
+    let out = check_output(&cfg);
+    assert!(out.lines().any(|l| l.starts_with("FAIL failover")), "{out}");
     for i in 0..20 {
         c.execute(
             "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload) VALUES ($1, 'lost', 'a', 'T', jsonb_build_object('i', $2::int))",
@@ -452,16 +494,9 @@ async fn a_slot_lost_in_a_promotion_stops_outboxd_with_the_recovery() {
         .unwrap()
         .expect_err("still refused after a restart");
     assert!(err.to_string().contains("progress --reset"), "{err}");
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = write_config(dir.path(), "lost.toml", &text);
-    let check = std::process::Command::new(bin())
-        .args(["check", "--config"])
-        .arg(&cfg)
-        .output()
-        .unwrap();
-    let out = String::from_utf8_lossy(&check.stdout);
+    let out = check_output(&cfg);
     assert!(
-        !check.status.success() && out.contains("FAIL register") && out.contains("does not exist"),
+        out.contains("FAIL register") && out.contains("does not exist"),
         "{out}"
     );
 

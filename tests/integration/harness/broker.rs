@@ -513,6 +513,29 @@ impl Consumed {
     }
 }
 
+/// The records `topic` holds: the sum of its partitions' high watermarks
+/// (from offset 0; the tests' topics are never truncated).
+pub fn record_count(brokers: &str, topic: &str) -> usize {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create()
+        .expect("consumer");
+    let md = consumer
+        .fetch_metadata(Some(topic), Duration::from_secs(10))
+        .expect("topic metadata");
+    md.topics()
+        .iter()
+        .filter(|t| t.name() == topic)
+        .flat_map(|t| t.partitions().iter().map(|p| p.id()))
+        .map(|p| {
+            let (_, high) = consumer
+                .fetch_watermarks(topic, p, Duration::from_secs(10))
+                .expect("watermarks");
+            usize::try_from(high).unwrap_or(0)
+        })
+        .sum()
+}
+
 /// Reads every partition of `topics` from the beginning until `want`
 /// records have arrived (or `timeout`), in partition-offset order.
 /// Transactional records count once committed (`read_committed`).

@@ -206,6 +206,10 @@ impl PgServer {
             slot,
             "-R",
             "--no-sync",
+            // An immediate checkpoint: a spread one paces itself over most
+            // of checkpoint_timeout while writers are busy.
+            "-c",
+            "fast",
         ]);
         run(backup, "pg_basebackup").unwrap_or_else(|e| panic!("{e}\n{}", self.log_tail()));
         let conf = format!(
