@@ -70,11 +70,7 @@ pub async fn run_checks(config: &Config, v: &Validated) -> Vec<CheckLine> {
 async fn register_check(config: &Config, v: &Validated) -> CheckLine {
     let kafka = &config.kafka;
     let slot = v.slot.as_str();
-    let system = match crate::pg::connection::ReplicationConnection::connect(&v.pg).await {
-        Ok(mut repl) => repl.identify_system().await,
-        Err(e) => Err(e),
-    };
-    let system = match system {
+    let system = match crate::pg::connection::ReplicationConnection::identify(&v.pg).await {
         Ok(s) => s,
         Err(e) => {
             return line(

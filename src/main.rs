@@ -220,11 +220,7 @@ async fn progress(path: PathBuf, reset: bool) -> ExitCode {
         }
     }
     // The slot register is keyed by the PostgreSQL system identifier.
-    let system = match outboxd::pg::connection::ReplicationConnection::connect(&validated.pg).await {
-        Ok(mut repl) => repl.identify_system().await,
-        Err(e) => Err(e),
-    };
-    let system = match system {
+    let system = match outboxd::pg::connection::ReplicationConnection::identify(&validated.pg).await {
         Ok(s) => s,
         Err(e) => {
             eprintln!(

@@ -449,6 +449,13 @@ impl ReplicationConnection {
         }
     }
 
+    /// Connects (as [`ReplicationConnection::connect`]) only to ask
+    /// `IDENTIFY_SYSTEM`: the system identifier keys what outboxd keeps
+    /// about this PostgreSQL system.
+    pub async fn identify(cfg: &PgConnectConfig) -> Result<SystemIdentity, PgError> {
+        Self::connect(cfg).await?.identify_system().await
+    }
+
     /// `IDENTIFY_SYSTEM`.
     pub async fn identify_system(&mut self) -> Result<SystemIdentity, PgError> {
         let r = self.simple_query("IDENTIFY_SYSTEM").await?;

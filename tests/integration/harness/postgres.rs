@@ -223,12 +223,7 @@ impl PgServer {
             sock = socket_dir.display(),
             primary = self.port,
         );
-        let mut auto = std::fs::OpenOptions::new()
-            .append(true)
-            .open(data_dir.join("postgresql.auto.conf"))
-            .unwrap();
-        std::io::Write::write_all(&mut auto, conf.as_bytes()).unwrap();
-        drop(auto);
+        append_conf(&data_dir, &conf).unwrap();
         let server = PgServer {
             port,
             socket_dir,
@@ -452,12 +447,7 @@ fn start(extra_conf: &str) -> Result<PgServer, String> {
         cert = root.join("server.crt").display(),
         key = key.display(),
     );
-    let mut auto = std::fs::OpenOptions::new()
-        .append(true)
-        .open(data_dir.join("postgresql.auto.conf"))
-        .map_err(|e| e.to_string())?;
-    std::io::Write::write_all(&mut auto, conf.as_bytes()).map_err(|e| e.to_string())?;
-    drop(auto);
+    append_conf(&data_dir, &conf)?;
 
     let log_file = root.join("server.log");
     let server = PgServer {
@@ -482,6 +472,15 @@ fn start(extra_conf: &str) -> Result<PgServer, String> {
     wait_accepting(&server)?;
     create_roles(&server)?;
     Ok(server)
+}
+
+/// Appends settings to `postgresql.auto.conf` (later settings win).
+fn append_conf(data_dir: &Path, conf: &str) -> Result<(), String> {
+    let mut auto = std::fs::OpenOptions::new()
+        .append(true)
+        .open(data_dir.join("postgresql.auto.conf"))
+        .map_err(|e| e.to_string())?;
+    std::io::Write::write_all(&mut auto, conf.as_bytes()).map_err(|e| e.to_string())
 }
 
 /// Stops the server and removes its directory when this process is gone.
