@@ -56,6 +56,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::{ExactlyOnceConfig, KafkaConfig};
 use crate::lsn::Lsn;
+use crate::pg::timeline::TimelineHistory;
 use crate::progress::TxnId;
 use crate::routing::KafkaRecord;
 
@@ -585,10 +586,15 @@ pub enum Resume {
     FromSlot,
     /// Skip PostgreSQL transactions committed at or below this LSN.
     SkipThrough(Lsn),
+    /// The record was written on an ancestor timeline, before that
+    /// timeline's switch point: that WAL is the same on this timeline, so
+    /// skip through it as through a record of this timeline.
+    SkipThroughAncestor { lsn: Lsn, record: u32, switch: Lsn },
     /// The record was written on another timeline (a promotion or a
-    /// point-in-time recovery); LSNs past the switch may have been reused,
-    /// so it is not trusted to skip: start at the slot (duplicates
-    /// possible, no loss).
+    /// point-in-time recovery) and not before its switch point on the way
+    /// to this one (or the history is unknown); LSNs past the switch may
+    /// have been reused, so it is not trusted to skip: start at the slot
+    /// (duplicates possible, no loss).
     OtherTimeline { record: u32, server: u32 },
 }
 
@@ -626,17 +632,37 @@ impl Transactions {
     }
 
     /// Decides where to resume from the record read at start.
-    pub fn resume(&mut self, record: Option<&ProgressRecord>) -> Result<Resume, ProgressError> {
+    /// `history` is this server's timeline history (`None` on timeline 1,
+    /// or when it could not be read): it says whether a record of an
+    /// ancestor timeline still holds here.
+    pub fn resume(
+        &mut self,
+        record: Option<&ProgressRecord>,
+        history: Option<&TimelineHistory>,
+    ) -> Result<Resume, ProgressError> {
         let Some(r) = record else {
             return Ok(Resume::FromSlot);
         };
+        let lsn = r.commit_lsn()?;
         if r.timeline != self.identity.timeline {
-            return Ok(Resume::OtherTimeline {
-                record: r.timeline,
-                server: self.identity.timeline,
+            // The whole commit record must lie before the switch point.
+            let end = r.end_lsn()?;
+            let switch = history.and_then(|h| h.switch_point(r.timeline));
+            return Ok(match switch {
+                Some(switch) if r.timeline < self.identity.timeline && end <= switch => {
+                    self.skip_through = Some(lsn);
+                    Resume::SkipThroughAncestor {
+                        lsn,
+                        record: r.timeline,
+                        switch,
+                    }
+                }
+                _ => Resume::OtherTimeline {
+                    record: r.timeline,
+                    server: self.identity.timeline,
+                },
             });
         }
-        let lsn = r.commit_lsn()?;
         self.skip_through = Some(lsn);
         Ok(Resume::SkipThrough(lsn))
     }
@@ -794,7 +820,7 @@ mod tests {
         );
         assert!(fresh.admit(Lsn(1)));
         assert_eq!(
-            fresh.resume(Some(&decoded)).unwrap(),
+            fresh.resume(Some(&decoded), None).unwrap(),
             Resume::SkipThrough(Lsn(0x16B_3748))
         );
         assert!(!fresh.admit(Lsn(0x16B_3748)), "at the record: in Kafka");
@@ -809,10 +835,40 @@ mod tests {
             },
         );
         assert_eq!(
-            promoted.resume(Some(&decoded)).unwrap(),
+            promoted.resume(Some(&decoded), None).unwrap(),
             Resume::OtherTimeline { record: 1, server: 2 }
         );
         assert!(promoted.admit(Lsn(1)), "another timeline skips nothing");
+        // Timeline 1 left after the record's commit: the record holds here.
+        let after = TimelineHistory::parse("1\t0/16B3778\tno recovery target specified\n").unwrap();
+        assert_eq!(
+            promoted.resume(Some(&decoded), Some(&after)).unwrap(),
+            Resume::SkipThroughAncestor {
+                lsn: Lsn(0x16B_3748),
+                record: 1,
+                switch: Lsn(0x16B_3778)
+            }
+        );
+        assert!(!promoted.admit(Lsn(0x16B_3748)));
+        assert!(promoted.admit(Lsn(0x16B_3749)));
+        // ... left inside the commit record, or before it: not trusted.
+        for history in ["1\t0/16B3777\tr\n", "1\t0/1000000\tr\n", "3\t0/FFFFFFFF\tr\n"] {
+            let mut p = Transactions::new(
+                &ExactlyOnceConfig::default(),
+                "outboxd.progress".into(),
+                Identity {
+                    timeline: 2,
+                    ..identity()
+                },
+            );
+            let h = TimelineHistory::parse(history).unwrap();
+            assert_eq!(
+                p.resume(Some(&decoded), Some(&h)).unwrap(),
+                Resume::OtherTimeline { record: 1, server: 2 },
+                "{history}"
+            );
+            assert!(p.admit(Lsn(1)));
+        }
 
         let other = Transactions::new(
             &ExactlyOnceConfig::default(),

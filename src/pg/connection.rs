@@ -18,6 +18,7 @@
 //! only consumed once it is complete, so [`ReplicationStream::next_message`]
 //! can sit in a `tokio::select!` next to timers.
 
+use crate::pg::timeline::TimelineHistory;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
@@ -454,6 +455,16 @@ impl ReplicationConnection {
     /// about this PostgreSQL system.
     pub async fn identify(cfg: &PgConnectConfig) -> Result<SystemIdentity, PgError> {
         Self::connect(cfg).await?.identify_system().await
+    }
+
+    /// `TIMELINE_HISTORY`: where each ancestor of `timeline` ended (only
+    /// timelines after the first have a history).
+    pub async fn timeline_history(&mut self, timeline: u32) -> Result<TimelineHistory, PgError> {
+        let r = self.simple_query(&format!("TIMELINE_HISTORY {timeline}")).await?;
+        let content = r
+            .value(0, "content")
+            .ok_or_else(|| PgError::Protocol("TIMELINE_HISTORY returned no content".into()))?;
+        TimelineHistory::parse(content).map_err(PgError::Protocol)
     }
 
     /// `IDENTIFY_SYSTEM`.

@@ -10,7 +10,8 @@
 //! * [`failover`]: whether the slot would survive a promotion (17+);
 //! * [`publication`]: proof that the publication delivers every outbox
 //!   INSERT, at start and, through a guard, while streaming;
-//! * [`ident`]: validated, quoted SQL names.
+//! * [`ident`]: validated, quoted SQL names;
+//! * [`timeline`]: where ancestor timelines ended (`TIMELINE_HISTORY`).
 
 pub mod admin;
 pub mod connection;
@@ -22,4 +23,5 @@ pub mod ident;
 pub mod outbox_stream;
 pub mod pgoutput;
 pub mod publication;
+pub mod timeline;
 pub mod tls;

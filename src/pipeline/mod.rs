@@ -460,7 +460,7 @@ impl Relay {
         };
         tracing::debug!("slot ready");
         let register = self.register_slot(&system).await;
-        let durability = self.durability(&system).await?;
+        let durability = self.durability(&mut repl, &system).await?;
         let v = &self.validated;
         let stream = repl
             .start_replication(&StartOptions {
@@ -555,7 +555,11 @@ impl Relay {
     /// producers with the same `transactional.id` (which completes any
     /// transaction they left), then reads the progress record, so that it
     /// sees everything they committed.
-    async fn durability(&mut self, system: &SystemIdentity) -> Result<Durability, RelayError> {
+    async fn durability(
+        &mut self,
+        repl: &mut ReplicationConnection,
+        system: &SystemIdentity,
+    ) -> Result<Durability, RelayError> {
         if self.validated.transactional_id.is_none() {
             return Ok(Durability::AtLeastOnce);
         }
@@ -564,6 +568,7 @@ impl Relay {
         let timeout = eo.commit_timeout.0;
         let started = Instant::now();
         let system = system.clone();
+        let server_timeline = system.timeline;
         self.sink.init_transactions(timeout).await?;
         let topic = self.config.kafka.progress_topic().to_owned();
         self.sink.ensure_progress_topic(&topic).await?;
@@ -579,12 +584,29 @@ impl Relay {
         if let Some(r) = &record {
             t.check_owner(r)?;
         }
-        match t.resume(record.as_ref())? {
+        // A record of an earlier timeline (written before a promotion)
+        // still holds if it lies before that timeline's switch point.
+        let history = match &record {
+            Some(r) if r.timeline < server_timeline => match repl.timeline_history(server_timeline).await {
+                Ok(h) => Some(h),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot read the timeline history; the progress record of the earlier timeline is not used to skip");
+                    None
+                }
+            },
+            _ => None,
+        };
+        match t.resume(record.as_ref(), history.as_ref())? {
             Resume::FromSlot => tracing::info!(slot, "no progress record: starting at the slot"),
             Resume::SkipThrough(lsn) => {
                 self.metrics.progress_lsn.set(i64::try_from(lsn.0).unwrap_or(i64::MAX));
                 self.health.set_progress_lsn(lsn.0);
                 tracing::info!(slot, progress = %lsn, took = ?started.elapsed(), "transactions up to the progress record are in Kafka; skipping them")
+            }
+            Resume::SkipThroughAncestor { lsn, record, switch } => {
+                self.metrics.progress_lsn.set(i64::try_from(lsn.0).unwrap_or(i64::MAX));
+                self.health.set_progress_lsn(lsn.0);
+                tracing::info!(slot, progress = %lsn, record_timeline = record, %switch, "the progress record was written on an earlier timeline, before its switch point: that WAL is the same here, so transactions up to it are skipped")
             }
             Resume::OtherTimeline { record, server } => tracing::warn!(
                 slot,

@@ -201,6 +201,28 @@ async fn wait_protected(r: &InProcess, timeout: Duration) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn outboxd_follows_promotions_through_failover_slots() {
+    let rounds = crate::relay::env_usize("OUTBOXD_FAILOVER_ROUNDS", 5);
+    follow_promotions(Delivery::AtLeastOnce, rounds).await;
+}
+
+/// Exactly-once across a promotion: the progress record was written on the
+/// old timeline, before its switch point (the standby had every change
+/// outboxd saw, by `synchronized_standby_slots`), so the new primary's
+/// timeline history lets outboxd trust it: a `read_committed` consumer
+/// reads each event once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn exactly_once_follows_promotions_with_each_event_read_once() {
+    let rounds = crate::relay::env_usize("OUTBOXD_EO_FAILOVER_ROUNDS", 2);
+    follow_promotions(Delivery::ExactlyOnce, rounds).await;
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Delivery {
+    AtLeastOnce,
+    ExactlyOnce,
+}
+
+async fn follow_promotions(delivery: Delivery, rounds: usize) {
     let first = postgres::dedicated("");
     let (port_a, port_b) = (first.port, postgres::free_port());
     let version: i32 = sql(&first)
@@ -211,10 +233,15 @@ async fn outboxd_follows_promotions_through_failover_slots() {
         .get(0);
     let mut c = sql(&first).await;
     outbox_sdk::migrate::migrate(&mut c).await.unwrap();
-    let slot = "fo_slot";
-    let prefix = format!("fo{}", std::process::id());
+    let (slot, prefix) = match delivery {
+        Delivery::AtLeastOnce => ("fo_slot", format!("fo{}", std::process::id())),
+        Delivery::ExactlyOnce => ("fo_eo_slot", format!("fo-eo{}", std::process::id())),
+    };
     let url = both_url(port_a, port_b);
-    let text = relay_config(&url, slot, &prefix);
+    let mut text = relay_config(&url, slot, &prefix);
+    if delivery == Delivery::ExactlyOnce {
+        text = text.replace("[kafka]\n", "[kafka]\ndelivery = \"exactly-once\"\n");
+    }
 
     if version < 170_000 {
         // No failover slots before 17: the relay says so, and nothing else
@@ -236,7 +263,6 @@ async fn outboxd_follows_promotions_through_failover_slots() {
         return;
     }
 
-    let rounds = crate::relay::env_usize("OUTBOXD_FAILOVER_ROUNDS", 5);
     let sync = "sync_replication_slots = on";
     let mut primary = first;
     let mut standby = primary.standby(port_b, STANDBY_SLOT, sync);
@@ -257,7 +283,7 @@ async fn outboxd_follows_promotions_through_failover_slots() {
     for round in 1..=rounds {
         wait_protected(&r, Duration::from_secs(120)).await;
         eprintln!(
-            "failover round {round}: the standby's copy protects the slot {:?} after the standby started",
+            "failover ({delivery:?}) round {round}: the standby's copy protects the slot {:?} after the standby started",
             standby_started.elapsed()
         );
         if round == 1 {
@@ -294,7 +320,7 @@ async fn outboxd_follows_promotions_through_failover_slots() {
         .await;
         let took = promoted.elapsed();
         eprintln!(
-            "failover round {round}: takeover {took:?} (promotion to an event written after it confirmed)"
+            "failover ({delivery:?}) round {round}: takeover {took:?} (promotion to an event written after it confirmed)"
         );
         takeovers.push(took);
 
@@ -320,6 +346,16 @@ async fn outboxd_follows_promotions_through_failover_slots() {
         || async { confirmed_flush(&client, slot).await.filter(|l| *l >= end) },
     )
     .await;
+    // Exactly-once: each new primary's copy of the slot trailed the
+    // progress record, and the record (of the old timeline) was trusted to
+    // skip what Kafka already held.
+    let skipped = r.metrics.skipped_transactions.get();
+    if delivery == Delivery::ExactlyOnce {
+        assert!(
+            skipped > 0,
+            "no transaction was skipped by a progress record of an earlier timeline"
+        );
+    }
     r.stop.send(true).unwrap();
     tokio::time::timeout(Duration::from_secs(30), r.handle)
         .await
@@ -340,9 +376,16 @@ async fn outboxd_follows_promotions_through_failover_slots() {
         .collect();
     let topic = format!("{prefix}.failover");
     let brokers = broker().brokers.clone();
-    // Every record, duplicates included.
+    // Every record, duplicates included. With exactly-once the offsets
+    // also hold transaction markers and aborted records, which a
+    // read_committed consumer skips: one record per row is all it may see
+    // (a duplicate among them fails the check below).
+    let rows_written = rows.len();
     let records = tokio::task::spawn_blocking(move || {
-        let want = record_count(&brokers, &topic);
+        let want = match delivery {
+            Delivery::AtLeastOnce => record_count(&brokers, &topic),
+            Delivery::ExactlyOnce => rows_written,
+        };
         consume(&brokers, &[&topic], want, Duration::from_secs(60))
     })
     .await
@@ -361,6 +404,9 @@ async fn outboxd_follows_promotions_through_failover_slots() {
             order.entry(rec.key.clone()).or_default().push(seq);
         }
     }
+    if delivery == Delivery::ExactlyOnce {
+        assert_eq!(duplicates, 0, "read_committed reads each event once");
+    }
     let missing: Vec<_> = rows.iter().filter(|(id, _, _)| !seen.contains(id)).collect();
     assert!(
         missing.is_empty(),
@@ -378,20 +424,24 @@ async fn outboxd_follows_promotions_through_failover_slots() {
     let mut sorted = takeovers.clone();
     sorted.sort();
     eprintln!(
-        "failover: {rounds} promotions, {} rows ({written} inserts answered), {} records, {duplicates} duplicates; takeover min {:?} median {:?} max {:?}",
+        "failover ({delivery:?}): {rounds} promotions, {} rows ({written} inserts answered), {} records, {duplicates} duplicates, {skipped} transactions skipped by the progress record; takeover min {:?} median {:?} max {:?}",
         rows.len(),
         records.len(),
         sorted[0],
         sorted[sorted.len() / 2],
         sorted[sorted.len() - 1]
     );
-    // The synced copy trails the primary's slot by the slot sync worker's
-    // nap (200 ms while busy) plus outboxd's status interval (100 ms here);
-    // at ≤ 400 inserts a second, a promotion re-sends well under 400 events.
-    assert!(
-        duplicates <= 400 * rounds,
-        "{duplicates} duplicates over {rounds} promotions"
-    );
+    match delivery {
+        // The synced copy trails the primary's slot by the slot sync
+        // worker's nap (200 ms while busy) plus outboxd's status interval
+        // (100 ms here); at ≤ 400 inserts a second, a promotion re-sends
+        // well under 400 events.
+        Delivery::AtLeastOnce => assert!(
+            duplicates <= 400 * rounds,
+            "{duplicates} duplicates over {rounds} promotions"
+        ),
+        Delivery::ExactlyOnce => assert_eq!(duplicates, 0, "read_committed reads each event once"),
+    }
     assert!(
         sorted[sorted.len() - 1] < Duration::from_secs(10),
         "a takeover took {:?}",
