@@ -21,10 +21,14 @@
 //!    session stops with [`SlotLost`], which names the last position seen
 //!    and the recovery steps. `outboxd progress --reset` forgets the record
 //!    once the gap is handled.
-//! 3. Once the slot exists (found or created), the record is written with
-//!    its confirmed LSN, and again by the poller whenever the confirmed LSN
-//!    moved and the last write is older than [`REFRESH`]. Writes are plain
-//!    (not transactional) and wait for Kafka's acknowledgement.
+//! 3. Once the slot exists (found or created), the session writes the
+//!    record at its first status tick, with the confirmed LSN, and again
+//!    whenever the confirmed LSN moved and the last write is older than
+//!    [`REFRESH`], in a task of its own so that streaming never waits for
+//!    it. Writes are plain (not transactional) and wait for Kafka's
+//!    acknowledgement; a failed one is logged, counted and tried again.
+//!    Reads use `read_uncommitted`, so an open exactly-once transaction in
+//!    the same topic never holds them up.
 //!
 //! The record's LSN is a lower bound of what consumers have: the recovery
 //! re-publishes from its time, which can only duplicate, never skip.

@@ -3,10 +3,21 @@
 //!
 //! # One session
 //!
-//! A session connects, makes sure the publication and slot exist, and
-//! starts replication at `0/0`, which the server reads as "from the slot's
-//! `confirmed_flush_lsn`". Then one `tokio::select!` loop runs, with these
-//! priorities (`biased`):
+//! A session connects (to the first writable server of `postgres.url`, so
+//! that it follows a promotion), makes sure the publication and slot
+//! exist, and starts replication at `0/0`, which the server reads as "from
+//! the slot's `confirmed_flush_lsn`". Setting the slot up:
+//!
+//! * a missing slot that the slot register knows was streamed on this
+//!   PostgreSQL system was lost (a promotion before it was synced, a
+//!   drop): the session stops with the recovery instead of creating one
+//!   that would skip events ([`crate::slot_register`]);
+//! * on PostgreSQL 17+ the slot is a failover slot (`postgres.failover_slot`),
+//!   so a standby that syncs slots keeps a copy; the poller reports whether
+//!   that copy exists ([`crate::pg::failover`]);
+//! * an invalidated slot stops the session with PostgreSQL's reason.
+//!
+//! Then one `tokio::select!` loop runs, with these priorities (`biased`):
 //!
 //! 1. **shutdown**: stop reading, drain acknowledgements, confirm, exit;
 //! 2. **acknowledgements**: each finished delivery future is applied to the
@@ -512,7 +523,7 @@ impl Relay {
         if admin::slot_info(client, &self.validated.slot).await?.is_some() {
             return Ok(());
         }
-        self.sink.ensure_progress_topic(kafka.progress_topic()).await?;
+        // A missing progress topic reads as no record.
         match slot_register::read(kafka, &system.system_id, slot, kafka.admin_timeout.0).await? {
             Some(record) => Err(RelayError::SlotLost(Box::new(SlotLost::new(
                 &record,

@@ -398,7 +398,14 @@ async fn confirmed_lsn_never_passes_an_unacknowledged_event() {
         slot,
         &brokers,
         "topic = \"ackorder.{aggregate_type}\"",
-        "",
+        // MockCluster injects its errors into the next Produce requests of
+        // any producer: the slot register's own write would take the first
+        // one, and the outbox producer's first request would then time out.
+        // librdkafka 2.12 reports an idempotent producer's first batch as
+        // delivered after an injected REQUEST_TIMED_OUT, though the mock
+        // never stored it (a mock artifact: a real broker appends before it
+        // times out on replication); see the README, "Not yet".
+        "slot_register = false",
     ));
     wait_for("the slot", Duration::from_secs(30), || async {
         confirmed_flush(&client, slot).await
