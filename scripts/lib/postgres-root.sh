@@ -26,7 +26,7 @@ case "$version" in
   *) echo "postgres-root: no Debian suite known for PostgreSQL $version (17 or 18; 15 comes from the host)" >&2; exit 2 ;;
 esac
 log() { printf 'postgres-root: %s\n' "$*" >&2; }
-[ "$(id -u)" = 0 ] || { log "PostgreSQL $version runs in a chroot, which needs root"; exit 1; }
+[ "$(id -u)" = 0 ] || { log "PostgreSQL $version runs in a chroot, which needs root (as CI has); to test only against the host's PostgreSQL 15, set OUTBOXD_PG_VERSIONS=\"\""; exit 1; }
 id postgres >/dev/null 2>&1 || { log "the host has no postgres user: install postgresql-common first (scripts/setup.sh does)"; exit 1; }
 
 base="${OUTBOXD_PG_ROOTS:-$HOME/.cache/outboxd/postgres}/$version"

@@ -282,6 +282,9 @@ fn check_fits(info: &SlotInfo, slot: &SlotName, dbname: &str) -> Result<(), Admi
     }
 }
 
+/// How long altering the slot may wait for another process to release it.
+const ALTER_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Creates the logical slot if it is missing; refuses a slot that belongs to another database or plugin. With
 /// `failover` set (only on PostgreSQL 17+) a new slot is a failover slot,
 /// and an existing one is altered to match; `None` leaves it alone.
@@ -295,25 +298,33 @@ pub async fn ensure_slot(
     if let Some(mut info) = slot_info(client, slot).await? {
         check_fits(&info, slot, dbname)?;
         if let (Some(want), Some(have)) = (failover, info.failover) {
-            if want != have && info.invalidated().is_none() {
-                // Not fatal: a slot another process holds cannot be altered
-                // (starting it fails next, and is retried); the failover
-                // check reports a slot left as it was.
-                match repl.alter_slot_failover(slot, want).await {
-                    Ok(()) => {
-                        tracing::info!(
-                            slot = slot.as_str(),
-                            failover = want,
-                            "altered the slot's failover setting"
-                        );
+            // A slot another process holds is left alone: ALTER would wait
+            // for it, and starting it fails next anyway (and is retried);
+            // a later session alters it once it is free.
+            if want != have && info.invalidated().is_none() && !info.active {
+                match tokio::time::timeout(ALTER_WAIT, repl.alter_slot_failover(slot, want)).await {
+                    Ok(Ok(())) => {
+                        tracing::info!(slot = slot.as_str(), failover = want, "altered the slot's failover setting");
                         info.failover = Some(want);
                     }
-                    Err(e) => tracing::warn!(
+                    // Not fatal: the failover check reports a slot left as it was.
+                    Ok(Err(e)) => tracing::warn!(
                         slot = slot.as_str(),
                         failover = want,
                         error = %e,
                         "cannot alter the slot's failover setting (postgres.failover_slot); going on with it as it is"
                     ),
+                    // Taken by another process meanwhile: this connection is
+                    // still waiting, so the session starts over.
+                    Err(_) => {
+                        return Err(AdminError::Replication(PgError::Io(std::io::Error::new(
+                            std::io::ErrorKind::TimedOut,
+                            format!(
+                                "ALTER_REPLICATION_SLOT waited {ALTER_WAIT:?} for slot {}, which another process holds; retrying",
+                                slot.as_str()
+                            ),
+                        ))))
+                    }
                 }
             }
         }

@@ -984,6 +984,18 @@ async fn a_slot_in_use_is_retried_not_a_crash_loop() {
         || async { r.health.snapshot().streaming.then_some(()) },
     )
     .await;
+    // PostgreSQL 17+: the session that got the slot made it a failover
+    // slot (postgres.failover_slot, on by default); before 17 there is no
+    // such flag.
+    let failover: Option<bool> = client
+        .query_one(
+            "SELECT (to_jsonb(s) ->> 'failover')::boolean FROM pg_replication_slots s WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_ne!(failover, Some(false), "the slot was not altered to a failover slot");
     r.shutdown().await;
 }
 
