@@ -995,7 +995,11 @@ async fn a_slot_in_use_is_retried_not_a_crash_loop() {
         .await
         .unwrap()
         .get(0);
-    assert_ne!(failover, Some(false), "the slot was not altered to a failover slot");
+    assert_ne!(
+        failover,
+        Some(false),
+        "the slot was not altered to a failover slot"
+    );
     r.shutdown().await;
 }
 
