@@ -538,7 +538,8 @@ impl Relay {
     /// slot exists): the first status tick writes it, in the background.
     /// A progress topic that cannot be made is logged and counted, not
     /// fatal: outboxd's own work goes on, only a lost slot could then not
-    /// be told from a first start (`outboxd check` fails on it).
+    /// be told from a first start (the warning and
+    /// `outboxd_publish_errors_total{reason="slot_register"}` say so).
     async fn register_slot(&mut self, system: &SystemIdentity) -> Option<RegisterRefresh> {
         let kafka = &self.config.kafka;
         if !kafka.keeps_slot_register() {
