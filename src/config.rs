@@ -964,6 +964,32 @@ mod tests {
     }
 
     #[test]
+    fn progress_topic_takes_either_spelling_but_not_two_different_ones() {
+        let parse = |extra: &str| Config::from_toml(&format!("{MINIMAL}{extra}"), env(&[]));
+        let (c, _) = parse("").unwrap();
+        assert_eq!(c.kafka.progress_topic(), "outboxd.progress");
+        assert!(c.kafka.keeps_slot_register());
+        let (c, _) = parse("progress_topic = \"p.new\"\n").unwrap();
+        assert_eq!(c.kafka.progress_topic(), "p.new");
+        let (c, _) = parse("[kafka.exactly_once]\nprogress_topic = \"p.old\"\n").unwrap();
+        assert_eq!(c.kafka.progress_topic(), "p.old");
+        let e = parse("progress_topic = \"p.new\"\n[kafka.exactly_once]\nprogress_topic = \"p.old\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("kafka.progress_topic") && e.contains("older spelling"),
+            "{e}"
+        );
+        let e = parse("progress_topic = \"bad topic\"\n").unwrap_err().to_string();
+        assert!(e.contains("kafka.progress_topic"), "{e}");
+        // Exactly-once keeps the register whatever slot_register says.
+        let (c, _) = parse("slot_register = false\n").unwrap();
+        assert!(!c.kafka.keeps_slot_register());
+        let (c, _) = parse("slot_register = false\ndelivery = \"exactly-once\"\n").unwrap();
+        assert!(c.kafka.keeps_slot_register());
+    }
+
+    #[test]
     fn unknown_keys_and_bad_values_name_the_field() {
         let err = |extra: &str| {
             Config::from_toml(&format!("{MINIMAL}{extra}"), env(&[]))

@@ -285,9 +285,10 @@ fn check_fits(info: &SlotInfo, slot: &SlotName, dbname: &str) -> Result<(), Admi
 /// How long altering the slot may wait for another process to release it.
 const ALTER_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// Creates the logical slot if it is missing; refuses a slot that belongs to another database or plugin. With
-/// `failover` set (only on PostgreSQL 17+) a new slot is a failover slot,
-/// and an existing one is altered to match; `None` leaves it alone.
+/// Creates the logical slot if it is missing; refuses a slot that belongs
+/// to another database or plugin. With `failover` set (only on PostgreSQL
+/// 17+) a new slot is a failover slot, and an existing one is altered to
+/// match; `None` leaves it alone.
 pub async fn ensure_slot(
     client: &Client,
     repl: &mut ReplicationConnection,
