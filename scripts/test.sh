@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it: installs what is missing, then
 # formatting, lints, the deployment checks (Dockerfile, Helm chart, image),
-# the quick start (scripts/demo.sh), unit tests and the end-to-end tests
-# against a real PostgreSQL and Apache Kafka that the test harness starts
-# and stops itself: the whole suite on PostgreSQL 15, then the integration
+# the quick start (scripts/demo.sh) and the accounts demo
+# (scripts/demo-accounts.sh), unit tests and the end-to-end tests against a
+# real PostgreSQL and Apache Kafka that the test harness starts and stops
+# itself: the whole suite on PostgreSQL 15, then the integration
 # suite on 17 and on 18 (OUTBOXD_PG_VERSIONS, default "17 18").
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +17,8 @@ scripts/check-deploy.sh
 # event it writes is consumed from Kafka.
 scripts/demo.sh >/tmp/outboxd-demo.$$.log 2>&1 || { cat /tmp/outboxd-demo.$$.log; exit 1; }
 echo "quick start (scripts/demo.sh): passed"
+scripts/demo-accounts.sh >/tmp/outboxd-demo.$$.log 2>&1 || { cat /tmp/outboxd-demo.$$.log; exit 1; }
+echo "accounts demo (scripts/demo-accounts.sh): passed"
 rm -f /tmp/outboxd-demo.$$.log
 echo "broker: Apache Kafka $(scripts/kafka.sh version) (KRaft; the harness checks each broker's own \"Kafka version\" line)"
 

@@ -4,8 +4,10 @@
 //! An aggregate's history is keyed by [`AggregateKey`]: its type *and* its
 //! id, so `Account 42` and `Customer 42` are two histories.
 //!
-//! [`EventStore::append`] writes an aggregate's new events to `events` and
-//! one outbox row per event, in the caller's transaction. Optimistic
+//! [`EventStore::append`] writes an aggregate's new events to `events`
+//! (the caller's headers kept as each event's `metadata`) and one outbox
+//! row per event, whose headers add the event's `version` and
+//! `occurredAt`, in the caller's transaction. Optimistic
 //! concurrency: the append succeeds only if the aggregate is still at
 //! `expected_version`. A writer that loaded a stale version gets
 //! [`EventStoreError::ConcurrencyConflict`]. The check is an `INSERT … WHERE
@@ -38,6 +40,10 @@ use crate::outbox::{append, Headers, OutboxEvent};
 
 /// Header carrying an event's aggregate version on its outbox row.
 pub const VERSION_HEADER: &str = "version";
+/// Header carrying the moment the event was stored (`occurred_at`, RFC 3339
+/// in microseconds, UTC) on its outbox row. The envelope's `occurredAt` is
+/// the outbox row's `created_at`, the start of the writing transaction.
+pub const OCCURRED_AT_HEADER: &str = "occurredAt";
 
 /// Which history: an aggregate's type and id together.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -79,6 +85,9 @@ pub struct RecordedEvent {
     pub event_type: String,
     pub payload: Value,
     pub occurred_at: DateTime<Utc>,
+    /// The headers the event was appended with (correlation id, trace
+    /// context, …), as a JSON object.
+    pub metadata: Value,
 }
 
 impl RecordedEvent {
@@ -91,6 +100,7 @@ impl RecordedEvent {
             event_type: row.get("type"),
             payload: row.get("payload"),
             occurred_at: row.get("occurred_at"),
+            metadata: row.get("metadata"),
         }
     }
 }
@@ -114,7 +124,7 @@ impl From<tokio_postgres::Error> for EventStoreError {
     }
 }
 
-const COLUMNS: &str = "event_id, aggregate_type, aggregate_id, version, type, payload, occurred_at";
+const COLUMNS: &str = "event_id, aggregate_type, aggregate_id, version, type, payload, occurred_at, metadata";
 
 /// The last version of the consistent prefix at moment `$3` of the history
 /// `($1, $2)`, or 0 (see the module doc). `>` makes an event that occurred
@@ -172,14 +182,15 @@ impl EventStore {
         // occurred_at is set here, not left to the column default, so that
         // tables created before migration 0004 get the insert time too.
         let sql = format!(
-            "INSERT INTO events (event_id, aggregate_type, aggregate_id, version, type, payload, occurred_at)
-             SELECT e.event_id, $2, $3, e.version, e.type, e.payload, clock_timestamp()
+            "INSERT INTO events (event_id, aggregate_type, aggregate_id, version, type, payload, occurred_at, metadata)
+             SELECT e.event_id, $2, $3, e.version, e.type, e.payload, clock_timestamp(), $8
                FROM unnest($4, $5, $6, $7) AS e(event_id, version, type, payload)
               WHERE (SELECT coalesce(max(version), 0) FROM events
                       WHERE aggregate_type = $2 AND aggregate_id = $3) = $1
              RETURNING {COLUMNS}"
         );
-        let params: [(&(dyn ToSql + Sync), Type); 7] = [
+        let metadata = headers.to_json();
+        let params: [(&(dyn ToSql + Sync), Type); 8] = [
             (&expected_version, Type::INT8),
             (&key.aggregate_type, Type::TEXT),
             (&key.aggregate_id, Type::TEXT),
@@ -187,6 +198,7 @@ impl EventStore {
             (&versions, Type::INT8_ARRAY),
             (&types, Type::TEXT_ARRAY),
             (&payloads, Type::JSONB_ARRAY),
+            (&metadata, Type::JSONB),
         ];
         let conflict = || EventStoreError::ConcurrencyConflict {
             aggregate_type: key.aggregate_type.to_owned(),
@@ -210,6 +222,10 @@ impl EventStore {
             .map(|e| {
                 let mut h = headers.clone();
                 h.insert(VERSION_HEADER, e.version.to_string());
+                h.insert(
+                    OCCURRED_AT_HEADER,
+                    e.occurred_at.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+                );
                 OutboxEvent {
                     id: Some(e.event_id),
                     aggregate_type: key.aggregate_type.to_owned(),

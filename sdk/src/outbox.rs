@@ -60,7 +60,7 @@ impl Headers {
         self.0.get(TRACEPARENT).and_then(Value::as_str)
     }
 
-    fn to_json(&self) -> Value {
+    pub(crate) fn to_json(&self) -> Value {
         Value::Object(self.0.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
     }
 }

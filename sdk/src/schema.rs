@@ -49,6 +49,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0004_event_store_aggregate_type.sql",
         sql: include_str!("../../migrations/0004_event_store_aggregate_type.sql"),
     },
+    Migration {
+        version: 5,
+        name: "0005_event_metadata.sql",
+        sql: include_str!("../../migrations/0005_event_metadata.sql"),
+    },
 ];
 
 /// PostgreSQL truncates identifiers longer than this (NAMEDATALEN - 1).

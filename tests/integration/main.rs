@@ -4,6 +4,7 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod accounts_service;
 mod cluster;
 mod debezium;
 mod exactly_once;

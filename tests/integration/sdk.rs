@@ -488,7 +488,16 @@ async fn migration_0004_separates_histories_the_old_key_mixed() {
         .await
         .unwrap();
     let applied = migrate(&mut client).await.unwrap();
-    assert_eq!(applied, vec!["0004_event_store_aggregate_type.sql"]);
+    assert_eq!(
+        applied,
+        vec!["0004_event_store_aggregate_type.sql", "0005_event_metadata.sql"]
+    );
+    let without: i64 = client
+        .query_one("SELECT count(*) FROM events WHERE metadata = '{}'::jsonb", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(without, 8, "events stored before 0005 get empty metadata");
 
     let versions = |rows: Vec<tokio_postgres::Row>| -> Vec<(String, i64, String)> {
         rows.iter().map(|r| (r.get(0), r.get(1), r.get(2))).collect()
@@ -701,4 +710,55 @@ async fn state_at_under_random_interleaving_is_consistent_and_monotonic() {
             "no event recorded after {at} is in its state"
         );
     }
+}
+
+#[tokio::test]
+async fn an_event_keeps_its_metadata_and_its_outbox_row_its_time() {
+    use outbox_sdk::event_store::{AggregateKey, EventStore, NewEvent, OCCURRED_AT_HEADER};
+    let db = TestDb::new("sdk_event_metadata").await;
+    let mut client = db.client().await;
+    let mut headers = Headers::new();
+    headers.set_correlation_id("req-7").insert("tenant", "t-1");
+    let tx = client.transaction().await.unwrap();
+    let recorded = EventStore::default()
+        .append(
+            &tx,
+            AggregateKey::new("Account", "acc-m"),
+            0,
+            &[
+                NewEvent {
+                    event_type: "AccountOpened".into(),
+                    payload: json!({"ownerId": "o", "initialBalance": 1}),
+                },
+                NewEvent {
+                    event_type: "DepositMade".into(),
+                    payload: json!({"amount": 2}),
+                },
+            ],
+            &headers,
+        )
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let read = EventStore::default()
+        .read(&client, AggregateKey::new("Account", "acc-m"), 0)
+        .await
+        .unwrap();
+    assert_eq!(read, recorded);
+    for e in &read {
+        assert_eq!(e.metadata, json!({"correlationId": "req-7", "tenant": "t-1"}));
+        let h: serde_json::Value = client
+            .query_one("SELECT headers FROM outbox WHERE id = $1", &[&e.event_id])
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(h["version"], e.version.to_string());
+        assert_eq!(h["correlationId"], "req-7");
+        let t = chrono::DateTime::parse_from_rfc3339(h[OCCURRED_AT_HEADER].as_str().unwrap()).unwrap();
+        assert_eq!(
+            t, e.occurred_at,
+            "the header is the stored time, to the microsecond"
+        );
+    }
+    assert!(read[0].occurred_at <= read[1].occurred_at);
 }

@@ -104,3 +104,22 @@ where
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// The path of example `name`, built beside this test binary.
+pub fn example_bin(name: &str) -> std::path::PathBuf {
+    // target/<profile>/deps/integration-… → target/<profile>/examples/<name>
+    let exe = std::env::current_exe().unwrap();
+    let path = exe
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples")
+        .join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: `cargo test` builds the examples (run the whole suite, or cargo build --examples)",
+        path.display()
+    );
+    path
+}
