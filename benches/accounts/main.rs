@@ -28,8 +28,6 @@
 #[allow(dead_code)]
 mod harness;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
@@ -173,34 +171,22 @@ async fn main() {
 
     eprintln!("bench: starting the accounts service");
     let url = pg.url("postgres", None, "postgres");
-    let mut child = Command::new(harness::example_bin("accounts_service"))
-        .args([
+    let snapshot_every = SNAPSHOT_EVERY.to_string();
+    let (mut child, base) = harness::spawn_example_server(
+        "accounts_service",
+        &[
             "--database-url",
             &url,
             "--brokers",
             &broker.brokers,
             "--listen",
             "127.0.0.1:0",
-        ])
-        .args([
             "--snapshot-every",
-            &SNAPSHOT_EVERY.to_string(),
+            &snapshot_every,
             "--dlq-replication-factor",
             "1",
-        ])
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let base = line
-        .trim()
-        .strip_prefix("listening on ")
-        .expect("the service's address")
-        .to_owned();
+        ],
+    );
 
     let mut results = serde_json::Map::new();
     // a. one client.

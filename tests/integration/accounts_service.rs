@@ -4,8 +4,7 @@
 //! against what the event store implies.
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -19,7 +18,7 @@ use rdkafka::ClientConfig;
 use serde_json::{json, Value};
 
 use crate::harness::broker::{broker, consume};
-use crate::harness::{example_bin, wait_for, TestDb};
+use crate::harness::{spawn_example_server, wait_for, TestDb};
 use crate::relay::{config_text, spawn_relay_with_slot, stop_relay};
 
 /// The service as a child process, and a blocking HTTP client for it.
@@ -31,30 +30,17 @@ struct Service {
 
 impl Service {
     fn start(db_url: &str, brokers: &str, args: &[&str]) -> Service {
-        let mut child = Command::new(example_bin("accounts_service"))
-            .args([
-                "--database-url",
-                db_url,
-                "--brokers",
-                brokers,
-                "--listen",
-                "127.0.0.1:0",
-            ])
-            .args(["--dlq-replication-factor", "1"])
-            .args(args)
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let base = line
-            .trim()
-            .strip_prefix("listening on ")
-            .unwrap_or_else(|| panic!("the service did not start: {line:?}"))
-            .to_owned();
+        let common = [
+            "--database-url",
+            db_url,
+            "--brokers",
+            brokers,
+            "--listen",
+            "127.0.0.1:0",
+            "--dlq-replication-factor",
+            "1",
+        ];
+        let (child, base) = spawn_example_server("accounts_service", &[&common[..], args].concat());
         let http = ureq::Agent::config_builder()
             .http_status_as_error(false)
             .timeout_global(Some(Duration::from_secs(30)))
@@ -129,6 +115,20 @@ impl Service {
             }
         })
         .await;
+    }
+
+    /// Stops this service and starts one that rebuilds all three views.
+    fn rebuild_all(self: Arc<Self>, db_url: &str, brokers: &str, args: &[&str]) -> Arc<Service> {
+        Arc::try_unwrap(self).ok().unwrap().stop();
+        let all = [
+            "--rebuild",
+            "balance",
+            "--rebuild",
+            "history",
+            "--rebuild",
+            "audit",
+        ];
+        Arc::new(Service::start(db_url, brokers, &[args, &all[..]].concat()))
     }
 
     fn stop(mut self) {
@@ -519,20 +519,7 @@ async fn accounts_service_end_to_end() {
     assert_eq!(dump_views(&client).await, before, "duplicates changed nothing");
 
     // 4. Rebuilding each view from the start of the topic gives identical rows.
-    Arc::try_unwrap(svc).ok().unwrap().stop();
-    let rebuild = [
-        &args[..],
-        &[
-            "--rebuild",
-            "balance",
-            "--rebuild",
-            "history",
-            "--rebuild",
-            "audit",
-        ],
-    ]
-    .concat();
-    let svc = Arc::new(Service::start(&db.superuser_url(), &brokers, &rebuild));
+    let svc = svc.rebuild_all(&db.superuser_url(), &brokers, &args);
     svc.caught_up(&client, versions).await;
     let (_, body) = svc.get("/projections");
     for p in body["projections"].as_array().unwrap() {
@@ -769,20 +756,7 @@ async fn views_move_past_refused_events_and_dead_letter_gaps() {
 
     // A rebuild reproduces the views (and repeats the dead letters).
     let before = dump_views(&client).await;
-    Arc::try_unwrap(svc).ok().unwrap().stop();
-    let rebuild = [
-        &args[..],
-        &[
-            "--rebuild",
-            "balance",
-            "--rebuild",
-            "history",
-            "--rebuild",
-            "audit",
-        ],
-    ]
-    .concat();
-    let svc = Arc::new(Service::start(&db.superuser_url(), &brokers, &rebuild));
+    let svc = svc.rebuild_all(&db.superuser_url(), &brokers, &args);
     svc.caught_up(&client, 8 + 2 + 1).await;
     assert_eq!(dump_views(&client).await, before);
     Arc::try_unwrap(svc).ok().unwrap().stop();

@@ -123,3 +123,26 @@ pub fn example_bin(name: &str) -> std::path::PathBuf {
     );
     path
 }
+
+/// Starts example `name` as a server with `args` (which must make it
+/// listen on a free port and print `listening on <base URL>` as its first
+/// line on stdout); returns the child and the base URL.
+pub fn spawn_example_server(name: &str, args: &[&str]) -> (std::process::Child, String) {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(example_bin(name))
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let base = line
+        .trim()
+        .strip_prefix("listening on ")
+        .unwrap_or_else(|| panic!("{name} did not start: {line:?}"))
+        .to_owned();
+    (child, base)
+}
