@@ -66,6 +66,8 @@ podman image rm localhost/outboxd-context:check >/dev/null
 log "build context: $ctx_files files, $((ctx_bytes / 1024)) KiB (no target/, no .git)"
 
 previous=$(podman image inspect --format '{{.Id}}' "$image" 2>/dev/null || true)
+untagged() { podman images -a --no-trunc --format '{{.ID}} {{.Repository}}' 2>/dev/null | awk '$2 == "<none>" { sub(/^sha256:/, "", $1); print $1 }' | sort -u; }
+cached_before=$(untagged || true)
 start=$(date +%s)
 buildah bud --isolation=chroot --pull=never --layers -t "$image" -f Dockerfile . >"$work/build.log" 2>&1 \
   || { tail -n 60 "$work/build.log" >&2; fail "the Dockerfile does not build (log above)"; }
@@ -127,8 +129,25 @@ podman rm "$container" >/dev/null
 container=""
 log "outboxd run in the image (read-only root, no capabilities): ready, published to Kafka, drained on SIGTERM"
 
-# The tag's previous image is left untagged by a new build: remove it, and
-# only it (a general prune would also drop the cached build-stage layers).
+# A new build leaves the tag's previous image and the layers of earlier
+# builds behind (the build stage's layer holds a whole target/ directory,
+# about 1.5 GB). Remove what this build did not use; a general prune would
+# also drop this build's cached layers, the next run's cache.
 if [ -n "$previous" ] && [ "$previous" != "$(podman image inspect --format '{{.Id}}' "$image")" ]; then
   podman image rm "$previous" >/dev/null 2>&1 || true
 fi
+used=$(sed -n 's/^--> \(Using cache \)\{0,1\}\([0-9a-f]\{11,64\}\)$/\2/p' "$work/build.log" | sort -u)
+stale=()
+for id in $cached_before; do
+  keep=""
+  for u in $used; do case "$id" in "$u"*) keep=1; break ;; esac; done
+  [ -n "$keep" ] || stale+=("$id")
+done
+# A layer goes once its children are gone: a pass per level of the chains.
+for _ in 1 2 3 4 5 6 7 8; do
+  removed=0
+  for id in "${stale[@]}"; do
+    podman image rm "$id" >/dev/null 2>&1 && removed=$((removed + 1))
+  done
+  [ "$removed" -gt 0 ] || break
+done
