@@ -130,10 +130,12 @@ async fn main() {
             .unwrap();
         version += n;
     }
-    client
-        .batch_execute("VACUUM ANALYZE events; VACUUM ANALYZE snapshots")
-        .await
-        .unwrap();
+    for table in ["events", "snapshots"] {
+        client
+            .batch_execute(&format!("VACUUM ANALYZE {table}"))
+            .await
+            .unwrap();
+    }
     let snapshots: i64 = client
         .query_one("SELECT count(*) FROM snapshots", &[])
         .await

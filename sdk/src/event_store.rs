@@ -129,8 +129,17 @@ const COLUMNS: &str = "event_id, aggregate_type, aggregate_id, version, type, pa
 /// The last version of the consistent prefix at moment `$3` of the history
 /// `($1, $2)`, or 0 (see the module doc). `>` makes an event that occurred
 /// exactly at `$3` part of the prefix.
+///
+/// `OFFSET 0` keeps the planner from answering `min(version)` by walking
+/// the version index from version 1 until an event after `$3` turns up:
+/// that walk costs the moment's position in the history (18 ms at version
+/// 9,000 of 10,000). Instead it reads the events after `$3` from the time
+/// index, which carries the version (migration 0006): an index-only scan
+/// whose cost is the number of events after the moment.
 const VERSION_AT: &str = "coalesce(
-    (SELECT min(version) - 1 FROM events WHERE aggregate_type = $1 AND aggregate_id = $2 AND occurred_at > $3),
+    (SELECT min(version) - 1 FROM (
+        SELECT version FROM events WHERE aggregate_type = $1 AND aggregate_id = $2 AND occurred_at > $3 OFFSET 0
+    ) AS later),
     (SELECT max(version) FROM events WHERE aggregate_type = $1 AND aggregate_id = $2),
     0)";
 

@@ -54,6 +54,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0005_event_metadata.sql",
         sql: include_str!("../../migrations/0005_event_metadata.sql"),
     },
+    Migration {
+        version: 6,
+        name: "0006_event_time_index.sql",
+        sql: include_str!("../../migrations/0006_event_time_index.sql"),
+    },
 ];
 
 /// PostgreSQL truncates identifiers longer than this (NAMEDATALEN - 1).

@@ -490,7 +490,11 @@ async fn migration_0004_separates_histories_the_old_key_mixed() {
     let applied = migrate(&mut client).await.unwrap();
     assert_eq!(
         applied,
-        vec!["0004_event_store_aggregate_type.sql", "0005_event_metadata.sql"]
+        vec![
+            "0004_event_store_aggregate_type.sql",
+            "0005_event_metadata.sql",
+            "0006_event_time_index.sql"
+        ]
     );
     let without: i64 = client
         .query_one("SELECT count(*) FROM events WHERE metadata = '{}'::jsonb", &[])
