@@ -80,18 +80,32 @@ async fn register_check(config: &Config, v: &Validated) -> CheckLine {
             )
         }
     };
-    let exists = match admin::connect(&v.pg).await {
-        Ok(c) => admin::slot_info(&c, &v.slot).await.map(|i| i.is_some()),
+    let info = match admin::connect(&v.pg).await {
+        Ok(c) => admin::slot_info(&c, &v.slot).await,
         Err(e) => Err(e),
     };
     let record = crate::slot_register::read(kafka, &system.system_id, slot, kafka.admin_timeout.0).await;
-    match (exists, record) {
+    match (info, record) {
         (Err(e), _) => line("register", false, e.to_string()),
         (_, Err(e)) => line("register", false, e.to_string()),
-        (Ok(false), Ok(Some(r))) => line(
+        (Ok(None), Ok(Some(r))) => line(
             "register",
             false,
-            crate::slot_register::SlotLost::new(&r, system.timeline, kafka.progress_topic()).to_string(),
+            crate::slot_register::SlotLost::new(
+                &r,
+                system.timeline,
+                kafka.progress_topic(),
+                v.source.as_deref(),
+            )
+            .to_string(),
+        ),
+        (Ok(Some(info)), Ok(r)) if info.invalidated().is_some() => line(
+            "register",
+            false,
+            format!(
+                "slot {slot} was invalidated: after recreating it, re-publish the gap with `{}`",
+                crate::slot_register::replay_command(v.source.as_deref(), r.as_ref())
+            ),
         ),
         (Ok(_), Ok(Some(r))) => line(
             "register",

@@ -567,6 +567,9 @@ pub struct Validated {
     pub listen: SocketAddr,
     /// The producer's `transactional.id` when delivery is exactly-once.
     pub transactional_id: Option<String>,
+    /// The file the configuration was read from, for the commands outboxd
+    /// prints (`None` when it came from text).
+    pub source: Option<std::path::PathBuf>,
 }
 
 /// Replaces `${VAR}` and `${VAR:-default}` in one string value (at the
@@ -648,7 +651,9 @@ impl Config {
             path: path.display().to_string(),
             source,
         })?;
-        Self::from_toml(&text, |v| std::env::var(v).ok())
+        let (config, mut validated) = Self::from_toml(&text, |v| std::env::var(v).ok())?;
+        validated.source = Some(path.to_owned());
+        Ok((config, validated))
     }
 
     /// Parses and validates config text with the given environment.
@@ -778,6 +783,7 @@ impl Config {
             topic,
             listen,
             transactional_id,
+            source: None,
         })
     }
 

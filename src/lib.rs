@@ -10,6 +10,7 @@
 
 pub mod check;
 pub mod config;
+pub mod enqueue;
 pub mod exactly_once;
 pub mod health;
 pub mod http;
@@ -22,6 +23,7 @@ pub mod pg;
 pub mod pipeline;
 pub mod polling;
 pub mod progress;
+pub mod replay;
 pub mod routing;
 pub mod slot_register;
 pub mod status;

@@ -76,7 +76,152 @@ enum Command {
         /// "polling": retention never deletes what that relay has not published.
         #[arg(long)]
         published_only: bool,
+        /// Delete even when the slot is missing or invalidated (CDC mode),
+        /// when the rows may be what `outboxd replay` needs to close the gap.
+        #[arg(long)]
+        force: bool,
     },
+    /// Re-publish outbox rows from the table (after a lost slot, lost Kafka data, or for a new consumer).
+    Replay(ReplayArgs),
+}
+
+/// `outboxd replay`: see the README, "Replay and backfill".
+#[derive(Debug, clap::Args)]
+struct ReplayArgs {
+    /// The TOML configuration file.
+    #[arg(short, long, env = "OUTBOXD_CONFIG")]
+    config: PathBuf,
+    /// Rows committed at or after this time: RFC 3339 (2026-12-01T10:00:00Z) or a duration ago (2h).
+    #[arg(long, value_parser = parse_time)]
+    since: Option<chrono::DateTime<chrono::Utc>>,
+    /// Rows committed before this time: RFC 3339 or a duration ago.
+    #[arg(long, value_parser = parse_time)]
+    until: Option<chrono::DateTime<chrono::Utc>>,
+    /// Where commit times are unknown (track_commit_timestamp off), select by created_at from this long before --since: a transaction that committed after --since may have begun before it.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "5m")]
+    slack: std::time::Duration,
+    /// Only rows of this aggregate type (repeatable).
+    #[arg(long = "aggregate-type")]
+    aggregate_types: Vec<String>,
+    /// Only rows of this aggregate id (repeatable).
+    #[arg(long = "aggregate-id")]
+    aggregate_ids: Vec<String>,
+    /// Only the row with this id (repeatable).
+    #[arg(long = "id")]
+    ids: Vec<uuid::Uuid>,
+    /// Replay the whole table (needed when nothing else selects rows).
+    #[arg(long)]
+    all: bool,
+    /// Count the rows that would be replayed; publish nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// At most this many records a second.
+    #[arg(long)]
+    rate: Option<f64>,
+    /// Rows read and acknowledged per batch.
+    #[arg(long, default_value_t = 1_000)]
+    batch: usize,
+    /// The state file: what was selected and how far Kafka acknowledged it.
+    #[arg(long, default_value = "outboxd-replay.json")]
+    state: PathBuf,
+    /// Continue the replay in --state where it stopped.
+    #[arg(long)]
+    resume: bool,
+}
+
+/// RFC 3339, or a duration before now.
+fn parse_time(s: &str) -> Result<chrono::DateTime<chrono::Utc>, String> {
+    if let Ok(t) = chrono::DateTime::parse_from_rfc3339(s) {
+        return Ok(t.to_utc());
+    }
+    let ago = humantime::parse_duration(s).map_err(|_| {
+        format!("{s:?} is neither an RFC 3339 time (2026-12-01T10:00:00Z) nor a duration (2h)")
+    })?;
+    chrono::Duration::from_std(ago)
+        .ok()
+        .and_then(|d| chrono::Utc::now().checked_sub_signed(d))
+        .ok_or_else(|| format!("{s:?} reaches before the earliest time outboxd can write"))
+}
+
+async fn replay(args: ReplayArgs) -> ExitCode {
+    use outboxd::replay::{Options, Outcome, Replay, ReplayError};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let (config, validated) = match load(&args.config) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    outboxd::telemetry::init(&config.log);
+    let options = Options {
+        selection: outboxd::replay::select::Selection {
+            since: args.since,
+            until: args.until,
+            slack: args.slack,
+            aggregate_types: args.aggregate_types,
+            aggregate_ids: args.aggregate_ids,
+            ids: args.ids,
+        },
+        all: args.all,
+        dry_run: args.dry_run,
+        rate: args.rate,
+        batch: args.batch,
+        state: args.state,
+        resume: args.resume,
+    };
+    let replay = Replay::new(config, validated, options);
+    let stop = Arc::new(AtomicBool::new(false));
+    tokio::spawn({
+        let stop = stop.clone();
+        async move {
+            wait_for_signal().await;
+            eprintln!("outboxd: stopping the replay after the records in flight");
+            stop.store(true, Ordering::Relaxed);
+        }
+    });
+    match replay.run(stop).await {
+        Ok(Outcome::DryRun {
+            counts,
+            by_commit_time,
+        }) => {
+            let total: i64 = counts.iter().map(|c| c.rows).sum();
+            println!(
+                "dry run: {total} rows would be replayed, ordered by {}",
+                if by_commit_time {
+                    "commit time"
+                } else {
+                    "created_at"
+                }
+            );
+            for c in counts {
+                println!(
+                    "  {:<24} {:>10}  {} .. {}",
+                    c.aggregate_type, c.rows, c.first, c.last
+                );
+            }
+            ExitCode::SUCCESS
+        }
+        Ok(Outcome::Finished(summary)) => {
+            println!("replay finished\n{summary}");
+            ExitCode::SUCCESS
+        }
+        Ok(Outcome::Interrupted(summary)) => {
+            println!(
+                "replay interrupted\n{summary}\nresume with: {}",
+                replay.resume_command()
+            );
+            ExitCode::from(130)
+        }
+        Err(e @ (ReplayError::NothingSelected | ReplayError::State(_))) => {
+            eprintln!("outboxd: {e}");
+            ExitCode::from(2)
+        }
+        Err(e) => {
+            eprintln!("outboxd: {e}");
+            if let Some(resume) = replay.resumable() {
+                eprintln!("resume with: {resume}");
+            }
+            ExitCode::FAILURE
+        }
+    }
 }
 
 fn load(path: &std::path::Path) -> Result<(Config, outboxd::config::Validated), ExitCode> {
@@ -347,11 +492,34 @@ async fn retention(
     older_than: std::time::Duration,
     batch: i64,
     published_only: bool,
+    force: bool,
 ) -> ExitCode {
     let (client, config, validated) = match sql_client(&path).await {
         Ok(c) => c,
         Err(code) => return code,
     };
+    // With the slot lost, the table is the only copy of the gap: keep it
+    // until `outboxd replay` has re-published it.
+    if config.mode == outboxd::config::Mode::Cdc && !force {
+        let slot = &validated.slot;
+        let problem = match outboxd::pg::admin::slot_info(&client, slot).await {
+            Ok(None) => Some("does not exist".to_owned()),
+            Ok(Some(info)) => info
+                .invalidated()
+                .map(|reason| format!("was invalidated ({reason})")),
+            Err(e) => {
+                eprintln!("outboxd: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        if let Some(problem) = problem {
+            eprintln!(
+                "outboxd: replication slot {} {problem}: the outbox rows may be the only copy of events it did not deliver, which `outboxd replay` re-publishes. Nothing was deleted. Close the gap first (see `outboxd check`), or pass --force (for example before outboxd first ran)",
+                slot.as_str()
+            );
+            return ExitCode::FAILURE;
+        }
+    }
     // In polling mode published_at is the relay's progress: a row without
     // it has not been published yet, whatever its age.
     let retain = if published_only || config.mode == outboxd::config::Mode::Polling {
@@ -400,7 +568,9 @@ fn main() -> ExitCode {
                 older_than,
                 batch,
                 published_only,
-            } => retention(config, older_than, batch, published_only).await,
+                force,
+            } => retention(config, older_than, batch, published_only, force).await,
+            Command::Replay(args) => replay(args).await,
         }
     })
 }

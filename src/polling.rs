@@ -27,14 +27,14 @@ use tokio::sync::watch;
 use tokio_postgres::Client;
 use uuid::Uuid;
 
-use crate::config::{Config, OnPoison, Validated};
+use crate::config::{Config, Validated};
+use crate::enqueue::{enqueue_row, EnqueueError, Enqueued};
 use crate::health::Health;
-use crate::kafka::{KafkaSink, KafkaSinkError, Refusal, SendOutcome};
+use crate::kafka::{KafkaSink, KafkaSinkError};
 use crate::metrics::Metrics;
 use crate::outbox::{CreatedAt, OutboxRow};
 use crate::pg::admin::{self, AdminError};
-use crate::routing::{build_record, dead_letter_for_row, KafkaRecord, Poison};
-use crate::Lsn;
+use crate::routing::build_record;
 
 /// Why polling stopped or a round failed.
 #[derive(Debug, thiserror::Error)]
@@ -43,10 +43,17 @@ pub enum PollingError {
     Admin(#[from] AdminError),
     #[error(transparent)]
     Kafka(#[from] KafkaSinkError),
-    #[error(
-        "outbox row {id} can never be published: {error}; fix it, or set routing.on_poison = \"dead-letter\""
-    )]
-    Poison { id: Uuid, error: String },
+    #[error(transparent)]
+    Poison(EnqueueError),
+}
+
+impl From<EnqueueError> for PollingError {
+    fn from(e: EnqueueError) -> Self {
+        match e {
+            EnqueueError::Kafka(k) => PollingError::Kafka(k),
+            poison @ EnqueueError::Poison { .. } => PollingError::Poison(poison),
+        }
+    }
 }
 
 impl PollingError {
@@ -55,7 +62,7 @@ impl PollingError {
             PollingError::Admin(AdminError::Connect { .. } | AdminError::Query(_)) => true,
             PollingError::Admin(_) => false,
             PollingError::Kafka(e) => e.is_transient(),
-            PollingError::Poison { .. } => false,
+            PollingError::Poison(_) => false,
         }
     }
 }
@@ -214,27 +221,12 @@ impl PollingRelay {
             // No commit time here: a created_at Kafka cannot take gets the
             // time of publishing.
             let now_ms = chrono::Utc::now().timestamp_millis();
-            let record = match build_record(&row, &self.validated.topic, self.config.routing.value, now_ms) {
-                Ok(rec) => rec,
-                Err(e) => self.poison(&row, e.reason(), e.to_string())?,
-            };
-            self.sink.ensure_topic(&record.topic).await?;
-            let fut = loop {
-                match self.sink.send(&record) {
-                    Ok(SendOutcome::Sent(f)) => break f,
-                    Ok(SendOutcome::QueueFull) => tokio::time::sleep(Duration::from_millis(1)).await,
-                    Err(KafkaSinkError::Produce { source, topic }) => {
-                        let Refusal::Record { reason, .. } = Refusal::of(&source) else {
-                            return Err(KafkaSinkError::Produce { source, topic }.into());
-                        };
-                        let dl = self.poison(&row, reason, source.to_string())?;
-                        self.sink.ensure_topic(&dl.topic).await?;
-                        match self.sink.send(&dl)? {
-                            SendOutcome::Sent(f) => break f,
-                            SendOutcome::QueueFull => tokio::time::sleep(Duration::from_millis(1)).await,
-                        }
-                    }
-                    Err(e) => return Err(e.into()),
+            let record = build_record(&row, &self.validated.topic, self.config.routing.value, now_ms);
+            let fut = match enqueue_row(&mut self.sink, &self.config.routing, &row, record).await? {
+                Enqueued::Record(f) => f,
+                Enqueued::DeadLetter(f, reason) => {
+                    self.metrics.dead_letters.with_label_values(&[reason]).inc();
+                    f
                 }
             };
             pending.push((id, fut));
@@ -273,31 +265,5 @@ impl PollingRelay {
             selected,
             published: published.len(),
         })
-    }
-
-    /// A row that can never be published: stop, or its dead letter.
-    fn poison(
-        &self,
-        row: &OutboxRow,
-        reason: &'static str,
-        error: String,
-    ) -> Result<KafkaRecord, PollingError> {
-        if self.config.routing.on_poison == OnPoison::Stop {
-            return Err(PollingError::Poison { id: row.id, error });
-        }
-        tracing::warn!(id = %row.id, reason, error = %error, "outbox row can never be published; sending it to the dead-letter topic");
-        self.metrics.dead_letters.with_label_values(&[reason]).inc();
-        let poison = Poison {
-            reason,
-            error,
-            lsn: Lsn::ZERO,
-            intended_topic: None,
-            omit_payload: reason == "too_large",
-        };
-        Ok(dead_letter_for_row(
-            row,
-            &poison,
-            &self.config.routing.dead_letter_topic,
-        ))
     }
 }

@@ -56,6 +56,9 @@ pub struct AckTracker {
     /// Transactions retired since the last drain: commit time, and
     /// whether they had events.
     retired: Vec<(i64, bool)>,
+    /// The commit time of the last transaction retired (at or before
+    /// `flushed`).
+    last_commit_time: Option<i64>,
 }
 
 impl AckTracker {
@@ -67,12 +70,19 @@ impl AckTracker {
             flushed: start,
             inflight: 0,
             retired: Vec::new(),
+            last_commit_time: None,
         }
     }
 
     /// The highest LSN that is safe to confirm.
     pub fn flushed(&self) -> Lsn {
         self.flushed
+    }
+
+    /// The commit time (the caller's unit) of the last transaction
+    /// retired: every transaction after `flushed` committed after it.
+    pub fn last_commit_time(&self) -> Option<i64> {
+        self.last_commit_time
     }
 
     /// Events sent and not yet acknowledged.
@@ -168,6 +178,7 @@ impl AckTracker {
                         self.flushed = end;
                     }
                     self.retired.push((front.commit_time, front.had_events));
+                    self.last_commit_time = Some(front.commit_time);
                     self.txns.pop_front();
                     self.first_id += 1;
                 }

@@ -32,6 +32,8 @@ pub mod header {
     pub const TYPE: &str = "type";
     pub const AGGREGATE_TYPE: &str = "aggregateType";
     pub const AGGREGATE_ID: &str = "aggregateId";
+    /// On records `outboxd replay` published: when the replay started.
+    pub const REPLAYED: &str = "replayed";
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -68,6 +68,13 @@ pub struct SlotRecord {
     pub seen_at: String,
     /// Which outboxd wrote it: `host/pid`.
     pub writer: String,
+    /// The commit time (RFC 3339, PostgreSQL's clock) of the last
+    /// transaction at or before `confirmedLsn`, when the session saw one:
+    /// every transaction committed after `confirmedLsn` committed after
+    /// it, so `outboxd replay --since` it closes a gap exactly. Absent in
+    /// records of older versions and before a session confirmed anything.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub confirmed_commit_time: Option<String>,
 }
 
 impl SlotRecord {
@@ -81,7 +88,40 @@ impl SlotRecord {
             confirmed_lsn: confirmed.to_string(),
             seen_at: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
             writer: crate::exactly_once::writer_name(),
+            confirmed_commit_time: None,
         }
+    }
+
+    /// With the commit time (microseconds since the Unix epoch) of the
+    /// last transaction at or before the confirmed LSN.
+    pub fn with_commit_time(mut self, unix_micros: Option<i64>) -> Self {
+        self.confirmed_commit_time = unix_micros
+            .and_then(chrono::DateTime::from_timestamp_micros)
+            .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Micros, true));
+        self
+    }
+}
+
+/// Commit timestamps and LSN order may disagree by the time two commits
+/// take to reach the WAL; the gap command starts this much earlier.
+const COMMIT_ORDER_MARGIN: chrono::Duration = chrono::Duration::seconds(1);
+
+/// The `outboxd replay` command that re-publishes what a lost slot did not
+/// deliver: every row committed after the record's confirmed LSN.
+pub fn replay_command(config: Option<&std::path::Path>, record: Option<&SlotRecord>) -> String {
+    use crate::replay::shell_word;
+    let config = config.map_or("<config file>".to_owned(), |p| {
+        shell_word(&p.display().to_string())
+    });
+    let since = record
+        .and_then(|r| r.confirmed_commit_time.as_deref())
+        .and_then(|t| chrono::DateTime::parse_from_rfc3339(t).ok())
+        .map(|t| (t.to_utc() - COMMIT_ORDER_MARGIN).to_rfc3339_opts(chrono::SecondsFormat::Micros, true));
+    match since {
+        Some(since) => format!("outboxd replay --config {config} --since {since}"),
+        None => format!(
+            "outboxd replay --config {config} --since <commit time of the last event your consumers have>"
+        ),
     }
 }
 
@@ -159,11 +199,13 @@ pub async fn forget(
     "replication slot {slot} does not exist, but outboxd streamed it on this PostgreSQL system (timeline {then_timeline}, now {now_timeline}) up to at least {confirmed} at {seen_at} (slot register in {topic}). \
      The slot was lost ({cause}); a new slot would start at the current WAL position and skip every event committed in between, so outboxd does not create one. \
      Recovery: 1. run `outboxd progress --reset --config <file>` to acknowledge the gap; 2. start outboxd, which creates a new slot; \
-     3. re-publish the outbox rows of transactions committed after LSN {confirmed}: to be safe, the rows created since {seen_at} minus your longest transaction (consumers deduplicate by id). \
-     Or bring back the server that held the slot. See the README, \"Surviving a failover\""
+     3. re-publish the outbox rows of transactions committed after LSN {confirmed}: run `{replay}` (consumers deduplicate by id). \
+     Or bring back the server that held the slot. See the README, \"Surviving a failover\" and \"Replay and backfill\""
 )]
 pub struct SlotLost {
     pub slot: String,
+    /// The `outboxd replay` command that closes the gap.
+    pub replay: String,
     pub confirmed: String,
     pub seen_at: String,
     pub then_timeline: u32,
@@ -173,9 +215,15 @@ pub struct SlotLost {
 }
 
 impl SlotLost {
-    pub fn new(record: &SlotRecord, now_timeline: u32, topic: &str) -> Self {
+    pub fn new(
+        record: &SlotRecord,
+        now_timeline: u32,
+        topic: &str,
+        config: Option<&std::path::Path>,
+    ) -> Self {
         SlotLost {
             slot: record.slot.clone(),
+            replay: replay_command(config, Some(record)),
             confirmed: record.confirmed_lsn.clone(),
             seen_at: record.seen_at.clone(),
             then_timeline: record.timeline,
@@ -204,7 +252,7 @@ mod tests {
             .contains("\"confirmedLsn\":\"0/16B3748\""));
         assert_eq!(key("73", "s1"), "slot/73/s1");
 
-        let promoted = SlotLost::new(&r, 2, "outboxd.progress").to_string();
+        let promoted = SlotLost::new(&r, 2, "outboxd.progress", None).to_string();
         assert!(
             promoted.contains("promoted") && promoted.contains("progress --reset"),
             "{promoted}"
@@ -213,7 +261,32 @@ mod tests {
             promoted.contains(&r.seen_at) && promoted.contains("0/16B3748"),
             "{promoted}"
         );
-        let dropped = SlotLost::new(&r, 1, "outboxd.progress").to_string();
+        let dropped = SlotLost::new(&r, 1, "outboxd.progress", None).to_string();
         assert!(dropped.contains("dropped"), "{dropped}");
+        assert!(
+            dropped.contains("outboxd replay --config <config file> --since <commit time"),
+            "{dropped}"
+        );
+        // 2026-12-01T10:00:00.5Z in microseconds: the command starts a
+        // second earlier.
+        let timed = r.clone().with_commit_time(Some(1_796_119_200_500_000));
+        assert_eq!(
+            timed.confirmed_commit_time.as_deref(),
+            Some("2026-12-01T10:00:00.500000Z")
+        );
+        let back: SlotRecord = serde_json::from_slice(&serde_json::to_vec(&timed).unwrap()).unwrap();
+        assert_eq!(back, timed);
+        let lost = SlotLost::new(
+            &timed,
+            1,
+            "outboxd.progress",
+            Some(std::path::Path::new("/etc/my outboxd.toml")),
+        );
+        assert!(
+            lost.to_string().contains(
+                "run `outboxd replay --config '/etc/my outboxd.toml' --since 2026-12-01T09:59:59.500000Z`"
+            ),
+            "{lost}"
+        );
     }
 }

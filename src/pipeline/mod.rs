@@ -152,8 +152,13 @@ pub enum RelayError {
     StreamEnded,
     #[error("replication protocol out of order: {0}")]
     OutOfOrder(&'static str),
-    #[error("replication slot {slot} was invalidated ({reason}: {}), so events committed after its confirmed LSN can no longer be streamed. Recovery: stop outboxd; run SELECT pg_drop_replication_slot('{slot}'); run `outboxd progress --reset` (the slot register remembers the slot and would refuse a new one); start outboxd (it creates a new slot at the current WAL position); then re-publish the gap from the outbox table, e.g. by re-inserting rows created after the last event your consumers saw (consumers deduplicate by id). See the README, \"Reliability\"", admin::explain_invalidation(.reason))]
-    SlotInvalidated { slot: String, reason: String },
+    #[error("replication slot {slot} was invalidated ({reason}: {}), so events committed after its confirmed LSN can no longer be streamed. Recovery: stop outboxd; run SELECT pg_drop_replication_slot('{slot}'); run `outboxd progress --reset` (the slot register remembers the slot and would refuse a new one); start outboxd (it creates a new slot at the current WAL position); then re-publish the gap from the outbox table: `{replay}` (consumers deduplicate by id). See the README, \"Reliability\" and \"Replay and backfill\"", admin::explain_invalidation(.reason))]
+    SlotInvalidated {
+        slot: String,
+        reason: String,
+        /// The `outboxd replay` command that closes the gap.
+        replay: String,
+    },
     #[error(
         "lost the leader lock (its PostgreSQL session ended); stopping so that only one outboxd streams"
     )]
@@ -461,10 +466,7 @@ impl Relay {
             }
             SlotState::Existing(info) => {
                 if let Some(reason) = info.invalidated() {
-                    return Err(RelayError::SlotInvalidated {
-                        slot: v.slot.as_str().to_owned(),
-                        reason,
-                    });
+                    return Err(self.invalidated(&system, reason).await);
                 }
                 info.confirmed_flush_lsn.unwrap_or(Lsn::ZERO)
             }
@@ -489,15 +491,17 @@ impl Relay {
                     );
                     RelayError::Pg(e)
                 }
-                // "can no longer get changes from replication slot": invalidated.
-                Some("55000") if e.to_string().contains("can no longer get changes") => {
-                    RelayError::SlotInvalidated {
-                        slot: v.slot.as_str().to_owned(),
-                        reason: "wal_removed".to_owned(),
-                    }
-                }
                 _ => RelayError::Pg(e),
-            })?;
+            });
+        let stream = match stream {
+            // "can no longer get changes from replication slot": invalidated.
+            Err(RelayError::Pg(e))
+                if e.sqlstate() == Some("55000") && e.to_string().contains("can no longer get changes") =>
+            {
+                return Err(self.invalidated(&system, "wal_removed".to_owned()).await);
+            }
+            other => other?,
+        };
         let table_oid = verified.table_oid;
         let guard = publication::spawn_guard(client, v.publication.clone(), v.table.clone(), verified, start);
         Ok(Connected {
@@ -508,6 +512,26 @@ impl Relay {
             durability,
             register,
         })
+    }
+
+    /// The invalidated-slot error, with the replay command that closes the
+    /// gap from the slot register's record (when it is kept and readable).
+    async fn invalidated(&self, system: &SystemIdentity, reason: String) -> RelayError {
+        let kafka = &self.config.kafka;
+        let slot = self.validated.slot.as_str();
+        let record = if kafka.keeps_slot_register() {
+            slot_register::read(kafka, &system.system_id, slot, kafka.admin_timeout.0)
+                .await
+                .ok()
+                .flatten()
+        } else {
+            None
+        };
+        RelayError::SlotInvalidated {
+            slot: slot.to_owned(),
+            reason,
+            replay: slot_register::replay_command(self.validated.source.as_deref(), record.as_ref()),
+        }
     }
 
     /// The slot register's rule (see [`crate::slot_register`]): a missing
@@ -529,6 +553,7 @@ impl Relay {
                 &record,
                 system.timeline,
                 kafka.progress_topic(),
+                self.validated.source.as_deref(),
             )))),
             None => Ok(()),
         }

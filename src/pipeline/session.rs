@@ -153,6 +153,9 @@ pub(super) struct RegisterRefresh {
     metrics: Arc<Metrics>,
     /// The LSN and time of the last write (`None`: not written yet).
     written: Option<(Lsn, Instant)>,
+    /// The latest commit time known to lie at or before the confirmed
+    /// LSN (microseconds since the Unix epoch).
+    commit_time: Option<i64>,
     pending: Option<tokio::task::JoinHandle<bool>>,
 }
 
@@ -163,12 +166,57 @@ impl RegisterRefresh {
             record,
             metrics,
             written: None,
+            commit_time: None,
             pending: None,
         }
     }
 
-    /// Called on each status tick with the LSN confirmed to PostgreSQL.
-    pub(super) fn tick(&mut self, confirmed: Lsn) {
+    /// The record for the confirmed LSN, with the commit time known.
+    fn record_at(&self, confirmed: Lsn) -> SlotRecord {
+        SlotRecord::new(
+            &self.record.slot,
+            &self.record.database,
+            &self.record.system_id,
+            self.record.timeline,
+            confirmed,
+        )
+        .with_commit_time(self.commit_time)
+    }
+
+    /// At a clean stop: records the final confirmed position (waiting for
+    /// a write in flight first), so that a slot lost while outboxd is down
+    /// is recovered from exactly where it stopped. Bounded by `deadline`.
+    pub(super) async fn final_write(
+        &mut self,
+        confirmed: Lsn,
+        commit_time: Option<i64>,
+        deadline: tokio::time::Instant,
+    ) {
+        if let Some(p) = self.pending.take() {
+            let _ = tokio::time::timeout_at(deadline, p).await;
+        }
+        if commit_time.is_some() {
+            self.commit_time = commit_time;
+        }
+        let record = self.record_at(confirmed);
+        let write = slot_register::write(&self.kafka, &record, self.kafka.admin_timeout.0);
+        match tokio::time::timeout_at(deadline, write).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                self.metrics.error("slot_register");
+                tracing::warn!(error = %e, "cannot record the final position in the slot register; it keeps the last one written");
+            }
+            Err(_) => tracing::warn!("the final slot register write did not finish within shutdown.drain_timeout; it keeps the last one written"),
+        }
+    }
+
+    /// Called on each status tick with the LSN confirmed to PostgreSQL
+    /// and, when known, the commit time of the last transaction at or
+    /// before it.
+    pub(super) fn tick(&mut self, confirmed: Lsn, commit_time: Option<i64>) {
+        if commit_time.is_some() {
+            self.commit_time = commit_time;
+        }
         if let Some(p) = &self.pending {
             if !p.is_finished() {
                 return;
@@ -185,13 +233,7 @@ impl RegisterRefresh {
                 return;
             }
         }
-        let record = SlotRecord::new(
-            &self.record.slot,
-            &self.record.database,
-            &self.record.system_id,
-            self.record.timeline,
-            confirmed,
-        );
+        let record = self.record_at(confirmed);
         let (kafka, metrics) = (self.kafka.clone(), self.metrics.clone());
         self.written = Some((confirmed, Instant::now()));
         self.pending = Some(tokio::spawn(async move {

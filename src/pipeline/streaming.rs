@@ -383,7 +383,13 @@ impl Relay {
         self.health.set_inflight(inflight, oldest);
         self.health.status_sent(s.received.0, flushed.0, lag);
         if let Some(register) = &mut s.register {
-            register.tick(flushed);
+            // The last retired commit lies at or before `flushed` only when
+            // nothing (the guard) holds the confirmed position back.
+            let commit_time = s
+                .tracker
+                .last_commit_time()
+                .filter(|_| flushed == s.tracker.flushed());
+            register.tick(flushed, commit_time);
         }
         m.ready.set(i64::from(self.health.not_ready_reasons().is_empty()));
     }
@@ -443,6 +449,15 @@ impl Relay {
             tracing::warn!(error = %e, "could not send the final status update");
         }
         self.report(stream, s);
+        let confirmed = s.confirmable();
+        let commit_time = s
+            .tracker
+            .last_commit_time()
+            .filter(|_| confirmed == s.tracker.flushed());
+        if let Some(register) = &mut s.register {
+            let end = deadline.max(Instant::now() + self.config.kafka.admin_timeout.0);
+            register.final_write(confirmed, commit_time, end).await;
+        }
         tracing::info!(confirmed = %s.confirmable(), "stopped streaming");
     }
 }

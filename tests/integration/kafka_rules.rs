@@ -9,7 +9,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use outboxd::pipeline::RelayError;
 use uuid::Uuid;
 
-use crate::harness::broker::{broker, consume, Consumed};
+use crate::harness::broker::{broker, consume, topics_with_prefix, Consumed};
 use crate::harness::{wait_for, TestDb};
 use crate::relay::{
     config_text, confirmed_flush, pending_in_released_slot, spawn_relay_with_slot, stop_relay,
@@ -541,7 +541,6 @@ async fn the_first_records_to_new_topics_all_land() {
 /// rows around it flow on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn aggregate_types_outside_the_allow_list_create_no_topic() {
-    use rdkafka::consumer::{BaseConsumer, Consumer};
     let db = TestDb::new("rules_allow").await;
     let client = db.client().await;
     let slot = "rules_allow";
@@ -576,20 +575,9 @@ async fn aggregate_types_outside_the_allow_list_create_no_topic() {
     })
     .await;
     let brokers = broker().brokers.clone();
-    let made: Vec<String> = tokio::task::spawn_blocking(move || {
-        let c: BaseConsumer = rdkafka::ClientConfig::new()
-            .set("bootstrap.servers", &brokers)
-            .create()
-            .unwrap();
-        let md = c.fetch_metadata(None, Duration::from_secs(10)).unwrap();
-        md.topics()
-            .iter()
-            .map(|t| t.name().to_owned())
-            .filter(|n| n.starts_with("allow."))
-            .collect()
-    })
-    .await
-    .unwrap();
+    let made: Vec<String> = tokio::task::spawn_blocking(move || topics_with_prefix(&brokers, "allow."))
+        .await
+        .unwrap();
     assert!(
         !made.iter().any(|t| t.contains("spam")),
         "no topic for a type outside the list: {made:?}"

@@ -16,5 +16,6 @@ mod operations;
 mod publication;
 mod relay;
 mod reliability;
+mod replay;
 mod replication;
 mod sdk;

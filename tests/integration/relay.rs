@@ -845,6 +845,11 @@ impl Daemon {
         self.child.id()
     }
 
+    /// The exit status, if outboxd has exited.
+    pub(crate) fn try_wait(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().unwrap()
+    }
+
     pub(crate) fn kill9(&mut self) {
         self.child.kill().unwrap(); // SIGKILL
         self.child.wait().unwrap();

@@ -683,7 +683,9 @@ async fn invalidated_slot_names_the_recovery() {
     let msg = err.to_string();
     assert!(!err.is_transient());
     assert!(
-        msg.contains("invalidated") && msg.contains("pg_drop_replication_slot('lost_slot')"),
+        msg.contains("invalidated")
+            && msg.contains("pg_drop_replication_slot('lost_slot')")
+            && msg.contains("`outboxd replay --config <config file> --since "),
         "{msg}"
     );
     let dir = tempfile::tempdir().unwrap();
@@ -696,6 +698,12 @@ async fn invalidated_slot_names_the_recovery() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         !out.status.success() && stdout.contains("FAIL slot") && stdout.contains("invalidated"),
+        "{stdout}"
+    );
+    // The register knows the commit time of the last confirmed
+    // transaction: the check prints the command that closes the gap.
+    assert!(
+        stdout.contains(&format!("outboxd replay --config {} --since ", cfg.display())),
         "{stdout}"
     );
 }

@@ -513,6 +513,19 @@ impl Consumed {
     }
 }
 
+/// The topics whose name starts with `prefix`.
+pub fn topics_with_prefix(brokers: &str, prefix: &str) -> Vec<String> {
+    let consumer = metadata_client(brokers);
+    let md = consumer
+        .fetch_metadata(None, Duration::from_secs(10))
+        .expect("cluster metadata");
+    md.topics()
+        .iter()
+        .map(|t| t.name().to_owned())
+        .filter(|t| t.starts_with(prefix))
+        .collect()
+}
+
 /// The records `topic` holds: the sum of its partitions' high watermarks
 /// (from offset 0; the tests' topics are never truncated).
 pub fn record_count(brokers: &str, topic: &str) -> usize {
@@ -556,6 +569,51 @@ fn consume_isolated(
     timeout: Duration,
     isolation: &str,
 ) -> Vec<Consumed> {
+    read(brokers, topics, timeout, isolation, |_, out| out.len() >= want)
+}
+
+/// Reads every partition of `topics` from the beginning up to the high
+/// watermark each had when the read began, or until `timeout`. For
+/// records Kafka has already acknowledged (a relay that confirmed an LSN
+/// has had every event before it acknowledged), this reads all of them,
+/// however slow the machine, and no more than needed. Only for topics
+/// without transactions: their commit markers hold offsets no record is
+/// read at.
+pub fn consume_to_end(brokers: &str, topics: &[&str], timeout: Duration) -> Vec<Consumed> {
+    let mut ends: Option<Vec<(String, i32, i64)>> = None;
+    read(brokers, topics, timeout, "read_uncommitted", |consumer, _| {
+        let ends = ends.get_or_insert_with(|| {
+            let assigned = consumer.assignment().expect("assignment");
+            assigned
+                .elements()
+                .iter()
+                .map(|e| {
+                    let (_, high) = consumer
+                        .fetch_watermarks(e.topic(), e.partition(), Duration::from_secs(10))
+                        .expect("watermarks");
+                    (e.topic().to_owned(), e.partition(), high)
+                })
+                .collect()
+        });
+        let position = consumer.position().expect("position");
+        ends.iter().all(|(topic, partition, high)| {
+            *high == 0
+                || position
+                    .find_partition(topic, *partition)
+                    .is_some_and(|e| matches!(e.offset(), Offset::Offset(next) if next >= *high))
+        })
+    })
+}
+
+/// Reads `topics` from the beginning until `done` holds (checked before
+/// each poll) or `timeout`.
+fn read(
+    brokers: &str,
+    topics: &[&str],
+    timeout: Duration,
+    isolation: &str,
+    mut done: impl FnMut(&BaseConsumer, &[Consumed]) -> bool,
+) -> Vec<Consumed> {
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers)
         .set("isolation.level", isolation)
@@ -594,7 +652,7 @@ fn consume_isolated(
     }
     consumer.assign(&tpl).expect("assign");
     let mut out = Vec::new();
-    while out.len() < want && Instant::now() < deadline {
+    while !done(&consumer, &out) && Instant::now() < deadline {
         match consumer.poll(Duration::from_millis(200)) {
             Some(Ok(m)) => out.push(Consumed {
                 topic: m.topic().to_owned(),
