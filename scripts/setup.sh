@@ -6,7 +6,8 @@
 # dependencies of librdkafka, the Rust toolchain components, a JDK (17+)
 # and Maven, and from Maven Central Apache Kafka's jars (the local test
 # broker; scripts/kafka.sh) and Kafka Connect with Debezium (the incumbent
-# the suite and the benchmark compare with; scripts/debezium.sh), into
+# the suite and the benchmark compare with; scripts/debezium.sh), and the
+# CloudEvents Python SDK (scripts/lib/cloudevents-sdk.sh), into
 # ~/.cache/outboxd. Safe to run again:
 # it installs only what is missing.
 set -euo pipefail
@@ -76,5 +77,11 @@ if [ "${#missing[@]}" -gt 0 ]; then
 fi
 "$(dirname "$0")/kafka.sh" fetch
 log "broker: Apache Kafka $("$(dirname "$0")/kafka.sh" version) (scripts/kafka.sh)"
+# The CloudEvents SDK the tests decode CloudEvents records with.
+if ! command -v python3 >/dev/null || ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then
+  log "installing python3 and python3-venv"
+  apt_install python3 python3-venv
+fi
+log "CloudEvents SDK: $("$(dirname "$0")/lib/cloudevents-sdk.sh")"
 "$(dirname "$0")/debezium.sh" fetch
 log "incumbent: Debezium $("$(dirname "$0")/debezium.sh" version) on Kafka Connect (scripts/debezium.sh)"

@@ -24,7 +24,7 @@ use serde::{Deserialize, Deserializer};
 
 use crate::pg::conninfo::PgConnectConfig;
 use crate::pg::ident::{PublicationName, SlotName, TableName};
-use crate::routing::TopicTemplate;
+use crate::routing::{RecordValue, TopicTemplate};
 
 /// The configuration could not be used.
 #[derive(Debug, thiserror::Error)]
@@ -327,6 +327,10 @@ fn default_txn_max_bytes() -> usize {
 fn default_txn_max_wait() -> HumanDuration {
     HumanDuration(Duration::from_millis(10))
 }
+fn default_cloudevents_source() -> String {
+    crate::cloudevents::DEFAULT_SOURCE.to_owned()
+}
+
 fn default_txn_commit_timeout() -> HumanDuration {
     secs(30)
 }
@@ -340,6 +344,12 @@ pub enum ValueFormat {
     Envelope,
     /// The payload JSON as stored.
     Payload,
+    /// A CloudEvent 1.0 in structured mode (see [`crate::cloudevents`]).
+    #[serde(rename = "cloudevents")]
+    CloudEvents,
+    /// A CloudEvent 1.0 in binary mode: `ce_*` headers, the payload as value.
+    #[serde(rename = "cloudevents-binary")]
+    CloudEventsBinary,
 }
 
 /// What to do with a row Kafka will never accept.
@@ -366,6 +376,10 @@ pub struct RoutingConfig {
     /// `envelope` or `payload`.
     #[serde(default)]
     pub value: ValueFormat,
+    /// The CloudEvents `source`: a URI-reference template over
+    /// `{aggregate_type}`, `{aggregate_id}` and `{type}`.
+    #[serde(default = "default_cloudevents_source")]
+    pub cloudevents_source: String,
     /// `stop` or `dead-letter`.
     #[serde(default)]
     pub on_poison: OnPoison,
@@ -385,6 +399,7 @@ impl Default for RoutingConfig {
             topic: default_topic(),
             lowercase_aggregate_type: true,
             value: ValueFormat::Envelope,
+            cloudevents_source: default_cloudevents_source(),
             on_poison: OnPoison::Stop,
             dead_letter_topic: default_dead_letter_topic(),
             allowed_aggregate_types: None,
@@ -564,6 +579,9 @@ pub struct Validated {
     pub slot: SlotName,
     pub publication: PublicationName,
     pub topic: TopicTemplate,
+    /// How record values are built (`routing.value`, and the CloudEvents
+    /// source).
+    pub value: RecordValue,
     pub listen: SocketAddr,
     /// The producer's `transactional.id` when delivery is exactly-once.
     pub transactional_id: Option<String>,
@@ -759,6 +777,9 @@ impl Config {
         }
         crate::routing::validate_topic(&self.routing.dead_letter_topic)
             .map_err(|e| invalid("routing.dead_letter_topic", e.to_string()))?;
+        let source = crate::cloudevents::SourceTemplate::parse(&self.routing.cloudevents_source)
+            .map_err(|e| invalid("routing.cloudevents_source", e))?;
+        let value = RecordValue::new(self.routing.value, source);
         let listen: SocketAddr = self.http.listen.parse().map_err(|_| {
             invalid(
                 "http.listen",
@@ -783,6 +804,7 @@ impl Config {
             topic,
             listen,
             transactional_id,
+            value,
             source: None,
         })
     }

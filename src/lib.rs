@@ -9,6 +9,7 @@
 //! [`pipeline`] may confirm.
 
 pub mod check;
+pub mod cloudevents;
 pub mod config;
 pub mod enqueue;
 pub mod exactly_once;

@@ -221,7 +221,7 @@ impl PollingRelay {
             // No commit time here: a created_at Kafka cannot take gets the
             // time of publishing.
             let now_ms = chrono::Utc::now().timestamp_millis();
-            let record = build_record(&row, &self.validated.topic, self.config.routing.value, now_ms);
+            let record = build_record(&row, &self.validated.topic, &self.validated.value, now_ms);
             let fut = match enqueue_row(&mut self.sink, &self.config.routing, &row, record).await? {
                 Enqueued::Record(f) => f,
                 Enqueued::DeadLetter(f, reason) => {

@@ -20,6 +20,7 @@
 
 use chrono::SecondsFormat;
 
+use crate::cloudevents::{self, SourceTemplate};
 use crate::config::ValueFormat;
 use crate::outbox::{CreatedAt, OutboxRow, UnreadableRow};
 
@@ -176,6 +177,8 @@ pub enum RecordError {
     Timestamp(String),
     #[error("aggregate_type {0:?} is not in routing.allowed_aggregate_types, so no topic is made for it")]
     AggregateTypeNotAllowed(String),
+    #[error("a CloudEvent needs {0}")]
+    CloudEvent(&'static str),
 }
 
 impl RecordError {
@@ -187,6 +190,7 @@ impl RecordError {
             RecordError::HeadersNotObject(_) | RecordError::HeadersUnreadable(_) => "bad_headers",
             RecordError::Timestamp(_) => "bad_timestamp",
             RecordError::AggregateTypeNotAllowed(_) => "aggregate_type_not_allowed",
+            RecordError::CloudEvent(_) => "bad_cloudevent",
         }
     }
 }
@@ -244,12 +248,35 @@ pub fn kafka_timestamp(created_at: &CreatedAt, commit_ms: i64) -> i64 {
     }
 }
 
+/// How record values are built: `routing.value`, and for CloudEvents the
+/// `source` template.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RecordValue {
+    pub format: ValueFormat,
+    pub source: SourceTemplate,
+}
+
+impl RecordValue {
+    pub fn new(format: ValueFormat, source: SourceTemplate) -> Self {
+        RecordValue { format, source }
+    }
+
+    /// `format`, with the default CloudEvents source.
+    pub fn of(format: ValueFormat) -> Self {
+        let source = SourceTemplate::parse(crate::cloudevents::DEFAULT_SOURCE);
+        RecordValue {
+            format,
+            source: source.unwrap_or_else(|e| unreachable!("the default source parses: {e}")),
+        }
+    }
+}
+
 /// Builds the record for a row whose transaction committed at `commit_ms`
 /// (milliseconds since the Unix epoch).
 pub fn build_record(
     row: &OutboxRow,
     topic: &TopicTemplate,
-    format: ValueFormat,
+    value: &RecordValue,
     commit_ms: i64,
 ) -> Result<KafkaRecord, RecordError> {
     if row.aggregate_id.is_empty() {
@@ -269,6 +296,10 @@ pub fn build_record(
         header::AGGREGATE_ID.to_owned(),
         row.aggregate_id.as_bytes().to_vec(),
     ));
+    let cloudevent = matches!(
+        value.format,
+        ValueFormat::CloudEvents | ValueFormat::CloudEventsBinary
+    );
     for (k, v) in user_headers {
         if [
             header::ID,
@@ -277,12 +308,13 @@ pub fn build_record(
             header::AGGREGATE_ID,
         ]
         .contains(&k.as_str())
+            || (cloudevent && cloudevents::is_reserved_header(&k))
         {
             continue;
         }
         headers.push((k, v));
     }
-    let value = match format {
+    let value = match value.format {
         ValueFormat::Payload => row.payload.as_bytes().to_vec(),
         ValueFormat::Envelope => {
             let at = row
@@ -290,6 +322,27 @@ pub fn build_record(
                 .rfc3339()
                 .ok_or_else(|| RecordError::Timestamp(row.created_at.to_string()))?;
             envelope(row, &id, at)
+        }
+        ValueFormat::CloudEvents | ValueFormat::CloudEventsBinary => {
+            if row.event_type.is_empty() {
+                return Err(RecordError::CloudEvent("a type: the row's type is empty"));
+            }
+            let source = value.source.render(row).ok_or(RecordError::CloudEvent(
+                "a source: routing.cloudevents_source renders empty for this row",
+            ))?;
+            let attributes = cloudevents::Attributes::of(row, &id, &source, &headers);
+            if value.format == ValueFormat::CloudEvents {
+                let v = attributes.structured(&row.payload);
+                headers.push((
+                    cloudevents::CONTENT_TYPE.to_owned(),
+                    cloudevents::STRUCTURED_CONTENT_TYPE.as_bytes().to_vec(),
+                ));
+                v
+            } else {
+                let ce = attributes.binary_headers();
+                headers.extend(ce);
+                row.payload.as_bytes().to_vec()
+            }
         }
     };
     Ok(KafkaRecord {
@@ -596,7 +649,13 @@ mod tests {
 
     #[test]
     fn envelope_record() {
-        let r = build_record(&row(), &default_topic(), ValueFormat::Envelope, COMMIT_MS).unwrap();
+        let r = build_record(
+            &row(),
+            &default_topic(),
+            &RecordValue::of(ValueFormat::Envelope),
+            COMMIT_MS,
+        )
+        .unwrap();
         assert_eq!(r.topic, "order.events");
         assert_eq!(r.key, "1001");
         assert_eq!(r.timestamp_ms, 1_796_000_523_000);
@@ -647,7 +706,13 @@ mod tests {
 
     #[test]
     fn payload_record_is_byte_for_byte() {
-        let r = build_record(&row(), &default_topic(), ValueFormat::Payload, COMMIT_MS).unwrap();
+        let r = build_record(
+            &row(),
+            &default_topic(),
+            &RecordValue::of(ValueFormat::Payload),
+            COMMIT_MS,
+        )
+        .unwrap();
         assert_eq!(r.value, row().payload.as_bytes());
     }
 
@@ -699,19 +764,35 @@ mod tests {
     fn poison_rows_are_errors() {
         let mut r = row();
         r.aggregate_type = "Bad Type!".into();
-        let e = build_record(&r, &default_topic(), ValueFormat::Envelope, COMMIT_MS).unwrap_err();
+        let e = build_record(
+            &r,
+            &default_topic(),
+            &RecordValue::of(ValueFormat::Envelope),
+            COMMIT_MS,
+        )
+        .unwrap_err();
         assert!(matches!(e, RecordError::IllegalTopic { .. }), "{e}");
         assert_eq!(e.reason(), "illegal_topic");
         let mut r = row();
         r.aggregate_id = String::new();
         assert_eq!(
-            build_record(&r, &default_topic(), ValueFormat::Envelope, COMMIT_MS),
+            build_record(
+                &r,
+                &default_topic(),
+                &RecordValue::of(ValueFormat::Envelope),
+                COMMIT_MS
+            ),
             Err(RecordError::EmptyKey)
         );
         let mut r = row();
         r.headers = "[1]".into();
         assert_eq!(
-            build_record(&r, &default_topic(), ValueFormat::Envelope, COMMIT_MS),
+            build_record(
+                &r,
+                &default_topic(),
+                &RecordValue::of(ValueFormat::Envelope),
+                COMMIT_MS
+            ),
             Err(RecordError::HeadersNotObject("an array".into()))
         );
         assert!(validate_topic(&"a".repeat(250)).is_err());
@@ -821,10 +902,22 @@ mod tests {
         ] {
             let mut r = row();
             r.created_at = CreatedAt::parse(text);
-            let e = build_record(&r, &default_topic(), ValueFormat::Envelope, COMMIT_MS).unwrap_err();
+            let e = build_record(
+                &r,
+                &default_topic(),
+                &RecordValue::of(ValueFormat::Envelope),
+                COMMIT_MS,
+            )
+            .unwrap_err();
             assert_eq!(e.reason(), "bad_timestamp", "{text}");
             assert!(e.to_string().contains(text), "{e}");
-            let rec = build_record(&r, &default_topic(), ValueFormat::Payload, COMMIT_MS).unwrap();
+            let rec = build_record(
+                &r,
+                &default_topic(),
+                &RecordValue::of(ValueFormat::Payload),
+                COMMIT_MS,
+            )
+            .unwrap();
             assert_eq!(rec.timestamp_ms, COMMIT_MS, "{text}");
             let dl = dead_letter_for_row(&r, &poison(), "dlq");
             let v: serde_json::Value = serde_json::from_slice(&dl.value).unwrap();

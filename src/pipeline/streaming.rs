@@ -211,7 +211,7 @@ impl Relay {
         let record = match build_record(
             row,
             &self.validated.topic,
-            self.config.routing.value,
+            &self.validated.value,
             s.open_commit_ms,
         ) {
             Ok(r) => r,

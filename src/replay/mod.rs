@@ -328,12 +328,7 @@ impl Replay {
             .commit_ms
             .or_else(|| r.row.created_at.rfc3339().map(chrono::DateTime::timestamp_millis))
             .unwrap_or_else(|| chrono::Utc::now().timestamp_millis());
-        let mut rec = build_record(
-            &r.row,
-            &self.validated.topic,
-            self.config.routing.value,
-            commit_ms,
-        )?;
+        let mut rec = build_record(&r.row, &self.validated.topic, &self.validated.value, commit_ms)?;
         rec.headers.retain(|(k, _)| k != header::REPLAYED);
         rec.headers
             .push((header::REPLAYED.to_owned(), started_at.as_bytes().to_vec()));

@@ -5,6 +5,7 @@
 #![allow(clippy::unwrap_used)]
 
 mod accounts_service;
+mod cloudevents;
 mod cluster;
 mod debezium;
 mod exactly_once;
