@@ -183,6 +183,18 @@ pub struct PostgresConfig {
     /// Longest wait between reconnection attempts.
     #[serde(default = "default_backoff_max")]
     pub reconnect_backoff_max: HumanDuration,
+    /// Also publish transactional logical decoding messages with
+    /// `message_prefix` (the table-less outbox, PostgreSQL 14+; ignored on
+    /// older servers).
+    #[serde(default = "yes")]
+    pub messages: bool,
+    /// The prefix of the messages that are outbox events.
+    #[serde(default = "default_message_prefix")]
+    pub message_prefix: String,
+}
+
+fn default_message_prefix() -> String {
+    crate::emitted::DEFAULT_PREFIX.to_owned()
 }
 
 /// `[kafka]`
@@ -774,6 +786,12 @@ impl Config {
                 ));
             }
             topic = topic.allowing(allowed.clone());
+        }
+        if self.postgres.messages && self.postgres.message_prefix.is_empty() {
+            return Err(invalid(
+                "postgres.message_prefix",
+                "must not be empty: every logical decoding message would be read as an outbox event",
+            ));
         }
         crate::routing::validate_topic(&self.routing.dead_letter_topic)
             .map_err(|e| invalid("routing.dead_letter_topic", e.to_string()))?;

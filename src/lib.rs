@@ -11,6 +11,7 @@
 pub mod check;
 pub mod cloudevents;
 pub mod config;
+pub mod emitted;
 pub mod enqueue;
 pub mod exactly_once;
 pub mod health;

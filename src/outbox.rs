@@ -80,6 +80,10 @@ pub enum RowError {
         value: String,
         reason: String,
     },
+    #[error(
+        "outbox message is no outbox event: {reason} (see migrations/0007_outbox_emit.sql for the format)"
+    )]
+    Message { reason: String },
 }
 
 /// An inserted row that cannot be read as an event (a NULL where a value

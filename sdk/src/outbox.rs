@@ -176,21 +176,7 @@ pub async fn append_to<C: GenericClient>(
     if events.is_empty() {
         return Ok(Vec::new());
     }
-    let mut ids = Vec::with_capacity(events.len());
-    let mut aggregate_types = Vec::with_capacity(events.len());
-    let mut aggregate_ids = Vec::with_capacity(events.len());
-    let mut types = Vec::with_capacity(events.len());
-    let mut payloads = Vec::with_capacity(events.len());
-    let mut headers = Vec::with_capacity(events.len());
-    for e in events {
-        e.validate()?;
-        ids.push(e.id.unwrap_or_else(Uuid::now_v7));
-        aggregate_types.push(e.aggregate_type.as_str());
-        aggregate_ids.push(e.aggregate_id.as_str());
-        types.push(e.event_type.as_str());
-        payloads.push(e.payload.clone());
-        headers.push(e.headers.to_json());
-    }
+    let columns = Columns::of(events)?;
     let sql = format!(
         "INSERT INTO {} (id, aggregate_type, aggregate_id, type, payload, headers)
          SELECT id, aggregate_type, aggregate_id, type, payload, headers
@@ -199,16 +185,85 @@ pub async fn append_to<C: GenericClient>(
           ORDER BY ord",
         table.quoted()
     );
-    let params: [(&(dyn ToSql + Sync), Type); 6] = [
-        (&ids, Type::UUID_ARRAY),
-        (&aggregate_types, Type::TEXT_ARRAY),
-        (&aggregate_ids, Type::TEXT_ARRAY),
-        (&types, Type::TEXT_ARRAY),
-        (&payloads, Type::JSONB_ARRAY),
-        (&headers, Type::JSONB_ARRAY),
-    ];
-    client.execute_typed(&sql, &params).await?;
-    Ok(ids)
+    client.execute_typed(&sql, &columns.params()).await?;
+    Ok(columns.ids)
+}
+
+/// Emits events into the WAL instead of the outbox table: the table-less
+/// outbox. Each event is a transactional logical decoding message with
+/// the prefix `outbox` (through `outbox_emit`, migration 0007), so it
+/// commits or rolls back with `client`'s transaction, in order with the
+/// transaction's outbox rows, and outboxd publishes it exactly like a row.
+/// Nothing is stored, so there is nothing to clean up, and nothing for
+/// `outboxd replay` to re-publish later: only the WAL ever holds it.
+/// Returns the event ids in order.
+///
+/// ```no_run
+/// # async fn example(client: &mut tokio_postgres::Client) -> Result<(), Box<dyn std::error::Error>> {
+/// use outbox_sdk::outbox::{emit, OutboxEvent};
+/// let tx = client.transaction().await?;
+/// tx.execute("UPDATE orders SET status = 'PAID' WHERE id = $1", &[&uuid::Uuid::nil()]).await?;
+/// emit(&tx, &[OutboxEvent::new("Order", "1001", "ordering.order-paid.v1", serde_json::json!({}))]).await?;
+/// tx.commit().await?; // the event reaches the WAL, and Kafka, only now
+/// # Ok(()) }
+/// ```
+pub async fn emit<C: GenericClient>(client: &C, events: &[OutboxEvent]) -> Result<Vec<Uuid>, SdkError> {
+    if events.is_empty() {
+        return Ok(Vec::new());
+    }
+    let columns = Columns::of(events)?;
+    // The subquery's ORDER BY … OFFSET 0 fixes the order the messages are
+    // written in: the order of `events`.
+    let sql = "SELECT count(outbox_emit(aggregate_type, aggregate_id, type, payload, headers, id))
+                 FROM (SELECT * FROM unnest($1, $2, $3, $4, $5, $6)
+                            WITH ORDINALITY AS e(id, aggregate_type, aggregate_id, type, payload, headers, ord)
+                       ORDER BY ord OFFSET 0) e";
+    client.execute_typed(sql, &columns.params()).await?;
+    Ok(columns.ids)
+}
+
+/// The events as the column arrays of one statement.
+struct Columns<'a> {
+    ids: Vec<Uuid>,
+    aggregate_types: Vec<&'a str>,
+    aggregate_ids: Vec<&'a str>,
+    types: Vec<&'a str>,
+    payloads: Vec<Value>,
+    headers: Vec<Value>,
+}
+
+impl<'a> Columns<'a> {
+    fn of(events: &'a [OutboxEvent]) -> Result<Self, SdkError> {
+        let mut c = Columns {
+            ids: Vec::with_capacity(events.len()),
+            aggregate_types: Vec::with_capacity(events.len()),
+            aggregate_ids: Vec::with_capacity(events.len()),
+            types: Vec::with_capacity(events.len()),
+            payloads: Vec::with_capacity(events.len()),
+            headers: Vec::with_capacity(events.len()),
+        };
+        for e in events {
+            e.validate()?;
+            c.ids.push(e.id.unwrap_or_else(Uuid::now_v7));
+            c.aggregate_types.push(e.aggregate_type.as_str());
+            c.aggregate_ids.push(e.aggregate_id.as_str());
+            c.types.push(e.event_type.as_str());
+            c.payloads.push(e.payload.clone());
+            c.headers.push(e.headers.to_json());
+        }
+        Ok(c)
+    }
+
+    fn params(&self) -> [(&(dyn ToSql + Sync), Type); 6] {
+        [
+            (&self.ids, Type::UUID_ARRAY),
+            (&self.aggregate_types, Type::TEXT_ARRAY),
+            (&self.aggregate_ids, Type::TEXT_ARRAY),
+            (&self.types, Type::TEXT_ARRAY),
+            (&self.payloads, Type::JSONB_ARRAY),
+            (&self.headers, Type::JSONB_ARRAY),
+        ]
+    }
 }
 
 #[cfg(test)]

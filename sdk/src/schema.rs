@@ -59,6 +59,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0006_event_time_index.sql",
         sql: include_str!("../../migrations/0006_event_time_index.sql"),
     },
+    Migration {
+        version: 7,
+        name: "0007_outbox_emit.sql",
+        sql: include_str!("../../migrations/0007_outbox_emit.sql"),
+    },
 ];
 
 /// PostgreSQL truncates identifiers longer than this (NAMEDATALEN - 1).

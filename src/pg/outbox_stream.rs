@@ -92,6 +92,12 @@ pub struct OutboxStream {
     relations: HashMap<u32, Option<OutboxColumns>>,
     /// The server's WAL end, from the latest XLogData or keepalive.
     server_wal_end: Lsn,
+    /// The prefix of logical decoding messages that are outbox events
+    /// (`None`: messages are not read).
+    message_prefix: Option<String>,
+    /// The commit time of the transaction being read, for messages
+    /// without `createdAt`.
+    commit_time: PgTimestamp,
 }
 
 impl OutboxStream {
@@ -103,7 +109,17 @@ impl OutboxStream {
             table_oid,
             relations: HashMap::new(),
             server_wal_end: Lsn::ZERO,
+            message_prefix: None,
+            commit_time: PgTimestamp(0),
         }
+    }
+
+    /// Also yields transactional logical decoding messages with `prefix`
+    /// as outbox inserts ([`crate::emitted`]); the stream must have been
+    /// started with `messages 'true'`.
+    pub fn with_messages(mut self, prefix: Option<String>) -> Self {
+        self.message_prefix = prefix;
+        self
     }
 
     /// The server's WAL end as last reported on the stream.
@@ -141,11 +157,27 @@ impl OutboxStream {
 
     fn handle(&mut self, msg: LogicalMessage, lsn: Lsn) -> Result<Option<StreamEvent>, StreamError> {
         Ok(match msg {
-            LogicalMessage::Begin(b) => Some(StreamEvent::Begin {
-                xid: b.xid,
-                final_lsn: b.final_lsn,
-                commit_time: b.commit_time,
-            }),
+            LogicalMessage::Begin(b) => {
+                self.commit_time = b.commit_time;
+                Some(StreamEvent::Begin {
+                    xid: b.xid,
+                    final_lsn: b.final_lsn,
+                    commit_time: b.commit_time,
+                })
+            }
+            // A transactional message with the outbox prefix is an outbox
+            // event; others are not ours, and a non-transactional one would
+            // outlive a rollback (see crate::emitted).
+            LogicalMessage::Message(m)
+                if m.flags & 1 == 1 && self.message_prefix.as_deref() == Some(m.prefix.as_str()) =>
+            {
+                let commit_time = chrono::DateTime::from_timestamp_micros(self.commit_time.unix_micros())
+                    .unwrap_or_default();
+                match crate::emitted::read(&m.content, commit_time) {
+                    crate::emitted::Read::Event(row) => Some(StreamEvent::Insert { row, lsn }),
+                    crate::emitted::Read::Unreadable(row) => Some(StreamEvent::Unreadable { row, lsn }),
+                }
+            }
             LogicalMessage::Commit(c) => Some(StreamEvent::Commit {
                 commit_lsn: c.commit_lsn,
                 end_lsn: c.end_lsn,

@@ -452,8 +452,12 @@ impl Relay {
             verified,
         } = proven;
         let status_every = status_every(self.config.postgres.status_interval.0, server_timeout);
-        let failover = (publication::server_version(&client).await? >= 170_000)
-            .then_some(self.config.postgres.failover_slot);
+        let server_version = publication::server_version(&client).await?;
+        let failover = (server_version >= 170_000).then_some(self.config.postgres.failover_slot);
+        // The table-less outbox (crate::emitted): pgoutput sends logical
+        // decoding messages from PostgreSQL 14 on.
+        let message_prefix = (self.config.postgres.messages && server_version >= 140_000)
+            .then(|| self.config.postgres.message_prefix.clone());
         let system = repl.identify_system().await?;
         if self.config.kafka.keeps_slot_register() {
             self.refuse_lost_slot(&client, &system).await?;
@@ -480,7 +484,7 @@ impl Relay {
                 slot: v.slot.clone(),
                 publication: v.publication.clone(),
                 start_lsn: Lsn::ZERO,
-                messages: false,
+                messages: message_prefix.is_some(),
             })
             .await
             .map_err(|e| match e.sqlstate() {
@@ -505,7 +509,7 @@ impl Relay {
         let table_oid = verified.table_oid;
         let guard = publication::spawn_guard(client, v.publication.clone(), v.table.clone(), verified, start);
         Ok(Connected {
-            stream: OutboxStream::new(stream, v.table.clone(), table_oid),
+            stream: OutboxStream::new(stream, v.table.clone(), table_oid).with_messages(message_prefix),
             start,
             guard,
             status_every,

@@ -8,6 +8,7 @@ mod accounts_service;
 mod cloudevents;
 mod cluster;
 mod debezium;
+mod emitted;
 mod exactly_once;
 mod failover;
 mod fuzz;
