@@ -7,7 +7,7 @@
 # 200000), --rate N (default 2000), --latency-secs N (default 30),
 # --warmup-secs N (default 10), --startup-rounds N (default 3),
 # --skip-debezium, --skip-exactly-once (no exactly-once run beside
-# at-least-once), --exactly-once-setting 'key = value' (a line for its
+# at-least-once), --skip-tracing (no run with a span per event), --exactly-once-setting 'key = value' (a line for its
 # [kafka.exactly_once] table), --outboxd-kafka 'key = value' (a line for outboxd's
 # [kafka] table, for example 'max_inflight = 5000').
 set -euo pipefail

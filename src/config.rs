@@ -136,6 +136,9 @@ pub struct Config {
     /// Logs.
     #[serde(default)]
     pub log: LogConfig,
+    /// OpenTelemetry spans of published events (off by default).
+    #[serde(default)]
+    pub opentelemetry: crate::otel::OtelConfig,
 }
 
 /// A value that is never printed: `Debug` shows `***`.
@@ -787,6 +790,9 @@ impl Config {
             }
             topic = topic.allowing(allowed.clone());
         }
+        self.opentelemetry
+            .validate()
+            .map_err(|e| invalid("opentelemetry.endpoint", e))?;
         if self.postgres.messages && self.postgres.message_prefix.is_empty() {
             return Err(invalid(
                 "postgres.message_prefix",

@@ -20,6 +20,7 @@ pub mod kafka;
 pub mod leader;
 pub mod lsn;
 pub mod metrics;
+pub mod otel;
 pub mod outbox;
 pub mod pg;
 pub mod pipeline;

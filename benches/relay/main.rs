@@ -68,6 +68,7 @@ struct Args {
     warmup_secs: u64,
     debezium: bool,
     exactly_once: bool,
+    tracing: bool,
     outboxd_kafka: Vec<String>,
     exactly_once_settings: Vec<String>,
 }
@@ -81,6 +82,7 @@ fn args() -> Args {
         warmup_secs: 10,
         debezium: true,
         exactly_once: true,
+        tracing: true,
         outboxd_kafka: Vec::new(),
         exactly_once_settings: Vec::new(),
     };
@@ -100,6 +102,7 @@ fn args() -> Args {
             "--warmup-secs" => a.warmup_secs = value() as u64,
             "--skip-debezium" => a.debezium = false,
             "--skip-exactly-once" => a.exactly_once = false,
+            "--skip-tracing" => a.tracing = false,
             "--exactly-once-setting" => {
                 a.exactly_once_settings.push(
                     argv.get(i + 1)
@@ -157,7 +160,8 @@ async fn drop_slot(client: &tokio_postgres::Client, slot: &str) {
         .unwrap();
 }
 
-/// Writes `n` rows, 100 per transaction, ~300-byte payloads. Returns an
+/// Writes `n` rows, 100 per transaction, ~300-byte payloads, each with a
+/// sampled W3C `traceparent` header (as the SDK writes it). Returns an
 /// LSN read inside the last transaction, after its rows.
 async fn write_backlog(client: &mut tokio_postgres::Client, n: usize) -> Lsn {
     let mut last = Lsn::ZERO;
@@ -171,7 +175,9 @@ async fn write_backlog(client: &mut tokio_postgres::Client, n: usize) -> Lsn {
                     jsonb_build_object('orderId', $1::int * 100 + g, 'customerId', md5(g::text),
                                        'lines', jsonb_build_array(jsonb_build_object('sku', 'SKU-' || g, 'qty', 2, 'price', 1250)),
                                        'note', repeat('n', 150)),
-                    jsonb_build_object('correlationId', md5(($1::int * 100 + g)::text))
+                    jsonb_build_object('correlationId', md5(($1::int * 100 + g)::text),
+                                       'traceparent', '00-' || md5(($1::int * 100 + g)::text || 't') || '-'
+                                                      || substr(md5(($1::int * 100 + g)::text || 's'), 1, 16) || '-01')
                FROM generate_series(1, $2::int) g",
             &[&(t as i32), &rows],
         )
@@ -296,8 +302,10 @@ async fn steady_load(pg: &PgServer, rate: u64, secs: u64, tag: &str) -> f64 {
             for i in 0..per * secs {
                 tick.tick().await;
                 c.execute(
-                    "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload)
-                     VALUES (gen_random_uuid(), 'Order', $1, $2, jsonb_build_object('i', $3::bigint))",
+                    "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload, headers)
+                     VALUES (gen_random_uuid(), 'Order', $1, $2, jsonb_build_object('i', $3::bigint),
+                             jsonb_build_object('traceparent', '00-' || md5($1 || $3::text) || '-'
+                                                || substr(md5($3::text || $1), 1, 16) || '-01'))",
                     &[&format!("w{w}-{}", i % 50), &tag, &(i as i64)],
                 )
                 .await
@@ -597,7 +605,10 @@ async fn main() {
     let broker = dedicated_broker();
     let mut client = pg.client("postgres").await;
     outbox_sdk::migrate::migrate(&mut client).await.unwrap();
+    let spans = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let otlp_endpoint = span_receiver(spans.clone()).await;
     let s = Setting {
+        otlp_endpoint,
         pg_port: pg.port,
         brokers: broker.brokers.clone(),
         dir: dir.path().to_owned(),
@@ -608,6 +619,9 @@ async fn main() {
     let mut kinds = vec![Kind::Outboxd];
     if a.exactly_once {
         kinds.push(Kind::OutboxdExactlyOnce);
+    }
+    if a.tracing {
+        kinds.push(Kind::OutboxdTraced);
     }
     if a.debezium {
         kinds.push(Kind::Debezium);
@@ -720,6 +734,17 @@ async fn main() {
             "at_least_once_cpu_s_per_100k": o.drain.cpu_per_100k(n), "exactly_once_cpu_s_per_100k": e.drain.cpu_per_100k(n),
         });
     }
+    let spans_received = spans.load(std::sync::atomic::Ordering::Relaxed);
+    if let Some(t) = fig(Kind::OutboxdTraced) {
+        results["tracing"] = t.json(n);
+        results["tracing_vs_off"] = json!({
+            "events": n, "spans_received": spans_received,
+            "off_drain_events_per_s": o.drain.rate(n), "on_drain_events_per_s": t.drain.rate(n),
+            "drain_ratio": t.drain.rate(n) / o.drain.rate(n),
+            "off_peak_rss_mib": o.drain.rss_mib, "on_peak_rss_mib": t.drain.rss_mib,
+            "off_cpu_s_per_100k": o.drain.cpu_per_100k(n), "on_cpu_s_per_100k": t.drain.cpu_per_100k(n),
+        });
+    }
     if let Some(d) = fig(Kind::Debezium) {
         results["debezium"] = d.json(n);
         results["debezium"]["version"] = json!(harness::debezium::version());
@@ -795,10 +820,78 @@ async fn main() {
     if let Some(e) = fig(Kind::OutboxdExactlyOnce) {
         exactly_once_beside(n, o, e);
     }
+    if let Some(t) = fig(Kind::OutboxdTraced) {
+        tracing_beside(n, o, t, spans_received);
+    }
     if let Some(d) = fig(Kind::Debezium) {
         side_by_side(n, o, d);
     }
     broker.kill();
+}
+
+/// Receives OTLP/HTTP span exports and counts the spans (decoded with the
+/// OpenTelemetry protocol definitions). Returns the endpoint.
+async fn span_receiver(count: std::sync::Arc<std::sync::atomic::AtomicU64>) -> String {
+    use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
+    use prost::Message;
+    let app = axum::Router::new().route(
+        "/v1/traces",
+        axum::routing::post(move |body: axum::body::Bytes| {
+            let count = count.clone();
+            async move {
+                if let Ok(req) = ExportTraceServiceRequest::decode(body) {
+                    let n: usize = req
+                        .resource_spans
+                        .iter()
+                        .flat_map(|r| &r.scope_spans)
+                        .map(|s| s.spans.len())
+                        .sum();
+                    count.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
+                }
+                (
+                    [(axum::http::header::CONTENT_TYPE, "application/x-protobuf")],
+                    Vec::<u8>::new(),
+                )
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    format!("http://{addr}/v1/traces")
+}
+
+/// outboxd with a span per event beside outboxd with tracing off, on the
+/// same backlog (every row carries a sampled `traceparent`).
+fn tracing_beside(n: usize, o: &Figures, t: &Figures, spans: u64) {
+    println!();
+    println!("| outboxd: tracing on vs off | off | on (a span per event) | ratio |");
+    println!("|---|---|---|---|");
+    println!(
+        "| drain of {n} events | {:.0} events/s | {:.0} events/s | {:.2}× |",
+        o.drain.rate(n),
+        t.drain.rate(n),
+        t.drain.rate(n) / o.drain.rate(n)
+    );
+    println!(
+        "| peak RSS | {:.1} MiB | {:.1} MiB | {:.2}× |",
+        o.drain.rss_mib,
+        t.drain.rss_mib,
+        t.drain.rss_mib / o.drain.rss_mib
+    );
+    println!(
+        "| CPU per 100k events | {:.2} core-s | {:.2} core-s | {:.2}× |",
+        o.drain.cpu_per_100k(n),
+        t.drain.cpu_per_100k(n),
+        t.drain.cpu_per_100k(n) / o.drain.cpu_per_100k(n)
+    );
+    println!(
+        "| commit → consumed p99 at {:.0}/s | {:.1} ms | {:.1} ms | |",
+        t.latency.achieved,
+        o.latency.p(0.99),
+        t.latency.p(0.99)
+    );
+    println!("| spans received by the OTLP receiver (drain, latency and start-up runs) | | {spans} | |");
 }
 
 /// outboxd's exactly-once delivery beside its at-least-once delivery, on

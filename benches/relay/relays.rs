@@ -35,6 +35,8 @@ pub struct Setting {
     /// Extra lines for `[kafka.exactly_once]` of the exactly-once run
     /// (`--exactly-once-setting`).
     pub exactly_once_settings: Vec<String>,
+    /// The OTLP/HTTP endpoint of the traced run's span receiver.
+    pub otlp_endpoint: String,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,6 +44,8 @@ pub enum Kind {
     Outboxd,
     /// outboxd with `kafka.delivery = "exactly-once"`.
     OutboxdExactlyOnce,
+    /// outboxd with `[opentelemetry] enabled = true`: a span per event.
+    OutboxdTraced,
     Polling,
     Debezium,
 }
@@ -51,6 +55,7 @@ impl Kind {
         match self {
             Kind::Outboxd => "outboxd",
             Kind::OutboxdExactlyOnce => "outboxd_eo",
+            Kind::OutboxdTraced => "outboxd_otel",
             Kind::Polling => "polling",
             Kind::Debezium => "debezium",
         }
@@ -61,7 +66,7 @@ impl Kind {
     /// outboxd returns at once.
     pub fn start(self, s: &Setting, slot: &str, topic: &str) -> Running {
         match self {
-            Kind::Outboxd | Kind::OutboxdExactlyOnce | Kind::Polling => {
+            Kind::Outboxd | Kind::OutboxdExactlyOnce | Kind::OutboxdTraced | Kind::Polling => {
                 let http_port = free_port();
                 let mode = if self == Kind::Polling {
                     "mode = \"polling\""
@@ -85,7 +90,16 @@ topic = "{topic}"
 listen = "127.0.0.1:{http_port}"
 [log]
 level = "{level}"
+{otel}
 "#,
+                    otel = if self == Kind::OutboxdTraced {
+                        format!(
+                            "[opentelemetry]\nenabled = true\nendpoint = \"{}\"",
+                            s.otlp_endpoint
+                        )
+                    } else {
+                        String::new()
+                    },
                     level = std::env::var("OUTBOXD_BENCH_LOG").unwrap_or_else(|_| "info".into()),
                     pg = s.pg_port,
                     publication = s.publication,

@@ -62,8 +62,17 @@ impl Relay {
             e.closing_since = Some(std::time::Instant::now());
             // Where the progress record lands in the transaction does not
             // matter, only that the commit holds it with the rest.
-            self.send(stream, s, txn, last.commit_lsn, &progress, Sent::Progress, false)
-                .await?;
+            self.send(
+                stream,
+                s,
+                txn,
+                last.commit_lsn,
+                &progress,
+                Sent::Progress,
+                false,
+                None,
+            )
+            .await?;
         }
         if !s.deliveries.is_empty() || !s.dead_letters.is_empty() {
             return Ok(());

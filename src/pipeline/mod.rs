@@ -92,6 +92,7 @@ use crate::kafka::{KafkaSink, KafkaSinkError, SinkKind};
 use crate::leader::LeaderElection;
 use crate::lsn::Lsn;
 use crate::metrics::Metrics;
+use crate::otel::PublishTracer;
 use crate::pg::admin::{self, AdminError, SlotState};
 use crate::pg::connection::{ReplicationConnection, StartOptions, SystemIdentity};
 use crate::pg::error::PgError;
@@ -115,6 +116,8 @@ pub enum RelayError {
     Stream(#[from] StreamError),
     #[error(transparent)]
     Kafka(#[from] KafkaSinkError),
+    #[error(transparent)]
+    Otel(#[from] crate::otel::OtelError),
     #[error("outbox row {id} at {lsn} can never be published: {error}; the slot has not moved past it. Fix the writer and restart after removing the cause, or set routing.on_poison = \"dead-letter\"")]
     Poison { id: String, lsn: Lsn, error: String },
     #[error("Kafka refused the batch holding the record at {lsn} for topic {topic:?}: {source}; re-sending the records from there one per batch, to set aside only the record Kafka refuses")]
@@ -185,6 +188,7 @@ impl RelayError {
             RelayError::TransactionTimedOut { .. } => "transaction",
             RelayError::KafkaDenied { .. } => "denied",
             RelayError::DeadLetterFailed(_) => "dead_letter",
+            RelayError::Otel(_) => "config",
         }
     }
 
@@ -210,7 +214,8 @@ impl RelayError {
             | RelayError::DeadLetterFailed(_)
             | RelayError::PublicationChanged { .. }
             | RelayError::SlotInvalidated { .. }
-            | RelayError::SlotLost(_) => false,
+            | RelayError::SlotLost(_)
+            | RelayError::Otel(_) => false,
         }
     }
 }
@@ -229,6 +234,8 @@ pub struct Relay {
     /// Exactly-once: records Kafka refused inside a transaction, which the
     /// replay sets aside.
     refused: RefusedRecords,
+    /// `outboxd.publish` spans (`None`: tracing is off).
+    otel: Option<Arc<PublishTracer>>,
 }
 
 impl std::fmt::Debug for Relay {
@@ -348,6 +355,7 @@ impl Relay {
         let sink = KafkaSink::build(&config.kafka, config.kafka.admin_timeout.0, &kind)?;
         tracing::debug!(took = ?t.elapsed(), "Kafka clients created");
         let election = LeaderElection::new(validated.pg.clone(), validated.slot.clone());
+        let otel = PublishTracer::new(&config.opentelemetry)?.map(Arc::new);
         Ok(Relay {
             config,
             validated,
@@ -357,6 +365,7 @@ impl Relay {
             election,
             isolate_until: None,
             refused: RefusedRecords::default(),
+            otel,
         })
     }
 
@@ -373,6 +382,10 @@ impl Relay {
         let result = self.sessions(shutdown).await;
         poller.abort();
         self.health.set_streaming(None);
+        if let Some(otel) = self.otel.clone() {
+            // Blocks until the queued spans are exported (or time out).
+            let _ = tokio::task::spawn_blocking(move || otel.shutdown()).await;
+        }
         result
     }
 

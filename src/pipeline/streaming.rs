@@ -13,6 +13,7 @@ use super::{Relay, RelayError};
 use crate::exactly_once::LastCommit;
 use crate::kafka::{KafkaSinkError, Refusal, SendOutcome};
 use crate::lsn::Lsn;
+use crate::otel::PendingSpan;
 use crate::outbox::OutboxRow;
 use crate::pg::error::PgError;
 use crate::pg::outbox_stream::{OutboxStream, StreamEvent};
@@ -227,7 +228,14 @@ impl Relay {
             }
         };
         self.ensure_topic(stream, s.beat(), &record.topic).await??;
-        match self.send(stream, s, txn, lsn, &record, Sent::Event, true).await {
+        let span = self
+            .otel
+            .as_ref()
+            .and_then(|t| t.pending(&record, s.open_commit_ms));
+        match self
+            .send(stream, s, txn, lsn, &record, Sent::Event, true, span)
+            .await
+        {
             // Refused before it was sent (librdkafka's own checks, such as
             // message.max.bytes): this record alone is the cause.
             Err(RelayError::Kafka(KafkaSinkError::Produce { source, topic })) => match Refusal::of(&source) {
@@ -262,7 +270,8 @@ impl Relay {
     }
 
     /// Enqueues one record, waiting for acknowledgements while the queue
-    /// is full; `count` says whether the tracker gains an event for it.
+    /// is full; `count` says whether the tracker gains an event for it,
+    /// and `span` is recorded when Kafka answers (see [`crate::otel`]).
     #[allow(clippy::too_many_arguments)]
     pub(super) async fn send(
         &mut self,
@@ -273,6 +282,7 @@ impl Relay {
         record: &KafkaRecord,
         sent: Sent,
         count: bool,
+        mut span: Option<Box<PendingSpan>>,
     ) -> Result<(), RelayError> {
         loop {
             match self.sink.send(record)? {
@@ -281,8 +291,18 @@ impl Relay {
                         s.tracker.sent(txn);
                         s.durability.sent(txn, record.size());
                     }
-                    s.deliveries
-                        .push(Box::pin(async move { (txn, lsn, sent, fut.await) }));
+                    let span = span.take();
+                    s.deliveries.push(Box::pin(async move {
+                        let result = fut.await;
+                        if let Some(span) = span {
+                            span.finish(match &result {
+                                Ok(Ok(d)) => Ok((d.partition, d.offset)),
+                                Ok(Err((e, _))) => Err(e.to_string()),
+                                Err(_) => Err("the delivery was canceled".to_owned()),
+                            });
+                        }
+                        (txn, lsn, sent, result)
+                    }));
                     return Ok(());
                 }
                 SendOutcome::QueueFull => match stream
@@ -322,7 +342,7 @@ impl Relay {
                 stub: job.stub,
             };
             match self
-                .send(stream, s, job.txn, job.lsn, &job.record, sent, !job.counted)
+                .send(stream, s, job.txn, job.lsn, &job.record, sent, !job.counted, None)
                 .await
             {
                 // librdkafka refused it before sending (message.max.bytes):

@@ -15,6 +15,7 @@ mod fuzz;
 mod harness;
 mod kafka_rules;
 mod operations;
+mod otel;
 mod publication;
 mod relay;
 mod reliability;

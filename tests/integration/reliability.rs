@@ -1055,7 +1055,8 @@ async fn waits_longer_than_wal_sender_timeout_keep_the_session() {
             .unwrap()
             .get::<_, Option<i32>>(0)
     };
-    let pid = walsender().await.expect("the relay streams");
+    // The slot exists before the session starts streaming from it.
+    let pid = wait_for("the relay streams", Duration::from_secs(30), walsender).await;
     let applied: String = db
         .client()
         .await
