@@ -829,36 +829,13 @@ async fn main() {
     broker.kill();
 }
 
-/// Receives OTLP/HTTP span exports and counts the spans (decoded with the
-/// OpenTelemetry protocol definitions). Returns the endpoint.
+/// Counts the spans outboxd exports (see `harness::otlp`). Returns the
+/// endpoint.
 async fn span_receiver(count: std::sync::Arc<std::sync::atomic::AtomicU64>) -> String {
-    use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
-    use prost::Message;
-    let app = axum::Router::new().route(
-        "/v1/traces",
-        axum::routing::post(move |body: axum::body::Bytes| {
-            let count = count.clone();
-            async move {
-                if let Ok(req) = ExportTraceServiceRequest::decode(body) {
-                    let n: usize = req
-                        .resource_spans
-                        .iter()
-                        .flat_map(|r| &r.scope_spans)
-                        .map(|s| s.spans.len())
-                        .sum();
-                    count.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
-                }
-                (
-                    [(axum::http::header::CONTENT_TYPE, "application/x-protobuf")],
-                    Vec::<u8>::new(),
-                )
-            }
-        }),
-    );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    format!("http://{addr}/v1/traces")
+    harness::otlp::receiver(move |_, _| {
+        count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    })
+    .await
 }
 
 /// outboxd with a span per event beside outboxd with tracing off, on the

@@ -10,7 +10,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use uuid::Uuid;
 
-use crate::harness::broker::{broker, consume_to_end, Consumed};
+use crate::harness::broker::{base64url, broker, consume_to_end, Consumed};
 use crate::harness::{wait_for, TestDb};
 use crate::relay::{config_text, confirmed_flush, current_lsn, spawn_relay_with_slot, stop_relay};
 
@@ -39,36 +39,19 @@ fn sdk_python() -> String {
 const DECODE: &str = r#"
 import base64, json, sys
 from cloudevents.core.bindings.kafka import KafkaMessage, from_kafka_event
+def unb64(v):
+    return base64.urlsafe_b64decode(v + "=" * (-len(v) % 4))
 for line in sys.stdin:
     r = json.loads(line)
     msg = KafkaMessage(
-        headers={k: base64.b64decode(v) for k, v in r["headers"]},
+        headers={k: unb64(v) for k, v in r["headers"]},
         key=r["key"].encode(),
-        value=base64.b64decode(r["value"]),
+        value=unb64(r["value"]),
     )
     event = from_kafka_event(msg)
     attrs = {k: (v.isoformat() if hasattr(v, "isoformat") else v) for k, v in event.get_attributes().items()}
     print(json.dumps({"attributes": attrs, "data": event.get_data(), "class": type(event).__name__}))
 "#;
-
-fn b64(bytes: &[u8]) -> String {
-    const T: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::new();
-    for chunk in bytes.chunks(3) {
-        let n = chunk
-            .iter()
-            .enumerate()
-            .fold(0u32, |n, (i, b)| n | u32::from(*b) << (16 - 8 * i));
-        for i in 0..4 {
-            if i <= chunk.len() {
-                out.push(T[(n >> (18 - 6 * i) & 63) as usize] as char);
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
-}
 
 fn decode_with_sdk(records: &[Consumed]) -> Vec<Value> {
     let mut child = Command::new(sdk_python())
@@ -80,8 +63,9 @@ fn decode_with_sdk(records: &[Consumed]) -> Vec<Value> {
         .unwrap();
     let mut input = String::new();
     for r in records {
-        let headers: Vec<(String, String)> = r.headers.iter().map(|(k, v)| (k.clone(), b64(v))).collect();
-        input.push_str(&json!({"headers": headers, "key": r.key, "value": b64(&r.value)}).to_string());
+        let headers: Vec<(String, String)> =
+            r.headers.iter().map(|(k, v)| (k.clone(), base64url(v))).collect();
+        input.push_str(&json!({"headers": headers, "key": r.key, "value": base64url(&r.value)}).to_string());
         input.push('\n');
     }
     child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();

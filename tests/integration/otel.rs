@@ -1,75 +1,25 @@
 //! OpenTelemetry spans of published events, received by an OTLP/HTTP
-//! receiver in the test that decodes them with the OpenTelemetry protocol
-//! definitions (`opentelemetry-proto`), as a collector would.
+//! receiver in the test ([`crate::harness::otlp`]).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use axum::body::Bytes;
-use axum::routing::post;
-use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
-use opentelemetry_proto::tonic::common::v1::any_value::Value as AnyValue;
-use opentelemetry_proto::tonic::common::v1::KeyValue;
 use opentelemetry_proto::tonic::trace::v1::span::SpanKind;
 use opentelemetry_proto::tonic::trace::v1::Span;
 use outbox_sdk::outbox::{append, OutboxEvent};
-use prost::Message;
 use serde_json::json;
 use uuid::Uuid;
 
 use crate::harness::broker::broker;
+use crate::harness::otlp::{self, attribute};
 use crate::harness::{wait_for, TestDb};
 use crate::relay::{config_text, confirmed_flush, current_lsn, spawn_relay_with_slot, stop_relay};
 
 /// Spans received, with their resource's `service.name`.
 type Received = Arc<Mutex<Vec<(String, Span)>>>;
 
-/// A minimal OTLP/HTTP receiver: `POST /v1/traces` with a protobuf
-/// `ExportTraceServiceRequest`. Returns its endpoint.
 async fn receiver(received: Received) -> String {
-    let app = axum::Router::new().route(
-        "/v1/traces",
-        post(move |body: Bytes| {
-            let received = received.clone();
-            async move {
-                let request = ExportTraceServiceRequest::decode(body).expect("an OTLP protobuf request");
-                let mut spans = received.lock().unwrap();
-                for rs in request.resource_spans {
-                    let service = rs
-                        .resource
-                        .as_ref()
-                        .and_then(|r| attribute(&r.attributes, "service.name"))
-                        .unwrap_or_default();
-                    for ss in rs.scope_spans {
-                        spans.extend(ss.spans.into_iter().map(|s| (service.clone(), s)));
-                    }
-                }
-                // An empty ExportTraceServiceResponse.
-                (
-                    [(axum::http::header::CONTENT_TYPE, "application/x-protobuf")],
-                    Vec::<u8>::new(),
-                )
-            }
-        }),
-    );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    format!("http://{addr}/v1/traces")
-}
-
-fn attribute(attrs: &[KeyValue], key: &str) -> Option<String> {
-    attrs
-        .iter()
-        .find(|kv| kv.key == key)
-        .and_then(|kv| kv.value.as_ref()?.value.as_ref())
-        .map(|v| match v {
-            AnyValue::StringValue(s) => s.clone(),
-            AnyValue::IntValue(i) => i.to_string(),
-            AnyValue::DoubleValue(d) => d.to_string(),
-            AnyValue::BoolValue(b) => b.to_string(),
-            other => format!("{other:?}"),
-        })
+    otlp::receiver(move |service, span| received.lock().unwrap().push((service, span))).await
 }
 
 fn hex(bytes: &[u8]) -> String {

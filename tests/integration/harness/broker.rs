@@ -200,7 +200,8 @@ fn start_cluster(n: u32, settings: &[&str]) -> Result<Broker, String> {
     Ok(b)
 }
 
-fn base64url(bytes: &[u8]) -> String {
+/// Base64 with the URL-safe alphabet and no padding.
+pub fn base64url(bytes: &[u8]) -> String {
     const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
     let mut out = String::new();
     for chunk in bytes.chunks(3) {

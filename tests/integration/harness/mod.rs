@@ -3,6 +3,7 @@
 
 pub mod broker;
 pub mod debezium;
+pub mod otlp;
 pub mod postgres;
 
 use std::future::Future;
