@@ -9,7 +9,9 @@
 # --skip-debezium, --skip-exactly-once (no exactly-once run beside
 # at-least-once), --skip-tracing (no run with a span per event), --exactly-once-setting 'key = value' (a line for its
 # [kafka.exactly_once] table), --outboxd-kafka 'key = value' (a line for outboxd's
-# [kafka] table, for example 'max_inflight = 5000').
+# [kafka] table, for example 'max_inflight = 5000'). OUTBOXD_BENCH_REFERENCE=
+# /path/to/outboxd adds a run of that binary (an earlier build) beside this
+# one, on the same backlog.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh

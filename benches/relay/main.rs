@@ -623,6 +623,9 @@ async fn main() {
     if a.tracing {
         kinds.push(Kind::OutboxdTraced);
     }
+    if relays::reference_binary().is_some() {
+        kinds.push(Kind::Reference);
+    }
     if a.debezium {
         kinds.push(Kind::Debezium);
     }
@@ -735,6 +738,18 @@ async fn main() {
         });
     }
     let spans_received = spans.load(std::sync::atomic::Ordering::Relaxed);
+    if let Some(r) = fig(Kind::Reference) {
+        results["reference"] = r.json(n);
+        results["reference"]["binary"] = json!(relays::reference_binary());
+        results["vs_reference"] = json!({
+            "events": n,
+            "this_drain_events_per_s": o.drain.rate(n), "reference_drain_events_per_s": r.drain.rate(n),
+            "drain_ratio": o.drain.rate(n) / r.drain.rate(n),
+            "this_peak_rss_mib": o.drain.rss_mib, "reference_peak_rss_mib": r.drain.rss_mib,
+            "this_cpu_s_per_100k": o.drain.cpu_per_100k(n), "reference_cpu_s_per_100k": r.drain.cpu_per_100k(n),
+            "this_p99_ms": o.latency.p(0.99), "reference_p99_ms": r.latency.p(0.99),
+        });
+    }
     if let Some(t) = fig(Kind::OutboxdTraced) {
         results["tracing"] = t.json(n);
         results["tracing_vs_off"] = json!({
@@ -823,6 +838,9 @@ async fn main() {
     if let Some(t) = fig(Kind::OutboxdTraced) {
         tracing_beside(n, o, t, spans_received);
     }
+    if let Some(r) = fig(Kind::Reference) {
+        reference_beside(n, o, r);
+    }
     if let Some(d) = fig(Kind::Debezium) {
         side_by_side(n, o, d);
     }
@@ -836,6 +854,37 @@ async fn span_receiver(count: std::sync::Arc<std::sync::atomic::AtomicU64>) -> S
         count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     })
     .await
+}
+
+/// This outboxd beside the reference binary, both with the plain
+/// configuration, on the same backlog and load.
+fn reference_beside(n: usize, o: &Figures, r: &Figures) {
+    println!();
+    println!("| outboxd: this build vs the reference binary | reference | this build | ratio |");
+    println!("|---|---|---|---|");
+    println!(
+        "| drain of {n} events | {:.0} events/s | {:.0} events/s | {:.2}× |",
+        r.drain.rate(n),
+        o.drain.rate(n),
+        o.drain.rate(n) / r.drain.rate(n)
+    );
+    println!(
+        "| peak RSS | {:.1} MiB | {:.1} MiB | {:.2}× |",
+        r.drain.rss_mib,
+        o.drain.rss_mib,
+        o.drain.rss_mib / r.drain.rss_mib
+    );
+    println!(
+        "| CPU per 100k events | {:.2} core-s | {:.2} core-s | {:.2}× |",
+        r.drain.cpu_per_100k(n),
+        o.drain.cpu_per_100k(n),
+        o.drain.cpu_per_100k(n) / r.drain.cpu_per_100k(n)
+    );
+    println!(
+        "| commit → consumed p99 | {:.1} ms | {:.1} ms | |",
+        r.latency.p(0.99),
+        o.latency.p(0.99)
+    );
 }
 
 /// outboxd with a span per event beside outboxd with tracing off, on the

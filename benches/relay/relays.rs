@@ -46,6 +46,10 @@ pub enum Kind {
     OutboxdExactlyOnce,
     /// outboxd with `[opentelemetry] enabled = true`: a span per event.
     OutboxdTraced,
+    /// Another outboxd binary (`OUTBOXD_BENCH_REFERENCE`, for example an
+    /// earlier release) with the plain run's configuration: a before/after
+    /// comparison on the same backlog, in the same run.
+    Reference,
     Polling,
     Debezium,
 }
@@ -56,6 +60,7 @@ impl Kind {
             Kind::Outboxd => "outboxd",
             Kind::OutboxdExactlyOnce => "outboxd_eo",
             Kind::OutboxdTraced => "outboxd_otel",
+            Kind::Reference => "reference",
             Kind::Polling => "polling",
             Kind::Debezium => "debezium",
         }
@@ -66,7 +71,11 @@ impl Kind {
     /// outboxd returns at once.
     pub fn start(self, s: &Setting, slot: &str, topic: &str) -> Running {
         match self {
-            Kind::Outboxd | Kind::OutboxdExactlyOnce | Kind::OutboxdTraced | Kind::Polling => {
+            Kind::Outboxd
+            | Kind::OutboxdExactlyOnce
+            | Kind::OutboxdTraced
+            | Kind::Reference
+            | Kind::Polling => {
                 let http_port = free_port();
                 let mode = if self == Kind::Polling {
                     "mode = \"polling\""
@@ -118,6 +127,11 @@ level = "{level}"
                 std::fs::write(&config, text).expect("write outboxd's config");
                 let log = s.dir.join(format!("{topic}.log"));
                 let mut running = Running::Outboxd {
+                    binary: if self == Kind::Reference {
+                        reference_binary().expect("OUTBOXD_BENCH_REFERENCE names the reference binary")
+                    } else {
+                        PathBuf::from(env!("CARGO_BIN_EXE_outboxd"))
+                    },
                     child: None,
                     config,
                     log,
@@ -139,9 +153,15 @@ level = "{level}"
     }
 }
 
+/// The reference binary of the before/after run, if one is named.
+pub fn reference_binary() -> Option<PathBuf> {
+    std::env::var_os("OUTBOXD_BENCH_REFERENCE").map(PathBuf::from)
+}
+
 /// A started relay.
 pub enum Running {
     Outboxd {
+        binary: PathBuf,
         child: Option<Child>,
         config: PathBuf,
         log: PathBuf,
@@ -186,7 +206,11 @@ impl Running {
     pub fn restart(&mut self) {
         match self {
             Running::Outboxd {
-                child, config, log, ..
+                binary,
+                child,
+                config,
+                log,
+                ..
             } => {
                 let log = std::fs::OpenOptions::new()
                     .create(true)
@@ -194,7 +218,7 @@ impl Running {
                     .open(&*log)
                     .expect("outboxd's log file");
                 *child = Some(
-                    Command::new(env!("CARGO_BIN_EXE_outboxd"))
+                    Command::new(&*binary)
                         .args(["run", "--config"])
                         .arg(&*config)
                         .env_remove("RUST_LOG")
