@@ -11,7 +11,8 @@
 # [kafka.exactly_once] table), --outboxd-kafka 'key = value' (a line for outboxd's
 # [kafka] table, for example 'max_inflight = 5000'). OUTBOXD_BENCH_REFERENCE=
 # /path/to/outboxd adds a run of that binary (an earlier build) beside this
-# one, on the same backlog.
+# one, on the same backlog (OUTBOXD_BENCH_REFERENCE_FIRST=1: its drain goes
+# first, where the broker is coldest).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh

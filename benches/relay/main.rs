@@ -667,12 +667,19 @@ async fn main() {
     // side gets the warmer cache; the faster run is the decoding limit.
     eprintln!("bench: pg_recvlogical (before)");
     let recv_before = recvlogical(&pg, "bench_recv", end);
-    let mut drains = Vec::new();
-    for &k in &kinds {
+    // The first drain meets a broker that has not served a load yet; with
+    // OUTBOXD_BENCH_REFERENCE_FIRST the reference binary takes that place.
+    let mut order = kinds.clone();
+    if std::env::var_os("OUTBOXD_BENCH_REFERENCE_FIRST").is_some() {
+        order.sort_by_key(|k| *k != Kind::Reference);
+    }
+    let mut drained = HashMap::new();
+    for &k in &order {
         let (slot, topic) = (format!("drain_{}", k.name()), format!("drain-{}", k.name()));
-        drains.push(drain(&client, &s, k, &slot, &topic, last_txn, n).await);
+        drained.insert(k, drain(&client, &s, k, &slot, &topic, last_txn, n).await);
         drop_slot(&client, &slot).await;
     }
+    let drains: Vec<Drain> = kinds.iter().map(|k| drained.remove(k).unwrap()).collect();
     eprintln!("bench: pg_recvlogical (after)");
     let recv_after = recvlogical(&pg, "bench_recv_after", end);
     let recv_secs = recv_before.min(recv_after);

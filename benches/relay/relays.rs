@@ -39,7 +39,7 @@ pub struct Setting {
     pub otlp_endpoint: String,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Kind {
     Outboxd,
     /// outboxd with `kafka.delivery = "exactly-once"`.
