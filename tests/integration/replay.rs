@@ -398,3 +398,77 @@ async fn replay_selects_throttles_resumes_and_accounts_for_every_row() {
         assert_eq!(order.get(&agg), Some(&ids), "order of {agg}");
     }
 }
+
+/// Without `track_commit_timestamp`, rows are ordered and selected by
+/// `created_at`, and `--since` reaches back `--slack` for transactions that
+/// began before it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_commit_timestamps_replay_orders_by_created_at_and_since_reaches_back_by_slack() {
+    let pg = postgres::dedicated("track_commit_timestamp = off");
+    let mut c = pg.client("postgres").await;
+    outbox_sdk::migrate::migrate(&mut c).await.unwrap();
+    let prefix = format!("rc{}", Uuid::new_v4().simple());
+    let text = config_text(
+        &pg.url("postgres", None, "postgres"),
+        "replay_created_unused",
+        &broker().brokers,
+        &format!("topic = \"{prefix}.{{aggregate_type}}\""),
+        "",
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write_config(dir.path(), "outboxd.toml", &text);
+    let cfg = cfg.to_str().unwrap();
+    // A row whose transaction began three minutes before it committed
+    // (created_at set to then), and ordinary ones after it.
+    let early = Uuid::now_v7();
+    c.execute(
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload, created_at)
+         VALUES ($1, 'Order', 'agg-0', 't', '{}', now() - interval '3 minutes')",
+        &[&early],
+    )
+    .await
+    .unwrap();
+    let (events, _) = write_events(&c, 10, 3, 4, &["Order"], 0).await;
+
+    let since = (chrono::Utc::now() - chrono::Duration::seconds(60)).to_rfc3339();
+    let strict = outboxd(
+        &[
+            "replay",
+            "--config",
+            cfg,
+            "--since",
+            &since,
+            "--slack",
+            "0s",
+            "--dry-run",
+        ],
+        dir.path(),
+    );
+    assert!(
+        said(&strict).contains(&format!(
+            "dry run: {} rows would be replayed, ordered by created_at",
+            events.len()
+        )),
+        "{}",
+        said(&strict)
+    );
+    let replay = outboxd(&["replay", "--config", cfg, "--since", &since], dir.path());
+    assert!(replay.status.success(), "{}", said(&replay));
+    assert!(
+        said(&replay).contains("ordered by created_at, then id"),
+        "{}",
+        said(&replay)
+    );
+    assert!(
+        said(&replay).contains(&format!("published    {}", events.len() + 1)),
+        "the default slack reaches the early row: {}",
+        said(&replay)
+    );
+    let records = read_all(&prefix);
+    let order = replayed_order(&records);
+    let mut want = expected_order(&events);
+    want.get_mut("agg-0").unwrap().insert(0, early);
+    for (agg, ids) in want {
+        assert_eq!(order.get(&agg), Some(&ids), "created_at order of {agg}");
+    }
+}
