@@ -362,14 +362,14 @@ async fn ten_thousand_events_arrive_exactly_as_specified_in_both_value_modes() {
 }
 
 /// The ack-order rule against MockCluster: produce requests for one
-/// partition are slow and requests fail transiently; at every sample,
-/// each transaction at or below `confirmed_flush_lsn` is fully in Kafka.
+/// partition are slow, so acknowledgements arrive out of step with the
+/// transactions; at every sample, each transaction at or below
+/// `confirmed_flush_lsn` is fully in Kafka.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn confirmed_lsn_never_passes_an_unacknowledged_event() {
     use rdkafka::consumer::{BaseConsumer, Consumer};
     use rdkafka::message::{Headers, Message};
     use rdkafka::mocking::MockCluster;
-    use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
     use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 
     let db = TestDb::new("relay_ackorder").await;
@@ -380,17 +380,15 @@ async fn confirmed_lsn_never_passes_an_unacknowledged_event() {
     for p in 0..3 {
         mock.partition_leader(topic, p, Some(p + 1)).unwrap();
     }
+    // One slow broker: its partition's acknowledgements lag the others'.
+    // No Produce errors are injected: MockCluster does not model a retried
+    // Produce faithfully (with librdkafka 2.12, one injected
+    // NOT_LEADER_FOR_PARTITION after the first batches leaves a record
+    // acknowledged that the mock never stored; see the README, "Not yet").
+    // Retried produce errors are tested against Apache Kafka: a leader
+    // lost in `cluster.rs`, the broker down in `reliability.rs`.
     mock.broker_round_trip_time(1, Duration::from_millis(400))
         .unwrap();
-    mock.request_errors(
-        RDKafkaApiKey::Produce,
-        &[
-            RDKafkaRespErr::RD_KAFKA_RESP_ERR_NOT_LEADER_FOR_PARTITION,
-            RDKafkaRespErr::RD_KAFKA_RESP_ERR_REQUEST_TIMED_OUT,
-            RDKafkaRespErr::RD_KAFKA_RESP_ERR_NOT_ENOUGH_REPLICAS,
-            RDKafkaRespErr::RD_KAFKA_RESP_ERR_LEADER_NOT_AVAILABLE,
-        ],
-    );
     let brokers = mock.bootstrap_servers();
     let slot = "ackorder";
     let (handle, stop) = spawn_relay(&config_text(
@@ -398,13 +396,6 @@ async fn confirmed_lsn_never_passes_an_unacknowledged_event() {
         slot,
         &brokers,
         "topic = \"ackorder.{aggregate_type}\"",
-        // MockCluster injects its errors into the next Produce requests of
-        // any producer: the slot register's own write would take the first
-        // one, and the outbox producer's first request would then time out.
-        // librdkafka 2.12 reports an idempotent producer's first batch as
-        // delivered after an injected REQUEST_TIMED_OUT, though the mock
-        // never stored it (a mock artifact: a real broker appends before it
-        // times out on replication); see the README, "Not yet".
         "slot_register = false",
     ));
     wait_for("the slot", Duration::from_secs(30), || async {
@@ -514,7 +505,8 @@ async fn confirmed_lsn_never_passes_an_unacknowledged_event() {
         partial_samples > 0,
         "the test never saw acknowledgements out of step with the slot"
     );
-    // Retried produce errors lost nothing and kept each aggregate's order.
+    // Out-of-step acknowledgements lost nothing and kept each aggregate's
+    // order.
     let (events, _) = written.lock().unwrap().clone();
     let mut seen = HashSet::new();
     let mut first: HashMap<String, Vec<Uuid>> = HashMap::new();
