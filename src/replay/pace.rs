@@ -3,9 +3,13 @@
 use std::io::{IsTerminal, Write};
 use std::time::{Duration, Instant};
 
+/// The most lost time a throttled replay makes up after a stall.
+pub const MAX_BURST: Duration = Duration::from_secs(1);
+
 /// Keeps a replay at or under `rate` records a second, on average since
-/// it started (so a pause is not made up with a burst larger than one
-/// batch of librdkafka's).
+/// it started. After a stall (a slow batch read, a busy machine) it makes
+/// up at most [`MAX_BURST`] of lost time, so the broker and consumers never
+/// see a burst larger than that.
 #[derive(Debug)]
 pub struct Throttle {
     rate: Option<f64>,
@@ -26,7 +30,13 @@ impl Throttle {
     pub async fn admit(&mut self) {
         if let Some(rate) = self.rate {
             let due = self.started + Duration::from_secs_f64(self.admitted as f64 / rate);
-            tokio::time::sleep_until(due).await;
+            let now = tokio::time::Instant::now();
+            if now > due + MAX_BURST {
+                // Forget the stall beyond the allowed burst.
+                self.started += now - due - MAX_BURST;
+            } else {
+                tokio::time::sleep_until(due).await;
+            }
         }
         self.admitted += 1;
     }
@@ -128,6 +138,28 @@ mod tests {
         assert!(
             start.elapsed() >= Duration::from_millis(200),
             "{:?}",
+            start.elapsed()
+        );
+    }
+
+    #[tokio::test]
+    async fn after_a_stall_the_throttle_makes_up_one_second_at_most() {
+        let mut t = Throttle::new(Some(100.0));
+        t.admit().await;
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        // 1.5 s behind: one second's worth goes at once, then the rate
+        // holds again (a lower bound only: a busy machine is slower).
+        let start = std::time::Instant::now();
+        for _ in 0..100 {
+            t.admit().await;
+        }
+        let burst = start.elapsed();
+        for _ in 0..20 {
+            t.admit().await;
+        }
+        assert!(
+            start.elapsed() >= burst + Duration::from_millis(190),
+            "{:?} after a burst of {burst:?}",
             start.elapsed()
         );
     }
