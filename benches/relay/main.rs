@@ -866,65 +866,46 @@ async fn span_receiver(count: std::sync::Arc<std::sync::atomic::AtomicU64>) -> S
 /// This outboxd beside the reference binary, both with the plain
 /// configuration, on the same backlog and load.
 fn reference_beside(n: usize, o: &Figures, r: &Figures) {
-    println!();
-    println!("| outboxd: this build vs the reference binary | reference | this build | ratio |");
-    println!("|---|---|---|---|");
-    println!(
-        "| drain of {n} events | {:.0} events/s | {:.0} events/s | {:.2}× |",
-        r.drain.rate(n),
-        o.drain.rate(n),
-        o.drain.rate(n) / r.drain.rate(n)
-    );
-    println!(
-        "| peak RSS | {:.1} MiB | {:.1} MiB | {:.2}× |",
-        r.drain.rss_mib,
-        o.drain.rss_mib,
-        o.drain.rss_mib / r.drain.rss_mib
-    );
-    println!(
-        "| CPU per 100k events | {:.2} core-s | {:.2} core-s | {:.2}× |",
-        r.drain.cpu_per_100k(n),
-        o.drain.cpu_per_100k(n),
-        o.drain.cpu_per_100k(n) / r.drain.cpu_per_100k(n)
-    );
-    println!(
-        "| commit → consumed p99 | {:.1} ms | {:.1} ms | |",
-        r.latency.p(0.99),
-        o.latency.p(0.99)
+    beside(
+        n,
+        "this build vs the reference binary",
+        ("reference", r),
+        ("this build", o),
     );
 }
 
 /// outboxd with a span per event beside outboxd with tracing off, on the
 /// same backlog (every row carries a sampled `traceparent`).
 fn tracing_beside(n: usize, o: &Figures, t: &Figures, spans: u64) {
+    beside(n, "tracing on vs off", ("off", o), ("on (a span per event)", t));
+    println!("| spans received by the OTLP receiver (drain, latency and start-up runs) | | {spans} | |");
+}
+
+/// Two outboxd runs side by side: drain rate, peak RSS and CPU of the
+/// backlog drain, and the latency p99, with the second's ratio to the first.
+fn beside(n: usize, title: &str, (a_name, a): (&str, &Figures), (b_name, b): (&str, &Figures)) {
     println!();
-    println!("| outboxd: tracing on vs off | off | on (a span per event) | ratio |");
+    println!("| outboxd: {title} | {a_name} | {b_name} | ratio |");
     println!("|---|---|---|---|");
-    println!(
-        "| drain of {n} events | {:.0} events/s | {:.0} events/s | {:.2}× |",
-        o.drain.rate(n),
-        t.drain.rate(n),
-        t.drain.rate(n) / o.drain.rate(n)
-    );
-    println!(
-        "| peak RSS | {:.1} MiB | {:.1} MiB | {:.2}× |",
-        o.drain.rss_mib,
-        t.drain.rss_mib,
-        t.drain.rss_mib / o.drain.rss_mib
-    );
-    println!(
-        "| CPU per 100k events | {:.2} core-s | {:.2} core-s | {:.2}× |",
-        o.drain.cpu_per_100k(n),
-        t.drain.cpu_per_100k(n),
-        t.drain.cpu_per_100k(n) / o.drain.cpu_per_100k(n)
-    );
+    let rows = [
+        ("drain of events", a.drain.rate(n), b.drain.rate(n), "events/s"),
+        ("peak RSS", a.drain.rss_mib, b.drain.rss_mib, "MiB"),
+        (
+            "CPU per 100k events",
+            a.drain.cpu_per_100k(n),
+            b.drain.cpu_per_100k(n),
+            "core-s",
+        ),
+    ];
+    for (what, x, y, unit) in rows {
+        println!("| {what} | {x:.2} {unit} | {y:.2} {unit} | {:.2}× |", y / x);
+    }
     println!(
         "| commit → consumed p99 at {:.0}/s | {:.1} ms | {:.1} ms | |",
-        t.latency.achieved,
-        o.latency.p(0.99),
-        t.latency.p(0.99)
+        b.latency.achieved,
+        a.latency.p(0.99),
+        b.latency.p(0.99)
     );
-    println!("| spans received by the OTLP receiver (drain, latency and start-up runs) | | {spans} | |");
 }
 
 /// outboxd's exactly-once delivery beside its at-least-once delivery, on
