@@ -30,6 +30,29 @@ pub struct OutboxRow {
     pub created_at: CreatedAt,
 }
 
+/// The outbox columns in the order [`OutboxRow::from_table`] reads them,
+/// as text where outboxd forwards the text (run with `DateStyle = ISO` and
+/// `TimeZone = UTC`); `o` is the table's alias.
+pub const TABLE_COLUMNS: &str =
+    "o.id, o.aggregate_type, o.aggregate_id, o.type, o.payload::text, o.headers::text, o.created_at::text";
+
+impl OutboxRow {
+    /// A row read from the table by a query that starts with
+    /// [`TABLE_COLUMNS`] (polling mode, `outboxd replay`).
+    pub fn from_table(r: &tokio_postgres::Row) -> OutboxRow {
+        let created: String = r.get(6);
+        OutboxRow {
+            id: r.get(0),
+            aggregate_type: r.get(1),
+            aggregate_id: r.get(2),
+            event_type: r.get(3),
+            payload: r.get(4),
+            headers: r.get(5),
+            created_at: CreatedAt::parse(&created),
+        }
+    }
+}
+
 /// `created_at` as PostgreSQL stored it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CreatedAt {

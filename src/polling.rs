@@ -32,7 +32,7 @@ use crate::enqueue::{enqueue_row, EnqueueError, Enqueued};
 use crate::health::Health;
 use crate::kafka::{KafkaSink, KafkaSinkError};
 use crate::metrics::Metrics;
-use crate::outbox::{CreatedAt, OutboxRow};
+use crate::outbox::{OutboxRow, TABLE_COLUMNS};
 use crate::pg::admin::{self, AdminError};
 use crate::routing::build_record;
 
@@ -196,8 +196,7 @@ impl PollingRelay {
                 &format!(
                     // o.created_at, not the text output column of the same
                     // name: only the table column uses the partial index.
-                    "SELECT o.id, o.aggregate_type, o.aggregate_id, o.type, o.payload::text, o.headers::text,
-                            o.created_at::text
+                    "SELECT {TABLE_COLUMNS}
                        FROM {table} o WHERE o.published_at IS NULL
                       ORDER BY o.created_at LIMIT $1 FOR UPDATE SKIP LOCKED"
                 ),
@@ -207,17 +206,8 @@ impl PollingRelay {
         let selected = rows.len();
         let mut pending = Vec::with_capacity(selected);
         for r in &rows {
-            let id: Uuid = r.get(0);
-            let created: String = r.get(6);
-            let row = OutboxRow {
-                id,
-                aggregate_type: r.get(1),
-                aggregate_id: r.get(2),
-                event_type: r.get(3),
-                payload: r.get(4),
-                headers: r.get(5),
-                created_at: CreatedAt::parse(&created),
-            };
+            let row = OutboxRow::from_table(r);
+            let id = row.id;
             // No commit time here: a created_at Kafka cannot take gets the
             // time of publishing.
             let now_ms = chrono::Utc::now().timestamp_millis();

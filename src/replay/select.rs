@@ -37,7 +37,7 @@ use tokio_postgres::types::ToSql;
 use tokio_postgres::Client;
 use uuid::Uuid;
 
-use crate::outbox::{CreatedAt, OutboxRow};
+use crate::outbox::{OutboxRow, TABLE_COLUMNS};
 use crate::pg::admin::AdminError;
 use crate::pg::ident::TableName;
 
@@ -254,8 +254,7 @@ impl Query {
     /// The rows with these ids that still exist, by id.
     pub async fn rows(&self, client: &Client, ids: &[Uuid]) -> Result<HashMap<Uuid, ReplayRow>, AdminError> {
         let sql = format!(
-            "SELECT o.id, o.aggregate_type, o.aggregate_id, o.type, o.payload::text, o.headers::text,
-                    o.created_at::text, ({t})::text,
+            "SELECT {TABLE_COLUMNS}, ({t})::text,
                     (extract(epoch FROM {ct}) * 1000)::float8
                FROM {} o WHERE o.id = ANY($1)",
             self.table,
@@ -266,26 +265,17 @@ impl Query {
         Ok(rows
             .iter()
             .map(|r| {
-                let id: Uuid = r.get(0);
-                let created: String = r.get(6);
+                let row = OutboxRow::from_table(r);
                 let replay = ReplayRow {
                     key: Key {
                         order_time: r.get(7),
-                        created_at: created.clone(),
-                        id,
+                        created_at: r.get(6),
+                        id: row.id,
                     },
-                    row: OutboxRow {
-                        id,
-                        aggregate_type: r.get(1),
-                        aggregate_id: r.get(2),
-                        event_type: r.get(3),
-                        payload: r.get(4),
-                        headers: r.get(5),
-                        created_at: CreatedAt::parse(&created),
-                    },
+                    row,
                     commit_ms: r.get::<_, Option<f64>>(8).map(|ms| ms as i64),
                 };
-                (id, replay)
+                (replay.row.id, replay)
             })
             .collect())
     }
