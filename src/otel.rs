@@ -36,7 +36,7 @@ use opentelemetry_sdk::trace::{Sampler, SdkTracer, SdkTracerProvider};
 use opentelemetry_sdk::Resource;
 use serde::Deserialize;
 
-use crate::config::HumanDuration;
+use crate::config::{HumanDuration, Secret};
 use crate::routing::{header, KafkaRecord};
 
 /// The span's name.
@@ -56,9 +56,9 @@ pub struct OtelConfig {
     #[serde(default = "default_service_name")]
     pub service_name: String,
     /// Extra HTTP headers for the collector (for example an API key,
-    /// `"${OTLP_TOKEN}"`).
+    /// `"${OTLP_TOKEN}"`); their values never show in `Debug` output.
     #[serde(default)]
-    pub headers: std::collections::HashMap<String, String>,
+    pub headers: std::collections::HashMap<String, Secret>,
     /// How long one export may take.
     #[serde(default = "default_timeout")]
     pub timeout: HumanDuration,
@@ -144,7 +144,12 @@ impl PublishTracer {
             .with_http_client(UreqClient(agent))
             .with_endpoint(cfg.endpoint.clone())
             .with_timeout(cfg.timeout.0)
-            .with_headers(cfg.headers.clone())
+            .with_headers(
+                cfg.headers
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.0.clone()))
+                    .collect(),
+            )
             .build()
             .map_err(|e| err(e.to_string()))?;
         let provider = SdkTracerProvider::builder()
@@ -337,5 +342,7 @@ mod tests {
             .contains("local OpenTelemetry Collector"));
         c.endpoint = "not a url".into();
         assert!(c.validate().is_err());
+        c.headers.insert("x-api-key".into(), Secret("s3cret".into()));
+        assert!(!format!("{c:?}").contains("s3cret"), "{c:?}");
     }
 }
