@@ -287,28 +287,28 @@ async fn postgres_checks(config: &Config, v: &Validated) -> Vec<CheckLine> {
     }
 
     // The same proof the relay makes at start and keeps making.
-    out.push(
-        match crate::pg::publication::inspect(&client, &v.publication, &v.table).await {
-            Ok(_) => line(
-                "publication",
-                true,
-                format!(
-                    "{} delivers every INSERT on {} with every column",
-                    v.publication.as_str(),
-                    v.table
-                ),
+    let version = crate::pg::publication::server_version(&client).await.unwrap_or(0);
+    let subject = config.publication_subject(v, version);
+    out.push(match crate::pg::publication::inspect(&client, &subject).await {
+        Ok(_) => line(
+            "publication",
+            true,
+            format!(
+                "{} delivers every INSERT on {} with every column",
+                v.publication.as_str(),
+                v.table
             ),
-            Err(admin::AdminError::NoPublication { .. }) if config.postgres.create_publication => line(
-                "publication",
-                true,
-                format!(
-                    "{} is missing and will be created at start",
-                    v.publication.as_str()
-                ),
+        ),
+        Err(admin::AdminError::NoPublication { .. }) if config.postgres.create_publication => line(
+            "publication",
+            true,
+            format!(
+                "{} is missing and will be created at start",
+                v.publication.as_str()
             ),
-            Err(e) => line("publication", false, e.to_string()),
-        },
-    );
+        ),
+        Err(e) => line("publication", false, e.to_string()),
+    });
 
     out.push(match admin::slot_info(&client, &v.slot).await {
         Ok(None) => line("slot", true, format!("{} is missing and will be created at start", v.slot.as_str())),

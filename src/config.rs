@@ -153,7 +153,7 @@ impl std::fmt::Debug for Secret {
 }
 
 /// `[postgres]`
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PostgresConfig {
     /// libpq-style URL; the role needs REPLICATION.
@@ -186,10 +186,19 @@ pub struct PostgresConfig {
     /// Longest wait between reconnection attempts.
     #[serde(default = "default_backoff_max")]
     pub reconnect_backoff_max: HumanDuration,
+    /// The leader lease: PostgreSQL ends the leader lock's session when
+    /// the leader has not renewed it for this long (stopped, or its host
+    /// gone), and a hot standby takes over. The at-least-once producer's
+    /// `message.timeout.ms` defaults to it, so that what a stopped leader
+    /// had queued times out instead of reaching Kafka after a takeover.
+    #[serde(default = "default_leader_timeout")]
+    pub leader_timeout: HumanDuration,
     /// Also publish transactional logical decoding messages with
-    /// `message_prefix` (the table-less outbox, PostgreSQL 14+; ignored on
-    /// older servers).
-    #[serde(default = "yes")]
+    /// `message_prefix` (the table-less outbox, `outbox_emit`; PostgreSQL
+    /// 14+). Off by default: with it on, outboxd refuses to start while
+    /// PUBLIC may call `pg_logical_emit_message`, and with it off, while
+    /// `outbox_emit` is installed (its events would be lost).
+    #[serde(default)]
     pub messages: bool,
     /// The prefix of the messages that are outbox events.
     #[serde(default = "default_message_prefix")]
@@ -200,8 +209,44 @@ fn default_message_prefix() -> String {
     crate::emitted::DEFAULT_PREFIX.to_owned()
 }
 
+impl Config {
+    /// What a session proves about the publication on a server of
+    /// `server_version` (`server_version_num`).
+    pub fn publication_subject(&self, v: &Validated, server_version: i32) -> crate::pg::publication::Subject {
+        crate::pg::publication::Subject {
+            publication: v.publication.clone(),
+            table: v.table.clone(),
+            receiving: self.postgres.receiving(server_version),
+        }
+    }
+}
+
+impl PostgresConfig {
+    /// What a session asks pgoutput for on a server of `server_version`
+    /// (`server_version_num`).
+    pub fn receiving(&self, server_version: i32) -> crate::pg::publication::Receiving {
+        use crate::pg::publication::Receiving;
+        match (self.messages, server_version >= 140_000) {
+            (true, true) => Receiving {
+                message_prefix: Some(self.message_prefix.clone()),
+                messages_off_because: None,
+            },
+            (true, false) => Receiving {
+                message_prefix: None,
+                messages_off_because: Some(
+                    "this PostgreSQL sends no logical decoding messages to pgoutput (14 or later does)",
+                ),
+            },
+            (false, _) => Receiving {
+                message_prefix: None,
+                messages_off_because: Some("postgres.messages is false"),
+            },
+        }
+    }
+}
+
 /// `[kafka]`
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct KafkaConfig {
     /// `host:port,host:port`.
@@ -249,6 +294,60 @@ pub struct KafkaConfig {
     /// librdkafka settings, passed as they are.
     #[serde(default)]
     pub options: BTreeMap<String, String>,
+}
+
+/// `postgres.url` for `Debug`: its password, if any, replaced.
+fn url_without_password(url: &str) -> String {
+    match url::Url::parse(url) {
+        Ok(mut u) if u.password().is_some() => {
+            let _ = u.set_password(Some("***"));
+            u.to_string()
+        }
+        Ok(u) => u.to_string(),
+        Err(_) => "<unparsed url>".to_owned(),
+    }
+}
+
+// No Debug output may show a secret: the URL's password, the password,
+// and every value of [kafka.options] (sasl.password, ssl.key.password, …)
+// are left out.
+impl std::fmt::Debug for PostgresConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresConfig")
+            .field("url", &url_without_password(&self.url))
+            .field("password", &self.password)
+            .field("table", &self.table)
+            .field("slot", &self.slot)
+            .field("publication", &self.publication)
+            .field("create_publication", &self.create_publication)
+            .field("failover_slot", &self.failover_slot)
+            .field("status_interval", &self.status_interval)
+            .field("reconnect_backoff_max", &self.reconnect_backoff_max)
+            .field("leader_timeout", &self.leader_timeout)
+            .field("messages", &self.messages)
+            .field("message_prefix", &self.message_prefix)
+            .finish()
+    }
+}
+
+impl std::fmt::Debug for KafkaConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let options: BTreeMap<&str, &str> = self.options.keys().map(|k| (k.as_str(), "***")).collect();
+        f.debug_struct("KafkaConfig")
+            .field("brokers", &self.brokers)
+            .field("create_topics", &self.create_topics)
+            .field("topic_partitions", &self.topic_partitions)
+            .field("topic_replication_factor", &self.topic_replication_factor)
+            .field("topic_config", &self.topic_config)
+            .field("max_inflight", &self.max_inflight)
+            .field("admin_timeout", &self.admin_timeout)
+            .field("delivery", &self.delivery)
+            .field("exactly_once", &self.exactly_once)
+            .field("progress_topic", &self.progress_topic)
+            .field("slot_register", &self.slot_register)
+            .field("options", &options)
+            .finish()
+    }
 }
 
 impl KafkaConfig {
@@ -549,6 +648,9 @@ fn default_status_interval() -> HumanDuration {
 fn default_backoff_max() -> HumanDuration {
     secs(30)
 }
+fn default_leader_timeout() -> HumanDuration {
+    secs(8)
+}
 fn default_partitions() -> i32 {
     3
 }
@@ -733,6 +835,12 @@ impl Config {
             .map_err(|e| invalid("postgres.publication", e.to_string()))?;
         if self.postgres.status_interval.0 < Duration::from_millis(10) {
             return Err(invalid("postgres.status_interval", "must be at least 10ms"));
+        }
+        if self.postgres.leader_timeout.0 < Duration::from_secs(2) {
+            return Err(invalid(
+                "postgres.leader_timeout",
+                "must be at least 2s: the leader renews the lease every quarter of it",
+            ));
         }
         if self.kafka.brokers.trim().is_empty() {
             return Err(invalid("kafka.brokers", "must list at least one host:port"));
@@ -1091,5 +1199,27 @@ mod tests {
                 panic!("config/{file}: {err}");
             }
         }
+    }
+
+    #[test]
+    fn no_debug_output_shows_a_secret() {
+        let text = "[postgres]\nurl = \"postgres://app:url-secret%40x@db:5432/app\"\n\
+                    [kafka]\nbrokers = \"k:9092\"\n[kafka.options]\n\"sasl.password\" = \"${KAFKA_PASSWORD}\"\n\
+                    \"ssl.key.password\" = \"key-secret\"\n";
+        let (config, validated) = Config::from_toml(text, env(&[("KAFKA_PASSWORD", "sasl-secret")])).unwrap();
+        let shown = format!(
+            "{config:?} {validated:?} {:?} {:?}",
+            config.postgres, config.kafka
+        );
+        for secret in ["url-secret", "sasl-secret", "key-secret"] {
+            assert!(!shown.contains(secret), "{secret} in {shown}");
+        }
+        assert!(
+            shown.contains("sasl.password") && shown.contains("db:5432"),
+            "{shown}"
+        );
+        let with_password = "[postgres]\nurl = \"postgres://app@db/app\"\npassword = \"pw-secret\"\n[kafka]\nbrokers = \"k:9092\"\n";
+        let (config, validated) = Config::from_toml(with_password, |_| None).unwrap();
+        assert!(!format!("{config:?} {validated:?}").contains("pw-secret"));
     }
 }

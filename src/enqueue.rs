@@ -48,6 +48,20 @@ impl Enqueued {
     }
 }
 
+/// A row whose record Kafka refused on its own (sent alone, so that the
+/// refusal is the row's and not a batch neighbour's): its dead letter is
+/// enqueued, or, under `stop`, [`EnqueueError::Poison`].
+pub async fn set_aside(
+    sink: &mut KafkaSink,
+    routing: &RoutingConfig,
+    row: &OutboxRow,
+    reason: &'static str,
+    error: String,
+) -> Result<Enqueued, EnqueueError> {
+    let dl = dead_letter(routing, row, reason, error)?;
+    Ok(Enqueued::DeadLetter(send(sink, &dl).await?, reason))
+}
+
 /// Enqueues `record` (built from `row`), or the row's dead letter.
 pub async fn enqueue_row(
     sink: &mut KafkaSink,

@@ -91,6 +91,13 @@ pub struct ProgressRecord {
 }
 
 impl ProgressRecord {
+    /// The commit time, in microseconds since the Unix epoch.
+    pub fn commit_time_micros(&self) -> Result<i64, ProgressError> {
+        chrono::DateTime::parse_from_rfc3339(&self.commit_time)
+            .map(|t| t.timestamp_micros())
+            .map_err(|_| ProgressError::Malformed(format!("commitTime {:?}", self.commit_time)))
+    }
+
     pub fn commit_lsn(&self) -> Result<Lsn, ProgressError> {
         self.commit_lsn
             .parse()
@@ -131,11 +138,43 @@ pub enum ProgressError {
     Malformed(String),
     #[error("reading the progress topic {topic:?} to its end took longer than {timeout:?}: a transaction of another producer may hold it open")]
     Timeout { topic: String, timeout: Duration },
+    #[error("Kafka cannot serve the progress topic {topic:?} yet ({error}); retrying")]
+    Unavailable { topic: String, error: RDKafkaErrorCode },
+    #[error("Kafka denied outboxd the progress topic {topic:?} ({error}): grant outboxd's principal READ, WRITE and DESCRIBE on it (and CREATE unless it exists). outboxd does not start without it: a slot register or progress record it cannot read would look like none, and a lost slot could be recreated or published events skipped")]
+    Denied { topic: String, error: RDKafkaErrorCode },
+    #[error("Kafka reported an error for the progress topic {topic:?}: {error}")]
+    Topic { topic: String, error: RDKafkaErrorCode },
+    #[error("Kafka reported a write to the progress topic {topic:?} delivered without an offset, so it may not have been stored; retrying")]
+    NotStored { topic: String },
 }
 
 impl ProgressError {
     pub fn is_transient(&self) -> bool {
-        !matches!(self, ProgressError::Malformed(_))
+        !matches!(
+            self,
+            ProgressError::Malformed(_) | ProgressError::Denied { .. } | ProgressError::Topic { .. }
+        )
+    }
+}
+
+/// What a topic-level metadata error means for a reader of the progress
+/// topic: only a topic that does not exist holds no record. Anything else
+/// (a leader not yet elected, a denied topic) must never read as "no
+/// record": that would recreate a lost slot, or skip nothing that should be
+/// skipped. `None`: the topic does not exist.
+fn topic_error(topic: &str, error: RDKafkaErrorCode) -> Option<ProgressError> {
+    let topic = topic.to_owned();
+    match error {
+        RDKafkaErrorCode::UnknownTopicOrPartition | RDKafkaErrorCode::UnknownTopic => None,
+        RDKafkaErrorCode::TopicAuthorizationFailed | RDKafkaErrorCode::ClusterAuthorizationFailed => {
+            Some(ProgressError::Denied { topic, error })
+        }
+        RDKafkaErrorCode::InvalidTopic | RDKafkaErrorCode::InvalidConfig => {
+            Some(ProgressError::Topic { topic, error })
+        }
+        // Leader not available, not leader, a partition still being
+        // created, a broker that is loading, or any error not known here.
+        _ => Some(ProgressError::Unavailable { topic, error }),
     }
 }
 
@@ -241,7 +280,7 @@ pub async fn reset_progress(
     topic: &str,
     slot: &str,
     timeout: Duration,
-) -> Result<(), KafkaError> {
+) -> Result<(), ProgressError> {
     write_plain(cfg, topic, slot, None, timeout).await
 }
 
@@ -253,7 +292,7 @@ pub async fn write_plain(
     key: &str,
     value: Option<Vec<u8>>,
     timeout: Duration,
-) -> Result<(), KafkaError> {
+) -> Result<(), ProgressError> {
     use rdkafka::producer::{FutureProducer, FutureRecord};
     let mut config = crate::kafka::client_config(cfg);
     config
@@ -265,12 +304,20 @@ pub async fn write_plain(
     if let Some(v) = &value {
         record = record.payload(v.as_slice());
     }
-    // The delivery report, not just the queue: a refused write is an error.
-    producer
+    // The delivery report, not just the queue: a refused write is an
+    // error, and so is one reported without an offset (see
+    // `kafka::Report`): the register must never believe a write it cannot
+    // prove.
+    let delivery = producer
         .send(record, timeout)
         .await
-        .map(|_| ())
-        .map_err(|(e, _)| e)
+        .map_err(|(e, _)| ProgressError::Kafka(e))?;
+    if delivery.offset < 0 {
+        return Err(ProgressError::NotStored {
+            topic: topic.to_owned(),
+        });
+    }
+    Ok(())
 }
 
 /// Offsets read per partition at first, from the end backwards; each miss
@@ -287,12 +334,26 @@ fn read_blocking(
     let consumer: BaseConsumer = config.create()?;
     let deadline = Instant::now() + timeout;
     let metadata = consumer.fetch_metadata(Some(topic), timeout)?;
-    let partitions: Vec<i32> = metadata
-        .topics()
-        .iter()
-        .filter(|t| t.name() == topic && t.error().is_none())
-        .flat_map(|t| t.partitions().iter().map(|p| p.id()))
-        .collect();
+    let mut partitions: Vec<i32> = Vec::new();
+    for t in metadata.topics().iter().filter(|t| t.name() == topic) {
+        if let Some(e) = t.error() {
+            match topic_error(topic, RDKafkaErrorCode::from(e)) {
+                Some(err) => return Err(err),
+                None => continue,
+            }
+        }
+        for p in t.partitions() {
+            if let Some(e) = p.error() {
+                return Err(topic_error(topic, RDKafkaErrorCode::from(e)).unwrap_or(
+                    ProgressError::Unavailable {
+                        topic: topic.to_owned(),
+                        error: RDKafkaErrorCode::from(e),
+                    },
+                ));
+            }
+            partitions.push(p.id());
+        }
+    }
     // The newest (by partition, then offset) record keyed `slot`: the
     // partitioner sends one key to one partition, unless the topic's
     // partition count changed; then the latest write wins by time.
@@ -393,14 +454,7 @@ impl From<&ExactlyOnceConfig> for Limits {
     }
 }
 
-/// The last PostgreSQL transaction a group holds.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct LastCommit {
-    pub commit_lsn: Lsn,
-    pub end_lsn: Lsn,
-    /// Microseconds since the Unix epoch.
-    pub commit_time: i64,
-}
+pub use crate::progress::LastCommit;
 
 /// The PostgreSQL transactions in the open Kafka transaction.
 #[derive(Debug, Default)]
@@ -524,30 +578,51 @@ pub struct Refused {
     pub stub: bool,
 }
 
-/// Refused records by insert LSN, kept across sessions until the slot
-/// passes them.
+/// A row's place in the stream that a replay finds again: the commit LSN
+/// of its transaction (the Begin's final LSN) and its index among that
+/// transaction's outbox rows and messages. An insert's own LSN would not
+/// do: COPY writes many rows in one WAL record, which all share it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct RowPos {
+    pub commit_lsn: Lsn,
+    pub index: u32,
+}
+
+/// Refused records by their place in the stream, kept across sessions
+/// until the slot has confirmed their transaction.
 #[derive(Debug, Default)]
-pub struct RefusedRecords(BTreeMap<Lsn, Refused>);
+pub struct RefusedRecords(BTreeMap<RowPos, Refused>);
 
 impl RefusedRecords {
-    pub fn get(&self, lsn: Lsn) -> Option<&Refused> {
-        self.0.get(&lsn)
+    pub fn get(&self, pos: RowPos) -> Option<&Refused> {
+        self.0.get(&pos)
     }
 
     /// Remembers a refusal. A refused dead letter keeps what is known of
     /// the record's own refusal, and asks for the stub.
-    pub fn insert(&mut self, lsn: Lsn, refused: Refused) {
-        match self.0.get_mut(&lsn) {
+    pub fn insert(&mut self, pos: RowPos, refused: Refused) {
+        match self.0.get_mut(&pos) {
             Some(known) if refused.stub => known.stub = true,
             _ => {
-                self.0.insert(lsn, refused);
+                self.0.insert(pos, refused);
             }
         }
     }
 
-    /// Forgets what the slot is past.
+    /// Forgets the rows of transactions the slot has confirmed: a commit
+    /// at or past `confirmed` may still be replayed. A transaction still
+    /// open when other commits and keepalives move the slot is not
+    /// affected: its commit lies after everything confirmed.
     pub fn forget_through(&mut self, confirmed: Lsn) {
-        self.0.retain(|lsn, _| *lsn >= confirmed);
+        self.0.retain(|pos, _| pos.commit_lsn >= confirmed);
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
     }
 }
 
@@ -775,6 +850,38 @@ mod tests {
         g.commit(last);
         assert!(g.due(&limits(), now), "max_bytes");
         assert!(g.over_size(&limits()));
+    }
+
+    #[test]
+    fn refused_rows_are_kept_until_their_transaction_is_confirmed() {
+        let refused = || Refused {
+            reason: "too_large",
+            error: "e".into(),
+            topic: "t".into(),
+            omit_payload: true,
+            stub: false,
+        };
+        let mut r = RefusedRecords::default();
+        // Two rows of one COPY: the same insert LSN, different places.
+        let (a, b) = (
+            RowPos {
+                commit_lsn: Lsn(0x9000),
+                index: 0,
+            },
+            RowPos {
+                commit_lsn: Lsn(0x9000),
+                index: 1,
+            },
+        );
+        r.insert(b, refused());
+        assert!(r.get(a).is_none() && r.get(b).is_some());
+        // Other commits, and keepalives, confirm past the rows' inserts
+        // while their transaction is still open: kept.
+        r.forget_through(Lsn(0x8FFF));
+        r.forget_through(Lsn(0x9000));
+        assert!(r.get(b).is_some());
+        r.forget_through(Lsn(0x9030));
+        assert!(r.is_empty());
     }
 
     #[test]

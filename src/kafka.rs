@@ -53,6 +53,8 @@ pub enum KafkaSinkError {
     Delivery { topic: String, source: KafkaError },
     #[error("the Kafka producer shut down with records in flight")]
     Canceled,
+    #[error("Kafka reported a record of partition {partition} delivered without an offset, so it may never have been stored (librdkafka's implicit acknowledgement: a later request of the partition succeeded while this one waited for a retry); the session restarts and sends it again from the slot")]
+    NotStored { partition: i32 },
     #[error("another producer with transactional.id {id:?} took over ({source}): another outboxd on the same slot (or a stale one) now publishes; this one stops streaming. If two outboxd on different slots share kafka.exactly_once.transactional_id, give each its own")]
     Fenced { id: String, source: KafkaError },
     #[error("Kafka transaction {op} failed: {source}; aborting it and replaying from the progress record")]
@@ -65,7 +67,9 @@ impl KafkaSinkError {
     /// Whether a restart (reconnect and replay from the slot) may help.
     pub fn is_transient(&self) -> bool {
         match self {
-            KafkaSinkError::Unreachable { .. } | KafkaSinkError::Canceled => true,
+            KafkaSinkError::Unreachable { .. }
+            | KafkaSinkError::Canceled
+            | KafkaSinkError::NotStored { .. } => true,
             KafkaSinkError::Delivery { source, .. } | KafkaSinkError::Produce { source, .. } => {
                 Refusal::of(source) == Refusal::Transient
             }
@@ -90,9 +94,68 @@ impl KafkaSinkError {
             KafkaSinkError::Produce { .. } => "produce",
             KafkaSinkError::Delivery { .. } => "delivery",
             KafkaSinkError::Canceled => "canceled",
+            KafkaSinkError::NotStored { .. } => "not_stored",
             KafkaSinkError::Fenced { .. } => "fenced",
             KafkaSinkError::Transaction { .. } => "transaction",
             KafkaSinkError::TransactionDenied { .. } => "denied",
+        }
+    }
+}
+
+/// A delivery report, read so that an acknowledgement without an offset
+/// is never taken for a stored record.
+///
+/// librdkafka's idempotent producer acknowledges messages *implicitly*
+/// (`rd_kafka_dr_implicit_ack`) when a later Produce request of their
+/// partition succeeds while theirs waits for a retry: the broker accepted
+/// a later sequence, so librdkafka infers that the earlier ones were
+/// stored. Apache Kafka accepts a later sequence when it holds no producer
+/// state for the partition (a new partition, expired producer state), and
+/// then the earlier records were never written. Such reports carry no
+/// offset. A record that Kafka stored always has one (`acks=all`), so a
+/// report without an offset is not proof of durability: every producer
+/// path of outboxd treats it as a failed delivery, which replays (a
+/// duplicate at worst, never a loss).
+#[derive(Debug)]
+pub enum Report {
+    /// Stored at this partition and offset.
+    Stored(rdkafka::producer::future_producer::Delivery),
+    /// Refused or failed; librdkafka hands the message back.
+    Failed(KafkaError, rdkafka::message::OwnedMessage),
+    /// Reported delivered without an offset: not proven stored.
+    Unproven { partition: i32 },
+    /// The producer went away before it reported.
+    Canceled,
+}
+
+impl Report {
+    /// Reads a delivery future's outcome.
+    pub fn of(
+        result: Result<
+            rdkafka::producer::future_producer::OwnedDeliveryResult,
+            futures::channel::oneshot::Canceled,
+        >,
+    ) -> Report {
+        match result {
+            Ok(Ok(d)) if d.offset >= 0 => Report::Stored(d),
+            Ok(Ok(d)) => Report::Unproven {
+                partition: d.partition,
+            },
+            Ok(Err((e, msg))) => Report::Failed(e, msg),
+            Err(_) => Report::Canceled,
+        }
+    }
+
+    /// The report as a result: stored, or the error that says why not.
+    pub fn into_result(self) -> Result<rdkafka::producer::future_producer::Delivery, KafkaSinkError> {
+        match self {
+            Report::Stored(d) => Ok(d),
+            Report::Failed(source, msg) => Err(KafkaSinkError::Delivery {
+                topic: rdkafka::message::Message::topic(&msg).to_owned(),
+                source,
+            }),
+            Report::Unproven { partition } => Err(KafkaSinkError::NotStored { partition }),
+            Report::Canceled => Err(KafkaSinkError::Canceled),
         }
     }
 }
@@ -201,6 +264,13 @@ fn producer_config(cfg: &KafkaConfig, kind: &SinkKind) -> ClientConfig {
     if kind.one_per_batch {
         client.set("batch.num.messages", "1");
     }
+    if let (Some(lease), None, false) = (
+        kind.fenced_by_lease,
+        &kind.transactional_id,
+        cfg.options.contains_key("message.timeout.ms"),
+    ) {
+        client.set("message.timeout.ms", lease.as_millis().max(1).to_string());
+    }
     if let Some(id) = &kind.transactional_id {
         client.set("transactional.id", id);
         // librdkafka wants message.timeout.ms <= transaction.timeout.ms:
@@ -249,6 +319,12 @@ pub struct SinkKind {
     /// into Kafka transactions ([`KafkaSink::begin_if_needed`],
     /// [`KafkaSink::commit_transaction`]).
     pub transactional_id: Option<String>,
+    /// A leader-elected producer's `message.timeout.ms` (its lease,
+    /// `postgres.leader_timeout`), unless `kafka.options` sets one: what a
+    /// stopped leader had queued times out before it wakes up to a lost
+    /// lease (see `crate::leader`). Transactional producers are fenced by
+    /// their `transactional.id` instead.
+    pub fenced_by_lease: Option<Duration>,
 }
 
 /// Result of enqueueing a record.
@@ -343,6 +419,7 @@ impl KafkaSink {
         let with_id = |id: Option<&String>| SinkKind {
             one_per_batch: kind.one_per_batch,
             transactional_id: id.cloned(),
+            fenced_by_lease: kind.fenced_by_lease,
         };
         let first = ids.as_ref().map(|[a, _]| a);
         let producer: FutureProducer = producer_config(cfg, &with_id(first))
@@ -754,9 +831,18 @@ mod tests {
         assert_eq!(c.get("enable.sparse.connections"), Some("false"));
         assert_eq!(c.get("batch.num.messages"), None);
         assert_eq!(c.get("transactional.id"), None);
+        let c = producer_config(
+            &kafka(&[]),
+            &SinkKind {
+                fenced_by_lease: Some(Duration::from_secs(8)),
+                ..SinkKind::default()
+            },
+        );
+        assert_eq!(c.get("message.timeout.ms"), Some("8000"), "the leader lease");
         let kind = SinkKind {
             one_per_batch: true,
             transactional_id: Some("outboxd.s".into()),
+            fenced_by_lease: Some(Duration::from_secs(8)),
         };
         let c = producer_config(&kafka(&[("enable.sparse.connections", "true")]), &kind);
         assert_eq!(c.get("enable.sparse.connections"), Some("true"));

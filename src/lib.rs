@@ -10,6 +10,7 @@
 
 pub mod check;
 pub mod cloudevents;
+pub mod commands;
 pub mod config;
 pub mod emitted;
 pub mod enqueue;
@@ -27,6 +28,7 @@ pub mod pipeline;
 pub mod polling;
 pub mod progress;
 pub mod replay;
+pub mod retention;
 pub mod routing;
 pub mod slot_register;
 pub mod status;

@@ -53,6 +53,16 @@ enum Command {
         /// the gap). Refused while the slot is active.
         #[arg(long)]
         reset: bool,
+        /// With --reset: create the slot now (if it is missing), so that
+        /// `outboxd replay` can close a gap before the relay resumes, and
+        /// no aggregate's newer events reach Kafka before its replayed ones.
+        #[arg(long, requires = "reset")]
+        create_slot: bool,
+        /// Record the publication as it is now as the one outboxd streams
+        /// with, after re-publishing what it may have missed while it
+        /// changed (the start refuses otherwise; see the error).
+        #[arg(long, conflicts_with = "reset")]
+        accept_publication: bool,
     },
     /// Apply the shipped migrations (outbox, event store, orders) once each, in order.
     Migrate {
@@ -342,7 +352,7 @@ async fn sql_client(
     }
 }
 
-async fn progress(path: PathBuf, reset: bool) -> ExitCode {
+async fn progress(path: PathBuf, reset: bool, create_slot: bool, accept_publication: bool) -> ExitCode {
     let (config, validated) = match load(&path) {
         Ok(c) => c,
         Err(code) => return code,
@@ -389,6 +399,18 @@ async fn progress(path: PathBuf, reset: bool) -> ExitCode {
             return ExitCode::FAILURE;
         }
     }
+    if accept_publication {
+        return match outboxd::commands::accept_publication(&config, &validated, &system).await {
+            Ok(text) => {
+                println!("{text}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("outboxd: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     if !reset {
         return ExitCode::SUCCESS;
     }
@@ -426,6 +448,16 @@ async fn progress(path: PathBuf, reset: bool) -> ExitCode {
             Err(e) => Err(e.to_string()),
         };
     match reset {
+        Ok(()) if create_slot => match outboxd::commands::create_slot(&config, &validated).await {
+            Ok(text) => {
+                println!("reset; {text}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("outboxd: reset, but the slot could not be created: {e}");
+                ExitCode::FAILURE
+            }
+        },
         Ok(()) => {
             println!("reset: the next start publishes from the slot's confirmed LSN, or creates the slot if it is missing");
             ExitCode::SUCCESS
@@ -494,7 +526,7 @@ async fn retention(
     published_only: bool,
     force: bool,
 ) -> ExitCode {
-    let (client, config, validated) = match sql_client(&path).await {
+    let (mut client, config, validated) = match sql_client(&path).await {
         Ok(c) => c,
         Err(code) => return code,
     };
@@ -527,6 +559,25 @@ async fn retention(
     } else {
         outbox_sdk::retention::Retain::Cdc
     };
+    // A partitioned outbox: whole partitions first (see outboxd::retention).
+    let passed = match retain {
+        outbox_sdk::retention::Retain::PublishedOnly => outboxd::retention::Passed::Published,
+        outbox_sdk::retention::Retain::Cdc => outboxd::retention::Passed::Slot {
+            slot: &validated.slot,
+            wait: std::time::Duration::from_secs(30),
+        },
+    };
+    match outboxd::retention::drop_old_partitions(&mut client, &validated.table, older_than, passed).await {
+        Ok(outcomes) => {
+            for o in outcomes {
+                println!("{o}");
+            }
+        }
+        Err(e) => {
+            eprintln!("outboxd: retention failed: {e}");
+            return ExitCode::FAILURE;
+        }
+    }
     match outbox_sdk::retention::delete_older_than(&client, &validated.table, older_than, batch, retain).await
     {
         Ok(n) => {
@@ -562,7 +613,12 @@ fn main() -> ExitCode {
             Command::Check { config, config_only } => check(config, config_only).await,
             Command::Status { config, json } => status(config, json).await,
             Command::Migrate { config } => migrate(config).await,
-            Command::Progress { config, reset } => progress(config, reset).await,
+            Command::Progress {
+                config,
+                reset,
+                create_slot,
+                accept_publication,
+            } => progress(config, reset, create_slot, accept_publication).await,
             Command::Retention {
                 config,
                 older_than,

@@ -21,6 +21,16 @@ use std::collections::VecDeque;
 
 use crate::lsn::Lsn;
 
+/// A PostgreSQL transaction's commit record: where it starts (the Begin
+/// message's final LSN), where it ends (the position to confirm), and its
+/// commit time (microseconds since the Unix epoch).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LastCommit {
+    pub commit_lsn: Lsn,
+    pub end_lsn: Lsn,
+    pub commit_time: i64,
+}
+
 /// Identifies a transaction inside one tracker.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct TxnId(u64);
@@ -36,6 +46,8 @@ impl TxnId {
 struct Txn {
     /// Set at commit; `None` while the transaction is still being read.
     end_lsn: Option<Lsn>,
+    /// Where its commit record starts (set at commit).
+    commit_lsn: Lsn,
     /// Events sent and not yet acknowledged.
     pending: usize,
     /// Caller's clock when the transaction began (for the oldest-unacked age).
@@ -56,9 +68,8 @@ pub struct AckTracker {
     /// Transactions retired since the last drain: commit time, and
     /// whether they had events.
     retired: Vec<(i64, bool)>,
-    /// The commit time of the last transaction retired (at or before
-    /// `flushed`).
-    last_commit_time: Option<i64>,
+    /// The last transaction retired (at or before `flushed`).
+    last_commit: Option<LastCommit>,
 }
 
 impl AckTracker {
@@ -70,7 +81,7 @@ impl AckTracker {
             flushed: start,
             inflight: 0,
             retired: Vec::new(),
-            last_commit_time: None,
+            last_commit: None,
         }
     }
 
@@ -82,7 +93,13 @@ impl AckTracker {
     /// The commit time (the caller's unit) of the last transaction
     /// retired: every transaction after `flushed` committed after it.
     pub fn last_commit_time(&self) -> Option<i64> {
-        self.last_commit_time
+        self.last_commit.map(|c| c.commit_time)
+    }
+
+    /// The last transaction retired: every transaction after `flushed`
+    /// committed after it.
+    pub fn last_commit(&self) -> Option<LastCommit> {
+        self.last_commit
     }
 
     /// Events sent and not yet acknowledged.
@@ -99,6 +116,7 @@ impl AckTracker {
     pub fn begin(&mut self, opened_at: i64) -> TxnId {
         self.txns.push_back(Txn {
             end_lsn: None,
+            commit_lsn: Lsn::ZERO,
             pending: 0,
             opened_at,
             commit_time: 0,
@@ -122,10 +140,11 @@ impl AckTracker {
     }
 
     /// The transaction's commit was read; its events are all sent.
-    pub fn commit(&mut self, id: TxnId, end_lsn: Lsn, commit_time: i64) {
+    pub fn commit(&mut self, id: TxnId, c: LastCommit) {
         if let Some(t) = self.txn_mut(id) {
-            t.end_lsn = Some(end_lsn);
-            t.commit_time = commit_time;
+            t.end_lsn = Some(c.end_lsn);
+            t.commit_lsn = c.commit_lsn;
+            t.commit_time = c.commit_time;
         }
         self.retire();
     }
@@ -178,7 +197,11 @@ impl AckTracker {
                         self.flushed = end;
                     }
                     self.retired.push((front.commit_time, front.had_events));
-                    self.last_commit_time = Some(front.commit_time);
+                    self.last_commit = Some(LastCommit {
+                        commit_lsn: front.commit_lsn,
+                        end_lsn: end,
+                        commit_time: front.commit_time,
+                    });
                     self.txns.pop_front();
                     self.first_id += 1;
                 }
@@ -193,16 +216,24 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    fn at(end_lsn: Lsn, commit_time: i64) -> LastCommit {
+        LastCommit {
+            commit_lsn: Lsn(end_lsn.0.saturating_sub(8)),
+            end_lsn,
+            commit_time,
+        }
+    }
+
     #[test]
     fn waits_for_earlier_transactions() {
         let mut t = AckTracker::new(Lsn(10));
         let a = t.begin(0);
         t.sent(a);
         t.sent(a);
-        t.commit(a, Lsn(100), 1);
+        t.commit(a, at(Lsn(100), 1));
         let b = t.begin(0);
         t.sent(b);
-        t.commit(b, Lsn(200), 2);
+        t.commit(b, at(Lsn(200), 2));
         assert_eq!(t.inflight(), 3);
         t.acked(b);
         assert_eq!(t.flushed(), Lsn(10), "b is done but a is not");
@@ -230,7 +261,7 @@ mod tests {
             Lsn::ZERO,
             "an open transaction blocks keepalive confirmation"
         );
-        t.commit(a, Lsn(60), 0);
+        t.commit(a, at(Lsn(60), 0));
         assert_eq!(t.flushed(), Lsn(60), "an empty transaction retires at commit");
         t.idle_advance(Lsn(90));
         assert_eq!(t.flushed(), Lsn(90));
@@ -245,7 +276,7 @@ mod tests {
         t.sent(a);
         t.acked(a);
         assert_eq!(t.flushed(), Lsn::ZERO, "acked but its commit was not read yet");
-        t.commit(a, Lsn(5), 0);
+        t.commit(a, at(Lsn(5), 0));
         assert_eq!(t.flushed(), Lsn(5));
     }
 
@@ -265,7 +296,7 @@ mod tests {
                     t.sent(id);
                     outstanding.push((id, i));
                 }
-                t.commit(id, ends[i], i as i64);
+                t.commit(id, at(ends[i], i as i64));
             }
             let mut rng = seed;
             let mut last = t.flushed();

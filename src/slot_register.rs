@@ -40,6 +40,7 @@ use serde::{Deserialize, Serialize};
 use crate::config::KafkaConfig;
 use crate::exactly_once::{read_latest, write_plain, Isolation, ProgressError};
 use crate::lsn::Lsn;
+use crate::progress::LastCommit;
 
 /// The record's format version.
 pub const REGISTER_VERSION: u32 = 1;
@@ -75,6 +76,20 @@ pub struct SlotRecord {
     /// records of older versions and before a session confirmed anything.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub confirmed_commit_time: Option<String>,
+    /// That transaction's commit record: where it starts and ends. With
+    /// the commit time it identifies the transaction in the WAL, so that a
+    /// session resuming behind it can tell a WAL history that was rewound
+    /// (a restored disk snapshot) from the one outboxd streamed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub confirmed_commit_lsn: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub confirmed_commit_end: Option<String>,
+    /// The fingerprint of the publication as the session that wrote the
+    /// record proved it (`publication::Verified::fingerprint`): a session
+    /// that finds the same one knows the publication did not change while
+    /// no session streamed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub publication: Option<String>,
 }
 
 impl SlotRecord {
@@ -89,6 +104,9 @@ impl SlotRecord {
             seen_at: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
             writer: crate::exactly_once::writer_name(),
             confirmed_commit_time: None,
+            confirmed_commit_lsn: None,
+            confirmed_commit_end: None,
+            publication: None,
         }
     }
 
@@ -99,6 +117,42 @@ impl SlotRecord {
             .and_then(chrono::DateTime::from_timestamp_micros)
             .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Micros, true));
         self
+    }
+
+    /// With the last transaction at or before the confirmed LSN: its
+    /// commit time and commit record.
+    pub fn with_last_commit(self, last: Option<LastCommit>) -> Self {
+        let Some(c) = last else {
+            return self;
+        };
+        let mut r = self.with_commit_time(Some(c.commit_time));
+        r.confirmed_commit_lsn = Some(c.commit_lsn.to_string());
+        r.confirmed_commit_end = Some(c.end_lsn.to_string());
+        r
+    }
+
+    /// With the publication's fingerprint.
+    pub fn with_publication(mut self, fingerprint: Option<String>) -> Self {
+        self.publication = fingerprint;
+        self
+    }
+
+    /// The last transaction at or before the confirmed LSN, when the
+    /// record names it whole.
+    pub fn last_commit(&self) -> Option<LastCommit> {
+        let commit_time = chrono::DateTime::parse_from_rfc3339(self.confirmed_commit_time.as_deref()?)
+            .ok()?
+            .timestamp_micros();
+        Some(LastCommit {
+            commit_lsn: self.confirmed_commit_lsn.as_deref()?.parse().ok()?,
+            end_lsn: self.confirmed_commit_end.as_deref()?.parse().ok()?,
+            commit_time,
+        })
+    }
+
+    /// The confirmed LSN it records.
+    pub fn confirmed(&self) -> Option<Lsn> {
+        self.confirmed_lsn.parse().ok()
     }
 }
 
@@ -178,7 +232,6 @@ pub async fn write(cfg: &KafkaConfig, record: &SlotRecord, timeout: Duration) ->
         timeout,
     )
     .await
-    .map_err(ProgressError::from)
 }
 
 /// Forgets the slot (a tombstone): the next start may create it anew.
@@ -188,9 +241,7 @@ pub async fn forget(
     slot: &str,
     timeout: Duration,
 ) -> Result<(), ProgressError> {
-    write_plain(cfg, cfg.progress_topic(), &key(system_id, slot), None, timeout)
-        .await
-        .map_err(ProgressError::from)
+    write_plain(cfg, cfg.progress_topic(), &key(system_id, slot), None, timeout).await
 }
 
 /// The slot is missing, but outboxd streamed it on this system before.
@@ -276,6 +327,23 @@ mod tests {
         );
         let back: SlotRecord = serde_json::from_slice(&serde_json::to_vec(&timed).unwrap()).unwrap();
         assert_eq!(back, timed);
+        assert_eq!(timed.last_commit(), None, "the commit record is not known");
+        let last = LastCommit {
+            commit_lsn: Lsn(0x16B_3700),
+            end_lsn: Lsn(0x16B_3748),
+            commit_time: 1_796_119_200_500_001,
+        };
+        let whole = r
+            .clone()
+            .with_last_commit(Some(last))
+            .with_publication(Some("fp".into()));
+        let back: SlotRecord = serde_json::from_slice(&serde_json::to_vec(&whole).unwrap()).unwrap();
+        assert_eq!(back.last_commit(), Some(last));
+        assert_eq!(back.publication.as_deref(), Some("fp"));
+        // Records of older outboxd versions read as before.
+        let old = r#"{"version":1,"slot":"s1","database":"app","systemId":"73","timeline":1,"confirmedLsn":"0/1","seenAt":"x","writer":"h/1"}"#;
+        let back: SlotRecord = serde_json::from_str(old).unwrap();
+        assert_eq!((back.last_commit(), back.publication), (None, None));
         let lost = SlotLost::new(
             &timed,
             1,

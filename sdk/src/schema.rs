@@ -64,6 +64,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0007_outbox_emit.sql",
         sql: include_str!("../../migrations/0007_outbox_emit.sql"),
     },
+    Migration {
+        version: 8,
+        name: "0008_outbox_order_and_emit_grants.sql",
+        sql: include_str!("../../migrations/0008_outbox_order_and_emit_grants.sql"),
+    },
 ];
 
 /// PostgreSQL truncates identifiers longer than this (NAMEDATALEN - 1).

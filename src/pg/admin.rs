@@ -17,7 +17,7 @@ use crate::lsn::Lsn;
 use crate::pg::connection::ReplicationConnection;
 use crate::pg::conninfo::PgConnectConfig;
 use crate::pg::error::PgError;
-use crate::pg::ident::{PublicationName, SlotName, TableName};
+use crate::pg::ident::{SlotName, TableName};
 use crate::pg::publication::{self, Verified};
 use crate::pg::tls;
 
@@ -53,7 +53,7 @@ pub enum AdminError {
         /// What it publishes now, with `insert` added.
         publish: String,
     },
-    #[error("publication {publication} does not exist and postgres.create_publication is false; run: CREATE PUBLICATION {publication_sql} FOR TABLE {table_sql} WITH (publish = 'insert');")]
+    #[error("publication {publication} does not exist and postgres.create_publication is false; run: CREATE PUBLICATION {publication_sql} FOR TABLE {table_sql} WITH (publish = 'insert', publish_via_partition_root = true);")]
     NoPublication {
         publication: String,
         publication_sql: String,
@@ -71,6 +71,27 @@ pub enum AdminError {
     NoColumn { table: String, column: &'static str },
     #[error("replication slot {slot} exists but {problem}; drop it with SELECT pg_drop_replication_slot('{slot}') or configure another slot name")]
     ForeignSlot { slot: String, problem: String },
+    #[error("outbox table {table} is partitioned, and publication {publication} does not publish via the partition root: pgoutput would describe each row as its partition, and outboxd would never see it as an outbox row. Run: {fix}")]
+    PartitionsNotViaRoot {
+        publication: String,
+        table: String,
+        fix: String,
+    },
+    #[error("publication {publication} describes the rows of {table} as another table's (an ancestor partitioned table published with publish_via_partition_root{}), so outboxd would never see them as outbox rows: set postgres.table to the table the publication names, or publish {table} itself", if *.partition { "" } else { ", or a table it inherits from" })]
+    PublishedAsAncestor {
+        publication: String,
+        table: String,
+        partition: bool,
+    },
+    #[error("this database is set up for the table-less outbox ({functions}), but {because}: every event written with outbox_emit would be lost. Set postgres.messages = true (on PostgreSQL 14 or later), or drop the function if nothing uses it. Changing postgres.messages or postgres.message_prefix applies to the WAL the slot has not yet confirmed: stop the writers of outbox_emit and wait for outboxd to confirm past their last event before turning messages off")]
+    EmitNotReceived {
+        functions: String,
+        because: &'static str,
+    },
+    #[error("{function} writes logical decoding messages with another prefix than postgres.message_prefix = {prefix:?}: its events would be skipped as someone else's. Set postgres.message_prefix to the prefix it writes (the shipped outbox_emit writes \"outbox\")")]
+    EmitPrefix { function: String, prefix: String },
+    #[error("any role may call pg_logical_emit_message (PUBLIC has EXECUTE on it), so any role that can connect could write an outbox event for outboxd to publish. As a superuser, run: {revoke} and grant EXECUTE on it only to the owner of outbox_emit (migration 0008 does both when a superuser applies it)")]
+    EmitOpen { revoke: String },
 }
 
 pub use outbox_sdk::error::describe;
@@ -127,9 +148,9 @@ pub async fn table_exists(client: &Client, table: &TableName) -> Result<bool, Ad
 /// [`publication::inspect`]). An existing publication is never altered.
 pub async fn ensure_publication(
     client: &Client,
-    publication: &PublicationName,
-    table: &TableName,
+    subject: &publication::Subject,
 ) -> Result<Verified, AdminError> {
+    let (publication, table) = (&subject.publication, &subject.table);
     if !table_exists(client, table).await? {
         return Err(AdminError::NoTable {
             table: table.to_string(),
@@ -143,8 +164,16 @@ pub async fn ensure_publication(
         .await?
         .is_some();
     if !exists {
+        // Via the partition root (PostgreSQL 13+), so that the rows of a
+        // partitioned outbox arrive as the outbox's, whichever partition
+        // holds them (a table that is not partitioned is unaffected).
+        let via_root = if publication::server_version(client).await? >= 130_000 {
+            ", publish_via_partition_root = true"
+        } else {
+            ""
+        };
         let sql = format!(
-            "CREATE PUBLICATION {} FOR TABLE {} WITH (publish = 'insert')",
+            "CREATE PUBLICATION {} FOR TABLE {} WITH (publish = 'insert'{via_root})",
             publication.quoted(),
             table.quoted()
         );
@@ -155,7 +184,7 @@ pub async fn ensure_publication(
             Err(e) => return Err(e.into()),
         }
     }
-    publication::inspect(client, publication, table).await
+    publication::inspect(client, subject).await
 }
 
 /// A row of `pg_replication_slots`. Columns newer than PostgreSQL 13 are
@@ -181,6 +210,10 @@ pub struct SlotInfo {
     /// PostgreSQL 17+: a standby's copy of a primary's failover slot.
     pub synced: Option<bool>,
     pub temporary: bool,
+    /// The oldest transaction whose catalog changes the slot may still
+    /// decode with: every transaction before it had ended at a position
+    /// the slot has confirmed.
+    pub catalog_xmin: Option<u32>,
 }
 
 impl SlotInfo {
@@ -225,7 +258,7 @@ pub async fn slot_info(client: &Client, slot: &SlotName) -> Result<Option<SlotIn
                     to_jsonb(s) ->> 'invalidation_reason',
                     (to_jsonb(s) ->> 'failover')::boolean,
                     (to_jsonb(s) ->> 'synced')::boolean,
-                    temporary
+                    temporary, catalog_xmin::text
                FROM pg_catalog.pg_replication_slots s WHERE slot_name = $1",
             &[&slot.as_str()],
         )
@@ -244,6 +277,7 @@ pub async fn slot_info(client: &Client, slot: &SlotName) -> Result<Option<SlotIn
         failover: r.get(10),
         synced: r.get(11),
         temporary: r.get(12),
+        catalog_xmin: r.get::<_, Option<String>>(13).and_then(|x| x.parse().ok()),
     }))
 }
 
@@ -343,6 +377,54 @@ pub async fn ensure_slot(
         },
         Err(e) => Err(e.into()),
     }
+}
+
+/// Ends the walsender that holds `slot` when it serves an outboxd with
+/// this `application_name` (the caller holds the leader lock, so that one
+/// lost it), and waits up to 5 s for the slot to be released. A walsender
+/// of anything else (a pg_recvlogical, say) is left alone: starting
+/// replication then fails with "slot is active" and is retried.
+pub async fn end_stale_walsender(
+    client: &Client,
+    slot: &SlotName,
+    application_name: &str,
+) -> Result<(), AdminError> {
+    let ended = client
+        .query_opt(
+            "SELECT s.active_pid, pg_catalog.pg_terminate_backend(s.active_pid)
+               FROM pg_catalog.pg_replication_slots s
+               JOIN pg_catalog.pg_stat_activity a ON a.pid = s.active_pid
+              WHERE s.slot_name = $1 AND s.active AND a.application_name = $2
+                AND a.usename = current_user",
+            &[&slot.as_str(), &application_name],
+        )
+        .await?;
+    let Some(row) = ended else {
+        return Ok(());
+    };
+    let pid: i32 = row.get(0);
+    tracing::warn!(
+        slot = slot.as_str(),
+        pid,
+        "ended the walsender of an outboxd that lost the leader lock (stopped or cut off)"
+    );
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+    while tokio::time::Instant::now() < deadline {
+        if !slot_info(client, slot).await?.is_some_and(|i| i.active) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    Ok(())
+}
+
+/// Where the server's WAL ends now (`pg_current_wal_insert_lsn()`).
+pub async fn wal_insert_lsn(client: &Client) -> Result<Lsn, AdminError> {
+    let s: String = client
+        .query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
+        .await?
+        .get(0);
+    Ok(s.parse().unwrap_or(Lsn::ZERO))
 }
 
 /// The server's `wal_sender_timeout` (`None` when 0, that is disabled): a

@@ -127,6 +127,28 @@ fn server_error(body: &ErrorResponseBody) -> ServerError {
     e
 }
 
+/// How long a server may stay silent at the TCP level before the socket
+/// probes it, and how long unacknowledged data may wait: a primary whose
+/// host died is noticed in about 20 s, not after minutes of
+/// retransmissions. (A server that is alive but busy still answers the
+/// probes, so this never ends a session that decodes a large transaction.)
+pub const TCP_KEEPALIVE_IDLE: std::time::Duration = std::time::Duration::from_secs(10);
+const TCP_KEEPALIVE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(3);
+const TCP_KEEPALIVE_RETRIES: u32 = 3;
+const TCP_USER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(20);
+
+fn keep_alive(s: &TcpStream) -> std::io::Result<()> {
+    let sock = socket2::SockRef::from(s);
+    let keepalive = socket2::TcpKeepalive::new()
+        .with_time(TCP_KEEPALIVE_IDLE)
+        .with_interval(TCP_KEEPALIVE_INTERVAL)
+        .with_retries(TCP_KEEPALIVE_RETRIES);
+    sock.set_tcp_keepalive(&keepalive)?;
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    sock.set_tcp_user_timeout(Some(TCP_USER_TIMEOUT))?;
+    Ok(())
+}
+
 async fn open_transport(cfg: &PgConnectConfig) -> Result<Box<dyn Transport>, PgError> {
     let target = cfg.target();
     let server = cfg.endpoint();
@@ -140,6 +162,7 @@ async fn open_transport(cfg: &PgConnectConfig) -> Result<Box<dyn Transport>, PgE
             PgHost::Tcp(host) => {
                 let s = TcpStream::connect((host.as_str(), server.port)).await?;
                 s.set_nodelay(true)?;
+                keep_alive(&s)?;
                 Ok::<Box<dyn Transport>, std::io::Error>(Box::new(s))
             }
         }

@@ -411,6 +411,11 @@ impl PgConnectConfig {
             .dbname(&self.dbname)
             .application_name(&self.application_name)
             .connect_timeout(self.connect_timeout)
+            // As on the replication socket: a vanished host is noticed.
+            .keepalives(true)
+            .keepalives_idle(crate::pg::connection::TCP_KEEPALIVE_IDLE)
+            .keepalives_interval(std::time::Duration::from_secs(3))
+            .keepalives_retries(3)
             .target_session_attrs(match self.target_session_attrs {
                 TargetSessionAttrs::Any => tokio_postgres::config::TargetSessionAttrs::Any,
                 TargetSessionAttrs::ReadWrite => tokio_postgres::config::TargetSessionAttrs::ReadWrite,

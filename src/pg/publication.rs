@@ -76,14 +76,43 @@ const REQUIRED_COLUMNS: [&str; 5] = [
 pub struct Verified {
     /// The table's oid: the stream matches its rows by it.
     pub table_oid: u32,
-    /// Everything that decides delivery, as text.
+    /// Everything that decides delivery, as text. Two equal fingerprints
+    /// mean that no catalog row deciding delivery was written in between:
+    /// it holds the rows' `xmin`s, which every change renews.
     pub fingerprint: String,
+    /// The `xmin`s of the catalog rows that decide delivery (the
+    /// publication, the table's membership, the schema's membership): if
+    /// each precedes the slot's `catalog_xmin`, the publication was as it
+    /// is now for all WAL the slot still streams (see [`unchanged_since_slot`]).
+    pub xmins: Vec<u32>,
+}
+
+/// What the session reads besides rows: logical decoding messages with
+/// this prefix (`None`: messages are not asked for).
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct Receiving {
+    pub message_prefix: Option<String>,
+    /// Why messages are not asked for, when they are not: for the error
+    /// that names what to change.
+    pub messages_off_because: Option<&'static str>,
 }
 
 /// What the catalog says about the publication and the table.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 struct Reading {
+    pub_oid: u32,
     pub_xmin: String,
+    /// `publish_via_partition_root` (PostgreSQL 13+).
+    via_root: Option<bool>,
+    /// The table is partitioned (`relkind = 'p'`), or is itself a partition.
+    partitioned: bool,
+    is_partition: bool,
+    /// The table is listed by `pg_publication_tables` under its own name:
+    /// pgoutput describes its rows as this table, not as a partition or
+    /// an ancestor.
+    published_as_itself: bool,
+    membership_xmin: Option<String>,
+    schema_membership_xmin: Option<String>,
     inserts: bool,
     publish: Vec<&'static str>,
     all_tables: bool,
@@ -98,12 +127,65 @@ struct Reading {
     schema_membership: Option<String>,
     /// `name=attnum` of the outbox columns the table has.
     columns: Vec<(String, i16)>,
+    /// What the database is set up to emit (not part of the fingerprint:
+    /// checked on every reading instead).
+    emit: EmitSetup,
+}
+
+/// The table-less outbox in this database: who may write logical decoding
+/// messages, and whether `outbox_emit` (migration 0007) is installed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct EmitSetup {
+    /// `schema.outbox_emit` functions, and whether each writes the
+    /// configured message prefix.
+    functions: Vec<(String, bool)>,
+    /// PUBLIC may execute a `pg_logical_emit_message` function: any role
+    /// can write a message with any prefix.
+    public_can_emit: bool,
+    /// The `pg_logical_emit_message` signatures, for the REVOKE statements.
+    emit_signatures: Vec<String>,
 }
 
 impl Reading {
     fn fingerprint(&self) -> String {
-        format!("{self:?}")
+        let mut r = self.clone();
+        r.emit = EmitSetup::default();
+        format!("{r:?}")
     }
+
+    fn xmins(&self) -> Vec<u32> {
+        [
+            Some(&self.pub_xmin),
+            self.membership_xmin.as_ref(),
+            self.schema_membership_xmin.as_ref(),
+        ]
+        .into_iter()
+        .flatten()
+        .filter_map(|x| x.parse().ok())
+        .collect()
+    }
+}
+
+/// Whether transaction id `a` precedes `b` (PostgreSQL's
+/// `TransactionIdPrecedes`: modulo 2^32, special ids before all others).
+pub fn xid_precedes(a: u32, b: u32) -> bool {
+    const FIRST_NORMAL: u32 = 3;
+    if a < FIRST_NORMAL || b < FIRST_NORMAL {
+        return a < b;
+    }
+    (a.wrapping_sub(b) as i32) < 0
+}
+
+/// Whether the catalog rows that decide delivery were all written before
+/// the WAL the slot still streams: each row's `xmin` precedes the slot's
+/// `catalog_xmin`. Every transaction before `catalog_xmin` had ended at a
+/// WAL position the slot has confirmed, so the row, still current now,
+/// was in place for all WAL from the slot's position on.
+pub fn unchanged_since_slot(verified: &Verified, catalog_xmin: Option<u32>) -> bool {
+    let Some(horizon) = catalog_xmin else {
+        return false;
+    };
+    !verified.xmins.is_empty() && verified.xmins.iter().all(|x| xid_precedes(*x, horizon))
 }
 
 /// The server's version number (`server_version_num`).
@@ -127,24 +209,35 @@ async fn table_oid(client: &Client, table: &TableName) -> Result<Option<u32>, Ad
     Ok(row.map(|r| r.get(0)))
 }
 
+/// What a proof is about: the publication, the outbox table, and what the
+/// session asks pgoutput for.
+#[derive(Clone, Debug)]
+pub struct Subject {
+    pub publication: PublicationName,
+    pub table: TableName,
+    pub receiving: Receiving,
+}
+
 /// One consistent reading (a single statement, so a single snapshot).
 async fn read(
     client: &Client,
     version: i32,
-    publication: &PublicationName,
-    table: &TableName,
+    subject: &Subject,
     oid: u32,
 ) -> Result<Option<Reading>, AdminError> {
+    let (publication, table, receiving) = (&subject.publication, &subject.table, &subject.receiving);
     // Row filters, column lists and schema publications exist from 15 on.
-    let (filter, list, schema) = if version >= 150_000 {
+    let (filter, list, schema, schema_xmin) = if version >= 150_000 {
         (
             "pg_catalog.pg_get_expr(pr.prqual, pr.prrelid)",
             "pr.prattrs::text",
             "(SELECT pn.oid::text FROM pg_catalog.pg_publication_namespace pn JOIN pg_catalog.pg_class c
                 ON c.relnamespace = pn.pnnspid WHERE pn.pnpubid = p.oid AND c.oid = $2)",
+            "(SELECT pn.xmin::text FROM pg_catalog.pg_publication_namespace pn JOIN pg_catalog.pg_class c
+                ON c.relnamespace = pn.pnnspid WHERE pn.pnpubid = p.oid AND c.oid = $2)",
         )
     } else {
-        ("NULL::text", "NULL::text", "NULL::text")
+        ("NULL::text", "NULL::text", "NULL::text", "NULL::text")
     };
     let sql = format!(
         "SELECT p.xmin::text, p.pubinsert, p.pubupdate, p.pubdelete, p.pubtruncate, p.puballtables,
@@ -155,16 +248,43 @@ async fn read(
                 pr.oid::text, {filter}, {list}, {schema},
                 (SELECT string_agg(a.attname || '=' || a.attnum, ',' ORDER BY a.attname)
                    FROM pg_catalog.pg_attribute a
-                  WHERE a.attrelid = $2 AND a.attnum > 0 AND NOT a.attisdropped AND a.attname = ANY($5))
+                  WHERE a.attrelid = $2 AND a.attnum > 0 AND NOT a.attisdropped AND a.attname = ANY($5)),
+                p.oid, (to_jsonb(p) ->> 'pubviaroot')::boolean,
+                (SELECT c.relkind = 'p' FROM pg_catalog.pg_class c WHERE c.oid = $2),
+                (SELECT c.relispartition FROM pg_catalog.pg_class c WHERE c.oid = $2),
+                EXISTS (SELECT 1 FROM pg_catalog.pg_publication_tables pt
+                         WHERE pt.pubname = $1 AND pt.schemaname = $3 AND pt.tablename = $4),
+                pr.xmin::text, {schema_xmin},
+                (SELECT string_agg(n.nspname || '.' || f.proname || '=' || (position(quote_literal($6) in f.prosrc) > 0)::text, ','
+                                   ORDER BY n.nspname)
+                   FROM pg_catalog.pg_proc f JOIN pg_catalog.pg_namespace n ON n.oid = f.pronamespace
+                  WHERE f.proname = 'outbox_emit'),
+                (SELECT coalesce(bool_or(pg_catalog.has_function_privilege('public', f.oid, 'EXECUTE')), false)
+                   FROM pg_catalog.pg_proc f WHERE f.proname = 'pg_logical_emit_message'
+                    AND f.pronamespace = 'pg_catalog'::regnamespace),
+                (SELECT string_agg(f.oid::regprocedure::text, ';' ORDER BY f.oid)
+                   FROM pg_catalog.pg_proc f WHERE f.proname = 'pg_logical_emit_message'
+                    AND f.pronamespace = 'pg_catalog'::regnamespace)
            FROM pg_catalog.pg_publication p
            LEFT JOIN pg_catalog.pg_publication_rel pr ON pr.prpubid = p.oid AND pr.prrelid = $2
           WHERE p.pubname = $1"
     );
     let names: Vec<&str> = OUTBOX_COLUMNS.to_vec();
+    let prefix = receiving
+        .message_prefix
+        .as_deref()
+        .unwrap_or(crate::emitted::DEFAULT_PREFIX);
     let row = client
         .query_opt(
             &sql,
-            &[&publication.as_str(), &oid, &table.schema, &table.name, &names],
+            &[
+                &publication.as_str(),
+                &oid,
+                &table.schema,
+                &table.name,
+                &names,
+                &prefix,
+            ],
         )
         .await?;
     let Some(r) = row else {
@@ -184,7 +304,34 @@ async fn read(
             Some((k.to_owned(), v.parse().ok()?))
         })
         .collect();
+    let emit = EmitSetup {
+        functions: r
+            .get::<_, Option<String>>(20)
+            .unwrap_or_default()
+            .split(',')
+            .filter_map(|f| {
+                let (name, writes) = f.split_once('=')?;
+                Some((name.to_owned(), writes == "true"))
+            })
+            .collect(),
+        public_can_emit: r.get(21),
+        emit_signatures: r
+            .get::<_, Option<String>>(22)
+            .unwrap_or_default()
+            .split(';')
+            .filter(|s| !s.is_empty())
+            .map(str::to_owned)
+            .collect(),
+    };
     Ok(Some(Reading {
+        pub_oid: r.get(13),
+        via_root: r.get(14),
+        partitioned: r.get::<_, Option<bool>>(15).unwrap_or(false),
+        is_partition: r.get::<_, Option<bool>>(16).unwrap_or(false),
+        published_as_itself: r.get(17),
+        membership_xmin: r.get(18),
+        schema_membership_xmin: r.get(19),
+        emit,
         pub_xmin: r.get(0),
         inserts: r.get(1),
         publish,
@@ -202,12 +349,8 @@ async fn read(
 }
 
 /// Why a reading does not prove delivery, with the statement that fixes it.
-fn problem(
-    reading: &Reading,
-    publication: &PublicationName,
-    table: &TableName,
-    oid: u32,
-) -> Option<AdminError> {
+fn problem(reading: &Reading, subject: &Subject, oid: u32) -> Option<AdminError> {
+    let (publication, table) = (&subject.publication, &subject.table);
     let (p, t) = (publication.quoted().to_string(), table.quoted().to_string());
     let name = publication.as_str().to_owned();
     let re_add =
@@ -272,35 +415,91 @@ fn problem(
             });
         }
     }
-    None
+    // pgoutput describes a partitioned table's rows as their leaf
+    // partitions unless the publication publishes via the partition root,
+    // and a partition's rows as its ancestor's when that is published via
+    // the root: the stream would not know them as outbox rows.
+    if !reading.published_as_itself {
+        return Some(if reading.partitioned {
+            AdminError::PartitionsNotViaRoot {
+                publication: name,
+                table: table.to_string(),
+                fix: format!("ALTER PUBLICATION {p} SET (publish_via_partition_root = true);"),
+            }
+        } else {
+            AdminError::PublishedAsAncestor {
+                publication: name,
+                table: table.to_string(),
+                partition: reading.is_partition,
+            }
+        });
+    }
+    emit_problem(&reading.emit, &subject.receiving)
+}
+
+/// Whether the session can receive what the database is set up to emit,
+/// and whether only the roles meant to may emit it.
+fn emit_problem(emit: &EmitSetup, receiving: &Receiving) -> Option<AdminError> {
+    let installed = || {
+        emit.functions
+            .iter()
+            .map(|(f, _)| f.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    match &receiving.message_prefix {
+        None if !emit.functions.is_empty() => Some(AdminError::EmitNotReceived {
+            functions: installed(),
+            because: receiving
+                .messages_off_because
+                .unwrap_or("postgres.messages is false"),
+        }),
+        None => None,
+        Some(prefix) => {
+            if let Some((f, _)) = emit.functions.iter().find(|(_, writes_prefix)| !writes_prefix) {
+                return Some(AdminError::EmitPrefix {
+                    function: f.clone(),
+                    prefix: prefix.clone(),
+                });
+            }
+            if emit.public_can_emit {
+                let revoke = emit
+                    .emit_signatures
+                    .iter()
+                    .map(|sig| format!("REVOKE EXECUTE ON FUNCTION {sig} FROM PUBLIC;"))
+                    .collect::<Vec<_>>()
+                    .join(" ");
+                return Some(AdminError::EmitOpen { revoke });
+            }
+            None
+        }
+    }
 }
 
 /// Proves that `publication` delivers every INSERT on `table` with every
 /// column outboxd reads; the error names the statement that fixes it.
-pub async fn inspect(
-    client: &Client,
-    publication: &PublicationName,
-    table: &TableName,
-) -> Result<Verified, AdminError> {
+pub async fn inspect(client: &Client, subject: &Subject) -> Result<Verified, AdminError> {
+    let (publication, table) = (&subject.publication, &subject.table);
     let version = server_version(client).await?;
     let oid = table_oid(client, table)
         .await?
         .ok_or_else(|| AdminError::NoTable {
             table: table.to_string(),
         })?;
-    let reading = read(client, version, publication, table, oid)
+    let reading = read(client, version, subject, oid)
         .await?
         .ok_or_else(|| AdminError::NoPublication {
             publication: publication.as_str().to_owned(),
             publication_sql: publication.quoted().to_string(),
             table_sql: table.quoted().to_string(),
         })?;
-    if let Some(e) = problem(&reading, publication, table, oid) {
+    if let Some(e) = problem(&reading, subject, oid) {
         return Err(e);
     }
     Ok(Verified {
         table_oid: oid,
         fingerprint: reading.fingerprint(),
+        xmins: reading.xmins(),
     })
 }
 
@@ -339,8 +538,7 @@ async fn wal_lsn(client: &Client) -> Result<Lsn, AdminError> {
 /// receiver is dropped or after it reports a change or a failure.
 pub fn spawn_guard(
     client: Client,
-    publication: PublicationName,
-    table: TableName,
+    subject: Subject,
     baseline: Verified,
     start: Lsn,
 ) -> watch::Receiver<GuardState> {
@@ -352,14 +550,18 @@ pub fn spawn_guard(
             let version = server_version(&client).await?;
             loop {
                 let wal = wal_lsn(&client).await?;
-                let reading = read(&client, version, &publication, &table, baseline.table_oid).await?;
-                let unchanged = reading
-                    .as_ref()
-                    .is_some_and(|r| r.fingerprint() == baseline.fingerprint);
+                let reading = read(&client, version, &subject, baseline.table_oid).await?;
+                // A change of what decides delivery, or a database now set
+                // up to emit what this session does not receive.
+                let unchanged = reading.as_ref().is_some_and(|r| {
+                    r.fingerprint() == baseline.fingerprint
+                        && emit_problem(&r.emit, &subject.receiving).is_none()
+                });
                 if !unchanged {
+                    let (publication, table) = (&subject.publication, &subject.table);
                     let reason = match reading {
                         None => format!("publication {} was dropped", publication.as_str()),
-                        Some(r) => problem(&r, &publication, &table, baseline.table_oid)
+                        Some(r) => problem(&r, &subject, baseline.table_oid)
                             .map(|e| e.to_string())
                             .unwrap_or_else(|| {
                                 format!(
@@ -416,13 +618,120 @@ mod tests {
                 .enumerate()
                 .map(|(i, c)| ((*c).to_owned(), i as i16 + 1))
                 .collect(),
+            pub_oid: 16404,
+            via_root: Some(true),
+            partitioned: false,
+            is_partition: false,
+            published_as_itself: true,
+            membership_xmin: Some("742".into()),
+            schema_membership_xmin: None,
+            emit: EmitSetup {
+                functions: Vec::new(),
+                public_can_emit: true,
+                emit_signatures: vec!["pg_logical_emit_message(boolean,text,text)".into()],
+            },
+        }
+    }
+
+    fn subject(prefix: Option<&str>) -> Subject {
+        Subject {
+            publication: PublicationName::new("outboxd").unwrap(),
+            table: TableName::new("public.outbox").unwrap(),
+            receiving: Receiving {
+                message_prefix: prefix.map(str::to_owned),
+                messages_off_because: None,
+            },
         }
     }
 
     fn check(r: &Reading) -> Option<String> {
-        let p = PublicationName::new("outboxd").unwrap();
-        let t = TableName::new("public.outbox").unwrap();
-        problem(r, &p, &t, 7).map(|e| e.to_string())
+        problem(r, &subject(None), 7).map(|e| e.to_string())
+    }
+
+    #[test]
+    fn partitioned_tables_must_be_published_via_the_root() {
+        let leaves = Reading {
+            partitioned: true,
+            via_root: Some(false),
+            published_as_itself: false,
+            ..good()
+        };
+        let e = check(&leaves).unwrap_or_default();
+        assert!(
+            e.contains("ALTER PUBLICATION \"outboxd\" SET (publish_via_partition_root = true);"),
+            "{e}"
+        );
+        let ancestor = Reading {
+            is_partition: true,
+            published_as_itself: false,
+            ..good()
+        };
+        assert!(check(&ancestor).unwrap_or_default().contains("ancestor"));
+        assert_eq!(
+            check(&Reading {
+                partitioned: true,
+                ..good()
+            }),
+            None,
+            "via the root"
+        );
+    }
+
+    #[test]
+    fn emitted_events_need_messages_and_a_closed_emit_function() {
+        let installed = |writes_prefix| Reading {
+            emit: EmitSetup {
+                functions: vec![("public.outbox_emit".into(), writes_prefix)],
+                ..good().emit
+            },
+            ..good()
+        };
+        // Not receiving messages while outbox_emit is installed.
+        let e = check(&installed(true)).unwrap_or_default();
+        assert!(
+            e.contains("postgres.messages") && e.contains("public.outbox_emit"),
+            "{e}"
+        );
+        let on = subject(Some("outbox"));
+        // Receiving, but PUBLIC may write messages.
+        let e = problem(&installed(true), &on, 7)
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            e.contains("REVOKE EXECUTE ON FUNCTION pg_logical_emit_message(boolean,text,text) FROM PUBLIC;"),
+            "{e}"
+        );
+        // Another prefix than outbox_emit writes.
+        let e = problem(&installed(false), &on, 7)
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(e.contains("message_prefix"), "{e}");
+        let closed = Reading {
+            emit: EmitSetup {
+                public_can_emit: false,
+                ..installed(true).emit
+            },
+            ..good()
+        };
+        assert_eq!(problem(&closed, &on, 7).map(|e| e.to_string()), None);
+        // Nothing emits and nothing is received: PUBLIC's default is fine.
+        assert_eq!(check(&good()), None);
+    }
+
+    #[test]
+    fn xids_compare_modulo_two_to_the_thirty_second() {
+        assert!(xid_precedes(741, 742));
+        assert!(!xid_precedes(742, 741));
+        assert!(xid_precedes(u32::MAX - 5, 10), "across the wraparound");
+        assert!(xid_precedes(2, 741), "frozen precedes all");
+        let v = Verified {
+            table_oid: 7,
+            fingerprint: String::new(),
+            xmins: vec![741, 742],
+        };
+        assert!(unchanged_since_slot(&v, Some(800)));
+        assert!(!unchanged_since_slot(&v, Some(742)), "742 is not before 742");
+        assert!(!unchanged_since_slot(&v, None));
     }
 
     #[test]
@@ -534,9 +843,32 @@ mod tests {
                 columns: vec![("id".into(), 9)],
                 ..good()
             },
+            Reading {
+                membership_xmin: Some("750".into()),
+                ..good()
+            },
+            Reading {
+                pub_oid: 16500,
+                ..good()
+            },
+            Reading {
+                via_root: Some(false),
+                ..good()
+            },
         ] {
             assert_ne!(changed.fingerprint(), base);
         }
         assert_eq!(good().fingerprint(), base);
+        // What the database may emit is checked on every reading, not
+        // compared: installing outbox_emit is no change of the publication.
+        let emitting = Reading {
+            emit: EmitSetup {
+                functions: vec![("public.outbox_emit".into(), true)],
+                ..good().emit
+            },
+            ..good()
+        };
+        assert_eq!(emitting.fingerprint(), base);
+        assert_eq!(good().xmins(), vec![741, 742]);
     }
 }

@@ -21,6 +21,7 @@ use tokio::time::Instant;
 
 use super::session::{Sent, Session};
 use super::{Relay, RelayError};
+use crate::exactly_once::RowPos;
 use crate::kafka::KafkaSinkError;
 use crate::pg::outbox_stream::OutboxStream;
 
@@ -67,6 +68,10 @@ impl Relay {
                 s,
                 txn,
                 last.commit_lsn,
+                RowPos {
+                    commit_lsn: last.commit_lsn,
+                    index: u32::MAX,
+                },
                 &progress,
                 Sent::Progress,
                 false,

@@ -73,6 +73,7 @@
 mod commit;
 mod durability;
 mod poller;
+mod resume;
 mod session;
 mod streaming;
 
@@ -85,7 +86,8 @@ use tokio::time::Instant;
 
 use crate::config::{Config, Validated};
 use crate::exactly_once::{
-    read_progress, ForeignProgress, Identity, ProgressError, Refused, RefusedRecords, Resume, Transactions,
+    read_progress, ForeignProgress, Identity, ProgressError, Refused, RefusedRecords, Resume, RowPos,
+    Transactions,
 };
 use crate::health::Health;
 use crate::kafka::{KafkaSink, KafkaSinkError, SinkKind};
@@ -98,10 +100,11 @@ use crate::pg::connection::{ReplicationConnection, StartOptions, SystemIdentity}
 use crate::pg::error::PgError;
 use crate::pg::outbox_stream::{OutboxStream, StreamError};
 use crate::pg::publication::{self, GuardState};
-use crate::progress::AckTracker;
+use crate::progress::{AckTracker, LastCommit};
 use crate::slot_register::{self, SlotLost, SlotRecord};
 use durability::{Durability, ExactlyOnce};
 use poller::poll_slot_and_brokers;
+use resume::Waypoint;
 use session::RegisterRefresh;
 use session::Session;
 
@@ -132,7 +135,7 @@ pub enum RelayError {
         source: rdkafka::error::KafkaError,
     },
     #[error("Kafka refused the record at {lsn} for topic {topic:?} inside a Kafka transaction ({error}); the transaction is aborted and the replay sets the record aside", topic = refused.topic, error = refused.error)]
-    RefusedInTransaction { lsn: Lsn, refused: Refused },
+    RefusedInTransaction { lsn: Lsn, pos: RowPos, refused: Refused },
     #[error("a Kafka transaction was open for {age:?}, longer than transaction.timeout.ms ({timeout:?}), so the broker aborted it ({source}); it is replayed from the progress record. If one PostgreSQL transaction takes that long to send (millions of rows), every replay ends the same way: raise kafka.options.\"transaction.timeout.ms\" (up to the broker's transaction.max.timeout.ms) or split the transaction")]
     TransactionTimedOut {
         age: Duration,
@@ -166,6 +169,15 @@ pub enum RelayError {
         "lost the leader lock (its PostgreSQL session ended); stopping so that only one outboxd streams"
     )]
     LeadershipLost,
+    #[error("{detail}. The WAL history of this PostgreSQL system went back (a disk snapshot or a base backup restored with the same system identifier and timeline): its LSNs are being used again by other transactions, so outboxd streams nothing and skips nothing by what it remembered. If this server is the one to publish from now on, run `outboxd progress --reset --config <file>` (it forgets what Kafka remembers of slot {slot}) and start outboxd: it then publishes every transaction after the slot's position, duplicates possible (consumers deduplicate by id). Kafka may still hold events of transactions this server no longer has")]
+    HistoryRewound { slot: String, detail: String },
+    #[error("outboxd cannot show that publication {publication} delivered every outbox INSERT while no session streamed: the slot resumes at {since}, the catalog rows that decide delivery were written after the slot's catalog_xmin, and the slot register holds {registered}. Outbox rows written while the publication did not carry the table were never sent, and streaming that WAL again would skip them again. Recovery: 1. re-publish the outbox rows committed since then: `{replay}` (consumers deduplicate by id); 2. run `outboxd progress --accept-publication --config <file>` to record the publication as it is now; 3. start outboxd")]
+    PublicationUnproven {
+        publication: String,
+        since: Lsn,
+        registered: &'static str,
+        replay: String,
+    },
 }
 
 impl RelayError {
@@ -174,6 +186,8 @@ impl RelayError {
         match self {
             RelayError::Admin(_)
             | RelayError::PublicationChanged { .. }
+            | RelayError::PublicationUnproven { .. }
+            | RelayError::HistoryRewound { .. }
             | RelayError::SlotInvalidated { .. }
             | RelayError::SlotLost(_) => "postgres_setup",
             RelayError::Pg(_)
@@ -213,6 +227,8 @@ impl RelayError {
             | RelayError::Poison { .. }
             | RelayError::DeadLetterFailed(_)
             | RelayError::PublicationChanged { .. }
+            | RelayError::PublicationUnproven { .. }
+            | RelayError::HistoryRewound { .. }
             | RelayError::SlotInvalidated { .. }
             | RelayError::SlotLost(_)
             | RelayError::Otel(_) => false,
@@ -291,12 +307,19 @@ struct Connected {
     start: Lsn,
     guard: watch::Receiver<GuardState>,
     status_every: Duration,
+    /// The transaction the stream must meet before anything past `start`
+    /// is confirmed (see [`resume`]).
+    waypoint: Option<Waypoint>,
 }
 
 /// What a session proves on its connection before streaming.
 struct Proven {
     /// The server's `wal_sender_timeout`, if any.
     server_timeout: Option<Duration>,
+    /// `server_version_num`.
+    server_version: i32,
+    /// What is proven: the publication, the table, and what is received.
+    subject: publication::Subject,
     /// The publication delivers every INSERT on the table.
     verified: publication::Verified,
 }
@@ -309,13 +332,17 @@ async fn prove(
     client: &tokio_postgres::Client,
 ) -> Result<Proven, AdminError> {
     let server_timeout = admin::wal_sender_timeout(client).await?;
+    let server_version = publication::server_version(client).await?;
+    let subject = config.publication_subject(v, server_version);
     let verified = if config.postgres.create_publication {
-        admin::ensure_publication(client, &v.publication, &v.table).await?
+        admin::ensure_publication(client, &subject).await?
     } else {
-        publication::inspect(client, &v.publication, &v.table).await?
+        publication::inspect(client, &subject).await?
     };
     Ok(Proven {
         server_timeout,
+        server_version,
+        subject,
         verified,
     })
 }
@@ -351,10 +378,15 @@ impl Relay {
         let kind = SinkKind {
             one_per_batch: false,
             transactional_id: validated.transactional_id.clone(),
+            fenced_by_lease: Some(config.postgres.leader_timeout.0),
         };
         let sink = KafkaSink::build(&config.kafka, config.kafka.admin_timeout.0, &kind)?;
         tracing::debug!(took = ?t.elapsed(), "Kafka clients created");
-        let election = LeaderElection::new(validated.pg.clone(), validated.slot.clone());
+        let election = LeaderElection::new(
+            validated.pg.clone(),
+            LeaderElection::slot_key(validated.slot.as_str()),
+            config.postgres.leader_timeout.0,
+        );
         let otel = PublishTracer::new(&config.opentelemetry)?.map(Arc::new);
         Ok(Relay {
             config,
@@ -462,36 +494,72 @@ impl Relay {
     ) -> Result<Connected, RelayError> {
         let Proven {
             server_timeout,
+            server_version,
+            subject,
             verified,
         } = proven;
         let status_every = status_every(self.config.postgres.status_interval.0, server_timeout);
-        let server_version = publication::server_version(&client).await?;
         let failover = (server_version >= 170_000).then_some(self.config.postgres.failover_slot);
-        // The table-less outbox (crate::emitted): pgoutput sends logical
-        // decoding messages from PostgreSQL 14 on.
-        let message_prefix = (self.config.postgres.messages && server_version >= 140_000)
-            .then(|| self.config.postgres.message_prefix.clone());
+        // The table-less outbox (crate::emitted), when it is received.
+        let message_prefix = subject.receiving.message_prefix.clone();
         let system = repl.identify_system().await?;
-        if self.config.kafka.keeps_slot_register() {
-            self.refuse_lost_slot(&client, &system).await?;
+        // What Kafka remembers of the slot, read at every start and never
+        // read as "nothing" when Kafka cannot answer (see slot_register).
+        let record = if self.config.kafka.keeps_slot_register() {
+            let kafka = &self.config.kafka;
+            let slot = self.validated.slot.as_str();
+            slot_register::read(kafka, &system.system_id, slot, kafka.admin_timeout.0).await?
+        } else {
+            None
+        };
+        if let Some(r) = &record {
+            self.refuse_lost_slot(&client, &system, r).await?;
+        }
+        let wal_end = admin::wal_insert_lsn(&client).await?;
+        if let Some(detail) = resume::register_beyond_wal(record.as_ref(), system.timeline, wal_end) {
+            return Err(self.rewound(detail));
         }
         let v = &self.validated;
-        let start = match admin::ensure_slot(&client, &mut repl, &v.slot, &v.pg.dbname, failover).await? {
+        let (start, created) = match admin::ensure_slot(&client, &mut repl, &v.slot, &v.pg.dbname, failover)
+            .await?
+        {
             SlotState::Created { consistent_point } => {
                 tracing::info!(slot = v.slot.as_str(), %consistent_point, failover = failover == Some(true), "created replication slot");
-                consistent_point
+                (consistent_point, None)
             }
             SlotState::Existing(info) => {
                 if let Some(reason) = info.invalidated() {
                     return Err(self.invalidated(&system, reason).await);
                 }
-                info.confirmed_flush_lsn.unwrap_or(Lsn::ZERO)
+                (info.confirmed_flush_lsn.unwrap_or(Lsn::ZERO), Some(info))
             }
         };
         tracing::debug!("slot ready");
-        let register = self.register_slot(&system).await;
-        let durability = self.durability(&mut repl, &system).await?;
+        // An existing slot resumes from WAL written while no session
+        // streamed: the publication must be shown unchanged for it.
+        if let Some(info) = &created {
+            self.prove_unchanged(&verified, info, record.as_ref(), start)?;
+        }
+        let register = self.register_slot(&system, record.as_ref(), &verified).await;
+        let (durability, eo_waypoint) = self.durability(&mut repl, &system, wal_end).await?;
+        let waypoint = match eo_waypoint {
+            Some(w) => Some(w),
+            None if self.validated.transactional_id.is_none() => {
+                resume::register_waypoint(record.as_ref(), system.timeline)
+            }
+            None => None,
+        }
+        .filter(|w| created.is_some() && w.ahead_of_slot(start));
+        if let Some(w) = &waypoint {
+            tracing::info!(source = w.source, commit_lsn = %w.commit.commit_lsn, "the slot resumes behind a transaction Kafka holds: confirming nothing past the slot's position until the stream meets it");
+        }
         let v = &self.validated;
+        // A walsender still holding the slot belongs to a leader that
+        // lost the lock (stopped, or cut off): end it, or its session would
+        // hold the slot until wal_sender_timeout.
+        if created.as_ref().is_some_and(|i| i.active) {
+            admin::end_stale_walsender(&client, &v.slot, &v.pg.application_name).await?;
+        }
         let stream = repl
             .start_replication(&StartOptions {
                 slot: v.slot.clone(),
@@ -520,7 +588,7 @@ impl Relay {
             other => other?,
         };
         let table_oid = verified.table_oid;
-        let guard = publication::spawn_guard(client, v.publication.clone(), v.table.clone(), verified, start);
+        let guard = publication::spawn_guard(client, subject, verified, start);
         Ok(Connected {
             stream: OutboxStream::new(stream, v.table.clone(), table_oid).with_messages(message_prefix),
             start,
@@ -528,6 +596,50 @@ impl Relay {
             status_every,
             durability,
             register,
+            waypoint,
+        })
+    }
+
+    /// The rewound-history error for this slot.
+    fn rewound(&self, detail: String) -> RelayError {
+        RelayError::HistoryRewound {
+            slot: self.validated.slot.as_str().to_owned(),
+            detail,
+        }
+    }
+
+    /// Shows that the publication delivered every INSERT on the table for
+    /// all WAL from `start` on (see [`resume`]), or stops with the replay
+    /// command for the window. Without the slot register only the catalog
+    /// can tell, and an unproven window is reported, not refused: nothing
+    /// could ever record that the operator handled it.
+    fn prove_unchanged(
+        &self,
+        verified: &publication::Verified,
+        slot: &admin::SlotInfo,
+        record: Option<&SlotRecord>,
+        start: Lsn,
+    ) -> Result<(), RelayError> {
+        let proof = resume::publication_proof(verified, slot.catalog_xmin, record);
+        tracing::debug!(?proof, "publication since the slot's position");
+        let resume::PublicationProof::Unproven { registered } = proof else {
+            return Ok(());
+        };
+        let replay = slot_register::replay_command(self.validated.source.as_deref(), record);
+        if !self.config.kafka.keeps_slot_register() {
+            self.metrics.error("publication_unproven");
+            tracing::error!(slot = self.validated.slot.as_str(), %start, replay, "cannot show that the publication delivered every outbox INSERT while no session streamed (its catalog rows were written after the slot's catalog_xmin, and kafka.slot_register is off): rows written while it did not carry the table were never sent; re-publish them with the replay command if the publication changed");
+            return Ok(());
+        }
+        Err(RelayError::PublicationUnproven {
+            publication: self.validated.publication.as_str().to_owned(),
+            since: start,
+            registered: if registered.is_some() {
+                "another publication's fingerprint"
+            } else {
+                "no fingerprint of it (a register written by an older outboxd, or none)"
+            },
+            replay,
         })
     }
 
@@ -558,22 +670,17 @@ impl Relay {
         &mut self,
         client: &tokio_postgres::Client,
         system: &SystemIdentity,
+        record: &SlotRecord,
     ) -> Result<(), RelayError> {
-        let kafka = &self.config.kafka;
-        let slot = self.validated.slot.as_str();
         if admin::slot_info(client, &self.validated.slot).await?.is_some() {
             return Ok(());
         }
-        // A missing progress topic reads as no record.
-        match slot_register::read(kafka, &system.system_id, slot, kafka.admin_timeout.0).await? {
-            Some(record) => Err(RelayError::SlotLost(Box::new(SlotLost::new(
-                &record,
-                system.timeline,
-                kafka.progress_topic(),
-                self.validated.source.as_deref(),
-            )))),
-            None => Ok(()),
-        }
+        Err(RelayError::SlotLost(Box::new(SlotLost::new(
+            record,
+            system.timeline,
+            self.config.kafka.progress_topic(),
+            self.validated.source.as_deref(),
+        ))))
     }
 
     /// What the session needs to keep the slot register's record (once the
@@ -582,7 +689,12 @@ impl Relay {
     /// fatal: outboxd's own work goes on, only a lost slot could then not
     /// be told from a first start (the warning and
     /// `outboxd_publish_errors_total{reason="slot_register"}` say so).
-    async fn register_slot(&mut self, system: &SystemIdentity) -> Option<RegisterRefresh> {
+    async fn register_slot(
+        &mut self,
+        system: &SystemIdentity,
+        previous: Option<&SlotRecord>,
+        verified: &publication::Verified,
+    ) -> Option<RegisterRefresh> {
         let kafka = &self.config.kafka;
         if !kafka.keeps_slot_register() {
             return None;
@@ -601,8 +713,14 @@ impl Relay {
             &system.system_id,
             system.timeline,
             Lsn::ZERO,
-        );
-        Some(RegisterRefresh::new(kafka.clone(), record, self.metrics.clone()))
+        )
+        .with_publication(Some(verified.fingerprint.clone()));
+        Some(RegisterRefresh::new(
+            kafka.clone(),
+            record,
+            previous,
+            self.metrics.clone(),
+        ))
     }
 
     /// The session's delivery mode. Exactly-once first fences older
@@ -613,9 +731,10 @@ impl Relay {
         &mut self,
         repl: &mut ReplicationConnection,
         system: &SystemIdentity,
-    ) -> Result<Durability, RelayError> {
+        wal_end: Lsn,
+    ) -> Result<(Durability, Option<Waypoint>), RelayError> {
         if self.validated.transactional_id.is_none() {
-            return Ok(Durability::AtLeastOnce);
+            return Ok((Durability::AtLeastOnce, None));
         }
         let eo = &self.config.kafka.exactly_once;
         let slot = self.validated.slot.as_str().to_owned();
@@ -650,7 +769,24 @@ impl Relay {
             },
             _ => None,
         };
-        match t.resume(record.as_ref(), history.as_ref())? {
+        let resume = t.resume(record.as_ref(), history.as_ref())?;
+        // A record of this timeline names a transaction in this WAL, which
+        // a rewound history no longer has (see `resume`).
+        let waypoint = match (&resume, &record) {
+            (Resume::SkipThrough(_), Some(r)) => Some(Waypoint::new(
+                LastCommit {
+                    commit_lsn: r.commit_lsn()?,
+                    end_lsn: r.end_lsn()?,
+                    commit_time: r.commit_time_micros()?,
+                },
+                "the progress record",
+            )),
+            _ => None,
+        };
+        if let Some(detail) = waypoint.as_ref().and_then(|w| w.beyond_wal(wal_end)) {
+            return Err(self.rewound(detail));
+        }
+        match resume {
             Resume::FromSlot => tracing::info!(slot, "no progress record: starting at the slot"),
             Resume::SkipThrough(lsn) => {
                 self.metrics.progress_lsn.set(i64::try_from(lsn.0).unwrap_or(i64::MAX));
@@ -669,7 +805,7 @@ impl Relay {
                 "the progress record was written on another timeline (a promotion or a point-in-time recovery): starting at the slot, so events confirmed-but-not-yet-acknowledged to the old primary may be published twice"
             ),
         }
-        Ok(Durability::ExactlyOnce(Box::new(ExactlyOnce::new(t))))
+        Ok((Durability::ExactlyOnce(Box::new(ExactlyOnce::new(t))), waypoint))
     }
 
     async fn session(
@@ -721,6 +857,7 @@ impl Relay {
             status_every,
             durability,
             register,
+            waypoint,
         } = match self.connect(client, proven, repl).await {
             Ok(c) => c,
             Err(e) => {
@@ -761,6 +898,10 @@ impl Relay {
             skipping: false,
             skipped: 0,
             register,
+            start,
+            waypoint,
+            open_commit: Lsn::ZERO,
+            row_index: 0,
         };
         let result = self.stream_loop(&mut stream, &mut s, shutdown).await;
         match result {
@@ -796,8 +937,8 @@ impl Relay {
                     let until = self.isolate_until.unwrap_or(Lsn::ZERO).max(*lsn).max(s.received);
                     self.isolate_until = Some(until);
                 }
-                if let RelayError::RefusedInTransaction { lsn, refused } = &e {
-                    self.refused.insert(*lsn, refused.clone());
+                if let RelayError::RefusedInTransaction { pos, refused, .. } = &e {
+                    self.refused.insert(*pos, refused.clone());
                 }
                 // Exactly-once: nothing of the open Kafka transaction may
                 // become visible.
@@ -819,6 +960,7 @@ impl Relay {
         let kind = SinkKind {
             one_per_batch: self.isolate_until.is_some(),
             transactional_id: self.validated.transactional_id.clone(),
+            fenced_by_lease: Some(self.config.postgres.leader_timeout.0),
         };
         KafkaSink::build(cfg, timeout, &kind)
     }

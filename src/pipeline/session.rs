@@ -12,15 +12,15 @@ use tokio::time::Instant;
 use super::durability::Durability;
 use super::RelayError;
 use crate::config::{KafkaConfig, OnPoison};
-use crate::exactly_once::Refused;
-use crate::kafka::{KafkaSinkError, Refusal};
+use crate::exactly_once::{Refused, RowPos};
+use crate::kafka::{KafkaSinkError, Refusal, Report};
 use crate::lsn::Lsn;
 use crate::metrics::Metrics;
 use crate::outbox::{OutboxRow, UnreadableRow};
 use crate::pg::error::PgError;
 use crate::pg::outbox_stream::OutboxStream;
 use crate::pg::publication::GuardState;
-use crate::progress::{AckTracker, TxnId};
+use crate::progress::{AckTracker, LastCommit, TxnId};
 use crate::routing::{
     dead_letter_for_record, dead_letter_for_row, dead_letter_for_unreadable, dead_letter_stub, KafkaRecord,
     Poison,
@@ -31,6 +31,7 @@ use crate::slot_register::{self, SlotRecord};
 pub(super) type Delivery = (
     TxnId,
     Lsn,
+    RowPos,
     Sent,
     Result<rdkafka::producer::future_producer::OwnedDeliveryResult, futures::channel::oneshot::Canceled>,
 );
@@ -54,6 +55,7 @@ pub(super) enum Sent {
 pub(super) struct DeadLetterJob {
     pub(super) txn: TxnId,
     pub(super) lsn: Lsn,
+    pub(super) pos: RowPos,
     pub(super) record: KafkaRecord,
     /// The event is already counted in the tracker (its first send failed).
     pub(super) counted: bool,
@@ -66,6 +68,7 @@ pub(super) struct DeadLetterJob {
 /// sets the record aside (its dead letter, or the stub of that).
 fn refused_in_transaction(
     lsn: Lsn,
+    pos: RowPos,
     reason: &'static str,
     e: &rdkafka::error::KafkaError,
     topic: String,
@@ -74,6 +77,7 @@ fn refused_in_transaction(
 ) -> RelayError {
     RelayError::RefusedInTransaction {
         lsn,
+        pos,
         refused: Refused {
             reason,
             error: e.to_string(),
@@ -139,6 +143,16 @@ pub(super) struct Session {
     pub(super) skipped: u64,
     /// Refreshes the slot register's record (`None`: not kept).
     pub(super) register: Option<RegisterRefresh>,
+    /// Where the session began: the slot's confirmed LSN.
+    pub(super) start: Lsn,
+    /// A transaction the stream must meet before anything past `start` is
+    /// confirmed (see `resume`).
+    pub(super) waypoint: Option<super::resume::Waypoint>,
+    /// The open transaction's commit LSN (its Begin's final LSN), and its
+    /// outbox rows and messages so far: the index of the next one in its
+    /// [`RowPos`].
+    pub(super) open_commit: Lsn,
+    pub(super) row_index: u32,
 }
 
 /// Keeps the slot register's record (see [`crate::slot_register`]) near the
@@ -153,25 +167,36 @@ pub(super) struct RegisterRefresh {
     metrics: Arc<Metrics>,
     /// The LSN and time of the last write (`None`: not written yet).
     written: Option<(Lsn, Instant)>,
-    /// The latest commit time known to lie at or before the confirmed
-    /// LSN (microseconds since the Unix epoch).
-    commit_time: Option<i64>,
+    /// The latest transaction known to lie at or before the confirmed LSN.
+    last_commit: Option<LastCommit>,
     pending: Option<tokio::task::JoinHandle<bool>>,
 }
 
 impl RegisterRefresh {
-    pub(super) fn new(kafka: KafkaConfig, record: SlotRecord, metrics: Arc<Metrics>) -> Self {
+    /// `record` names the slot and the publication's fingerprint;
+    /// `previous`, the record found at the session's start, lends its last
+    /// commit until this session confirms one of its own, so the recovery
+    /// command of a lost slot never loses its start time to a restart.
+    pub(super) fn new(
+        kafka: KafkaConfig,
+        record: SlotRecord,
+        previous: Option<&SlotRecord>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        let last_commit = previous
+            .filter(|p| p.system_id == record.system_id && p.timeline == record.timeline)
+            .and_then(SlotRecord::last_commit);
         RegisterRefresh {
             kafka,
             record,
             metrics,
             written: None,
-            commit_time: None,
+            last_commit,
             pending: None,
         }
     }
 
-    /// The record for the confirmed LSN, with the commit time known.
+    /// The record for the confirmed LSN, with the last commit known.
     fn record_at(&self, confirmed: Lsn) -> SlotRecord {
         SlotRecord::new(
             &self.record.slot,
@@ -180,7 +205,8 @@ impl RegisterRefresh {
             self.record.timeline,
             confirmed,
         )
-        .with_commit_time(self.commit_time)
+        .with_last_commit(self.last_commit)
+        .with_publication(self.record.publication.clone())
     }
 
     /// At a clean stop: records the final confirmed position (waiting for
@@ -189,14 +215,14 @@ impl RegisterRefresh {
     pub(super) async fn final_write(
         &mut self,
         confirmed: Lsn,
-        commit_time: Option<i64>,
+        last_commit: Option<LastCommit>,
         deadline: tokio::time::Instant,
     ) {
         if let Some(p) = self.pending.take() {
             let _ = tokio::time::timeout_at(deadline, p).await;
         }
-        if commit_time.is_some() {
-            self.commit_time = commit_time;
+        if last_commit.is_some() {
+            self.last_commit = last_commit;
         }
         let record = self.record_at(confirmed);
         let write = slot_register::write(&self.kafka, &record, self.kafka.admin_timeout.0);
@@ -213,9 +239,9 @@ impl RegisterRefresh {
     /// Called on each status tick with the LSN confirmed to PostgreSQL
     /// and, when known, the commit time of the last transaction at or
     /// before it.
-    pub(super) fn tick(&mut self, confirmed: Lsn, commit_time: Option<i64>) {
-        if commit_time.is_some() {
-            self.commit_time = commit_time;
+    pub(super) fn tick(&mut self, confirmed: Lsn, last_commit: Option<LastCommit>) {
+        if last_commit.is_some() {
+            self.last_commit = last_commit;
         }
         if let Some(p) = &self.pending {
             if !p.is_finished() {
@@ -268,7 +294,23 @@ impl Session {
     /// What may be confirmed: acknowledged (the tracker) and proven to
     /// have reached outboxd if it was an outbox row (the guard).
     pub(super) fn confirmable(&self) -> Lsn {
-        self.tracker.flushed().min(self.guard.borrow().verified())
+        let proven = self.tracker.flushed().min(self.guard.borrow().verified());
+        // Behind a waypoint not yet met, the history is not yet shown to
+        // be the one streamed: nothing past the start is confirmed.
+        if self.waypoint.is_some() {
+            return proven.min(self.start);
+        }
+        proven
+    }
+
+    /// The place of the open transaction's next row.
+    pub(super) fn next_pos(&mut self) -> RowPos {
+        let pos = RowPos {
+            commit_lsn: self.open_commit,
+            index: self.row_index,
+        };
+        self.row_index += 1;
+        pos
     }
 
     /// What a status update sent during a wait reports, and how often.
@@ -298,10 +340,10 @@ impl Session {
     pub(super) fn delivered(
         &mut self,
         metrics: &Metrics,
-        (txn, lsn, sent, result): Delivery,
+        (txn, lsn, pos, sent, result): Delivery,
     ) -> Result<(), RelayError> {
-        let (e, msg) = match result {
-            Ok(Ok(_delivery)) => {
+        let (e, msg) = match Report::of(result) {
+            Report::Stored(_) => {
                 if let Sent::DeadLetter { reason, .. } = sent {
                     metrics.dead_letters.with_label_values(&[reason]).inc();
                 }
@@ -316,8 +358,9 @@ impl Session {
                 self.observe_retired(metrics);
                 return Ok(());
             }
-            Ok(Err(failed)) => failed,
-            Err(_) => return Err(KafkaSinkError::Canceled.into()),
+            Report::Failed(e, msg) => (e, msg),
+            Report::Unproven { partition } => return Err(KafkaSinkError::NotStored { partition }.into()),
+            Report::Canceled => return Err(KafkaSinkError::Canceled.into()),
         };
         let topic = rdkafka::message::Message::topic(&msg).to_owned();
         let in_transaction = !matches!(self.durability, Durability::AtLeastOnce);
@@ -333,11 +376,12 @@ impl Session {
             // transaction: it is aborted, and the replay sets the record
             // aside (see `exactly_once::Refused`).
             (Sent::DeadLetter { reason, .. }, Refusal::Record { .. }) if in_transaction => {
-                Err(refused_in_transaction(lsn, reason, &e, topic, false, true))
+                Err(refused_in_transaction(lsn, pos, reason, &e, topic, false, true))
             }
             (Sent::Event, Refusal::Record { reason, omit_payload }) if in_transaction && self.isolating => {
                 Err(refused_in_transaction(
                     lsn,
+                    pos,
                     reason,
                     &e,
                     topic,
@@ -352,6 +396,7 @@ impl Session {
                 self.dead_letters.push_back(DeadLetterJob {
                     txn,
                     lsn,
+                    pos,
                     record: dead_letter_stub(&record_from_message(&msg), &e.to_string()),
                     counted: true,
                     reason,
@@ -388,6 +433,7 @@ impl Session {
                 self.dead_letters.push_back(DeadLetterJob {
                     txn,
                     lsn,
+                    pos,
                     record,
                     counted: true,
                     reason,
@@ -404,6 +450,7 @@ impl Session {
         txn: TxnId,
         row: &UnreadableRow,
         lsn: Lsn,
+        pos: RowPos,
     ) -> Result<(), RelayError> {
         if self.on_poison == OnPoison::Stop {
             return Err(RelayError::Poison {
@@ -424,6 +471,7 @@ impl Session {
         self.dead_letters.push_back(DeadLetterJob {
             txn,
             lsn,
+            pos,
             record: dead_letter_for_unreadable(row, &poison, &self.dead_letter_topic),
             counted: false,
             reason: poison.reason,
@@ -437,6 +485,7 @@ impl Session {
         &mut self,
         txn: TxnId,
         row: &OutboxRow,
+        pos: RowPos,
         poison: Poison,
     ) -> Result<(), RelayError> {
         if self.on_poison == OnPoison::Stop {
@@ -452,6 +501,7 @@ impl Session {
         self.dead_letters.push_back(DeadLetterJob {
             txn,
             lsn: poison.lsn,
+            pos,
             record,
             counted: false,
             reason: poison.reason,

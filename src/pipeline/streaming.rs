@@ -8,9 +8,10 @@ use tokio::sync::watch;
 use tokio::time::{Instant, MissedTickBehavior};
 
 use super::commit::commit_outcome;
+use super::resume::Passage;
 use super::session::{now_micros, DeadLetterJob, Sent, Session, EAGER_CONFIRM};
 use super::{Relay, RelayError};
-use crate::exactly_once::LastCommit;
+use crate::exactly_once::{LastCommit, RowPos};
 use crate::kafka::{KafkaSinkError, Refusal, SendOutcome};
 use crate::lsn::Lsn;
 use crate::otel::PendingSpan;
@@ -30,8 +31,7 @@ impl Relay {
     ) -> Result<(), RelayError> {
         let mut status = tokio::time::interval(s.status_every);
         status.set_missed_tick_behavior(MissedTickBehavior::Delay);
-        let mut leader_check = tokio::time::interval(Duration::from_secs(2));
-        leader_check.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let mut lease = self.election.lease();
         let max_inflight = self.config.kafka.max_inflight;
         if *shutdown.borrow_and_update() {
             return Ok(());
@@ -41,8 +41,13 @@ impl Relay {
             // not events waiting for a Kafka commit: a PostgreSQL
             // transaction larger than max_inflight must still be read to
             // its commit.
-            let intake =
-                s.deliveries.len() + s.durability.held_rows() < max_inflight && self.end_isolation(s).await?;
+            // Fencing: nothing is read (so nothing sent) unless the leader
+            // lease is fresh; a leader that was stopped finds it stale
+            // before anything else (see crate::leader).
+            let leading = self.election.still_held();
+            let intake = leading
+                && s.deliveries.len() + s.durability.held_rows() < max_inflight
+                && self.end_isolation(s).await?;
             let commit_at = s.durability.deadline();
             tokio::select! {
                 biased;
@@ -73,12 +78,9 @@ impl Relay {
                         (_, GuardState::Verified(_)) => {}
                     }
                 }
-                _ = leader_check.tick() => {
-                    let (received, flushed, every) = s.beat();
-                    let held = stream
-                        .keep_alive_while(received, flushed, every, self.election.still_held())
-                        .await?;
-                    if !held {
+                // The lease was renewed, or lost.
+                _ = lease.changed() => {
+                    if lease.borrow_and_update().lost() {
                         return Err(RelayError::LeadershipLost);
                     }
                 }
@@ -105,7 +107,7 @@ impl Relay {
             if s.durability.commit_due() {
                 self.advance_commit(stream, s).await?;
             }
-            if s.durability.releasable() {
+            if s.durability.releasable() && leading {
                 self.release_held(stream, s).await?;
             }
             // Confirm soon after acknowledgements move the flush position,
@@ -122,6 +124,16 @@ impl Relay {
         s: &mut Session,
         ev: StreamEvent,
     ) -> Result<(), RelayError> {
+        if let Some(w) = &s.waypoint {
+            match w.pass(&ev) {
+                Passage::Before => {}
+                Passage::Met => {
+                    tracing::info!(source = w.source, commit_lsn = %w.commit.commit_lsn, "the stream met the transaction Kafka holds: this is the WAL history outboxd streamed");
+                    s.waypoint = None;
+                }
+                Passage::Rewound(detail) => return Err(self.rewound(detail)),
+            }
+        }
         match ev {
             StreamEvent::Begin {
                 commit_time,
@@ -132,6 +144,8 @@ impl Relay {
                     return Err(RelayError::OutOfOrder("Begin inside a transaction"));
                 }
                 s.open = Some(s.tracker.begin(now_micros()));
+                s.open_commit = final_lsn;
+                s.row_index = 0;
                 s.open_commit_ms = commit_time.unix_micros().div_euclid(1000);
                 s.skipping = !s.durability.admit(final_lsn);
                 if !s.skipping {
@@ -143,13 +157,15 @@ impl Relay {
                 let txn = s
                     .open
                     .ok_or(RelayError::OutOfOrder("INSERT outside a transaction"))?;
-                self.publish(stream, s, txn, &row, lsn).await?;
+                let pos = s.next_pos();
+                self.publish(stream, s, txn, &row, lsn, pos).await?;
             }
             StreamEvent::Unreadable { row, lsn } => {
                 let txn = s
                     .open
                     .ok_or(RelayError::OutOfOrder("INSERT outside a transaction"))?;
-                s.unreadable_row(txn, &row, lsn)?;
+                let pos = s.next_pos();
+                s.unreadable_row(txn, &row, lsn, pos)?;
             }
             StreamEvent::Commit {
                 end_lsn,
@@ -160,16 +176,17 @@ impl Relay {
                     .open
                     .take()
                     .ok_or(RelayError::OutOfOrder("Commit without Begin"))?;
+                let commit = LastCommit {
+                    commit_lsn,
+                    end_lsn,
+                    commit_time: commit_time.unix_micros(),
+                };
                 if std::mem::take(&mut s.skipping) {
                     s.skipped += 1;
                 } else {
-                    s.durability.committed(LastCommit {
-                        commit_lsn,
-                        end_lsn,
-                        commit_time: commit_time.unix_micros(),
-                    });
+                    s.durability.committed(commit);
                 }
-                s.tracker.commit(txn, end_lsn, commit_time.unix_micros());
+                s.tracker.commit(txn, commit);
                 s.observe_retired(&self.metrics);
                 s.received = s.received.max(end_lsn);
             }
@@ -196,10 +213,11 @@ impl Relay {
         txn: TxnId,
         row: &OutboxRow,
         lsn: Lsn,
+        pos: RowPos,
     ) -> Result<(), RelayError> {
         // Kafka refused this record inside an earlier Kafka transaction,
         // which was aborted: it is set aside in this one.
-        if let Some(r) = self.refused.get(lsn) {
+        if let Some(r) = self.refused.get(pos) {
             let poison = Poison {
                 reason: r.reason,
                 error: r.error.clone(),
@@ -207,7 +225,7 @@ impl Relay {
                 intended_topic: Some(r.topic.clone()),
                 omit_payload: r.omit_payload,
             };
-            return s.poison_row(txn, row, poison);
+            return s.poison_row(txn, row, pos, poison);
         }
         let record = match build_record(
             row,
@@ -224,7 +242,7 @@ impl Relay {
                     intended_topic: None,
                     omit_payload: false,
                 };
-                return s.poison_row(txn, row, poison);
+                return s.poison_row(txn, row, pos, poison);
             }
         };
         self.ensure_topic(stream, s.beat(), &record.topic).await??;
@@ -233,7 +251,7 @@ impl Relay {
             .as_ref()
             .and_then(|t| t.pending(&record, s.open_commit_ms));
         match self
-            .send(stream, s, txn, lsn, &record, Sent::Event, true, span)
+            .send(stream, s, txn, lsn, pos, &record, Sent::Event, true, span)
             .await
         {
             // Refused before it was sent (librdkafka's own checks, such as
@@ -247,7 +265,7 @@ impl Relay {
                         intended_topic: Some(topic),
                         omit_payload,
                     };
-                    s.poison_row(txn, row, poison)
+                    s.poison_row(txn, row, pos, poison)
                 }
                 Refusal::Denied => Err(RelayError::KafkaDenied { topic, source }),
                 Refusal::Transient => Err(KafkaSinkError::Produce { source, topic }.into()),
@@ -279,12 +297,17 @@ impl Relay {
         s: &mut Session,
         txn: TxnId,
         lsn: Lsn,
+        pos: RowPos,
         record: &KafkaRecord,
         sent: Sent,
         count: bool,
         mut span: Option<Box<PendingSpan>>,
     ) -> Result<(), RelayError> {
         loop {
+            // No record goes to Kafka without a fresh leader lease.
+            if !self.election.still_held() {
+                return Err(RelayError::LeadershipLost);
+            }
             match self.sink.send(record)? {
                 SendOutcome::Sent(fut) => {
                     if count {
@@ -301,7 +324,7 @@ impl Relay {
                                 Err(_) => Err("the delivery was canceled".to_owned()),
                             });
                         }
-                        (txn, lsn, sent, result)
+                        (txn, lsn, pos, sent, result)
                     }));
                     return Ok(());
                 }
@@ -330,7 +353,7 @@ impl Relay {
         };
         while let Some(mut job) = s.dead_letters.pop_front() {
             // Kafka refused this dead letter in an aborted transaction.
-            if let Some(r) = self.refused.get(job.lsn).filter(|r| r.stub && !job.stub) {
+            if let Some(r) = self.refused.get(job.pos).filter(|r| r.stub && !job.stub) {
                 job.record = dead_letter_stub(&job.record, &r.error);
                 job.stub = true;
             }
@@ -342,7 +365,17 @@ impl Relay {
                 stub: job.stub,
             };
             match self
-                .send(stream, s, job.txn, job.lsn, &job.record, sent, !job.counted, None)
+                .send(
+                    stream,
+                    s,
+                    job.txn,
+                    job.lsn,
+                    job.pos,
+                    &job.record,
+                    sent,
+                    !job.counted,
+                    None,
+                )
                 .await
             {
                 // librdkafka refused it before sending (message.max.bytes):
@@ -405,11 +438,8 @@ impl Relay {
         if let Some(register) = &mut s.register {
             // The last retired commit lies at or before `flushed` only when
             // nothing (the guard) holds the confirmed position back.
-            let commit_time = s
-                .tracker
-                .last_commit_time()
-                .filter(|_| flushed == s.tracker.flushed());
-            register.tick(flushed, commit_time);
+            let last_commit = s.tracker.last_commit().filter(|_| flushed == s.tracker.flushed());
+            register.tick(flushed, last_commit);
         }
         m.ready.set(i64::from(self.health.not_ready_reasons().is_empty()));
     }
@@ -470,13 +500,13 @@ impl Relay {
         }
         self.report(stream, s);
         let confirmed = s.confirmable();
-        let commit_time = s
+        let last_commit = s
             .tracker
-            .last_commit_time()
+            .last_commit()
             .filter(|_| confirmed == s.tracker.flushed());
         if let Some(register) = &mut s.register {
             let end = deadline.max(Instant::now() + self.config.kafka.admin_timeout.0);
-            register.final_write(confirmed, commit_time, end).await;
+            register.final_write(confirmed, last_commit, end).await;
         }
         tracing::info!(confirmed = %s.confirmable(), "stopped streaming");
     }

@@ -41,8 +41,8 @@ use std::time::{Duration, Instant};
 use uuid::Uuid;
 
 use crate::config::{Config, Mode, Validated};
-use crate::enqueue::{enqueue_row, EnqueueError, Enqueued};
-use crate::kafka::{KafkaSink, KafkaSinkError};
+use crate::enqueue::{enqueue_row, set_aside, EnqueueError, Enqueued};
+use crate::kafka::{KafkaSink, KafkaSinkError, Refusal, Report};
 use crate::pg::admin::{self, AdminError};
 use crate::routing::{build_record, header, KafkaRecord, RecordError};
 use pace::{Progress, Throttle};
@@ -221,77 +221,77 @@ impl Replay {
                 by_commit_time: query.by_commit_time(),
             });
         }
-        let ids = query.ids(&client, &state.selection, state.last.as_ref()).await?;
+        let mut ids = query.ids(&client, &state.selection, state.last.as_ref()).await?;
+        let selected = ids.len() as u64;
         let mut sink = KafkaSink::new(&self.config.kafka, self.config.kafka.admin_timeout.0)?;
         sink.check_brokers().await?;
         file.save(&state)?;
         let run_start = Instant::now();
         let before = state.counts;
         let mut throttle = Throttle::new(o.rate);
-        let mut progress = Progress::new(ids.len() as u64);
+        let mut progress = Progress::new(selected);
         let mut interrupted = false;
         let mut failure: Option<ReplayError> = None;
-        for chunk in ids.chunks(o.batch.max(1)) {
-            let mut rows = query.rows(&client, chunk).await?;
-            // In replay order: each row's key and what was enqueued for
-            // it, or `None` for a row deleted since it was listed.
-            let mut pending: Vec<Option<(Key, Enqueued)>> = Vec::with_capacity(chunk.len());
-            for id in chunk {
-                if stop.load(Ordering::Relaxed) {
-                    interrupted = true;
-                    break;
-                }
-                let Some(r) = rows.remove(id) else {
-                    pending.push(None);
-                    continue;
-                };
-                throttle.admit().await;
-                let record = self.record(&r, &state.started_at);
-                match enqueue_row(&mut sink, &self.config.routing, &r.row, record).await {
-                    Ok(e) => pending.push(Some((r.key, e))),
-                    Err(e) => {
-                        failure = Some(e.into());
+        // After Kafka refused a batch: rows go one at a time, each waiting
+        // for its answer, up to and including this one, so that a refusal
+        // is the row's own (see `crate::polling`, the same rule).
+        let mut isolate_until: Option<Uuid> = None;
+        'runs: loop {
+            let mut refused_batch = None;
+            for chunk in ids.chunks(o.batch.max(1)) {
+                let mut rows = query.rows(&client, chunk).await?;
+                // In replay order: each row and what was enqueued for it,
+                // or `None` for a row deleted since it was listed.
+                let mut pending: Vec<Option<(ReplayRow, Enqueued)>> = Vec::with_capacity(chunk.len());
+                let mut settled = Settled::default();
+                for id in chunk {
+                    if stop.load(Ordering::Relaxed) {
+                        interrupted = true;
                         break;
                     }
-                }
-                progress.update(state.counts.done() - before.done() + pending.len() as u64);
-            }
-            for entry in pending {
-                let Some((key, enqueued)) = entry else {
-                    if failure.is_none() {
-                        state.counts.gone += 1;
-                    }
-                    continue;
-                };
-                let dead = matches!(enqueued, Enqueued::DeadLetter(..));
-                let delivered = match enqueued.into_future().await {
-                    Ok(Ok(_)) => Ok(()),
-                    Ok(Err((source, msg))) => Err(KafkaSinkError::Delivery {
-                        topic: rdkafka::message::Message::topic(&msg).to_owned(),
-                        source,
-                    }),
-                    Err(_) => Err(KafkaSinkError::Canceled),
-                };
-                match delivered {
-                    Ok(()) if failure.is_none() => {
-                        if dead {
-                            state.counts.dead_lettered += 1;
-                        } else {
-                            state.counts.published += 1;
+                    let Some(r) = rows.remove(id) else {
+                        pending.push(None);
+                        continue;
+                    };
+                    throttle.admit().await;
+                    let record = self.record(&r, &state.started_at);
+                    match enqueue_row(&mut sink, &self.config.routing, &r.row, record).await {
+                        Ok(e) => pending.push(Some((r, e))),
+                        Err(e) => {
+                            failure = Some(e.into());
+                            break;
                         }
-                        state.last = Some(key);
                     }
-                    // After a failure, later acknowledgements do not move
-                    // `last`: resuming repeats them.
-                    Ok(()) => {}
-                    Err(source) => {
-                        failure.get_or_insert(ReplayError::Delivery { id: key.id, source });
+                    if let Some(until) = isolate_until {
+                        self.settle(&mut sink, &mut pending, &mut state, &mut settled, true)
+                            .await;
+                        if settled.last_id == Some(until) {
+                            isolate_until = None;
+                        }
+                        if settled.stopped() {
+                            break;
+                        }
                     }
+                    progress.update(state.counts.done() - before.done() + pending.len() as u64);
+                }
+                self.settle(&mut sink, &mut pending, &mut state, &mut settled, false)
+                    .await;
+                file.save(&state)?;
+                if let Some(e) = settled.failure {
+                    failure.get_or_insert(e);
+                }
+                refused_batch = settled.refused_batch;
+                if failure.is_some() || interrupted || refused_batch.is_some() {
+                    break;
                 }
             }
-            file.save(&state)?;
-            if failure.is_some() || interrupted {
-                break;
+            match refused_batch {
+                Some(id) if failure.is_none() && !interrupted => {
+                    tracing::warn!(%id, "Kafka refused a batch; sending the rows from there one at a time, to set aside only the row Kafka refuses");
+                    isolate_until = Some(id);
+                    ids = query.ids(&client, &state.selection, state.last.as_ref()).await?;
+                }
+                _ => break 'runs,
             }
         }
         progress.finish(state.counts.done() - before.done());
@@ -308,7 +308,7 @@ impl Replay {
             file.save(&state)?;
         }
         let summary = Summary {
-            selected: ids.len() as u64,
+            selected,
             counts: state.counts,
             this_run,
             elapsed: run_start.elapsed(),
@@ -322,6 +322,66 @@ impl Replay {
         })
     }
 
+    /// Takes the acknowledgements of `pending` in order: each acknowledged
+    /// row moves `state.last`; after the first failure none does (resuming
+    /// repeats them). `alone`: the rows were sent one at a time, so a
+    /// refusal is the row's own, and follows `routing.on_poison`.
+    async fn settle(
+        &self,
+        sink: &mut KafkaSink,
+        pending: &mut Vec<Option<(ReplayRow, Enqueued)>>,
+        state: &mut State,
+        settled: &mut Settled,
+        alone: bool,
+    ) {
+        for entry in pending.drain(..) {
+            let Some((r, enqueued)) = entry else {
+                if !settled.stopped() {
+                    state.counts.gone += 1;
+                }
+                continue;
+            };
+            let mut dead = matches!(enqueued, Enqueued::DeadLetter(..));
+            let mut report = Report::of(enqueued.into_future().await);
+            if settled.stopped() {
+                continue;
+            }
+            if let Report::Failed(source, _) = &report {
+                if let (Refusal::Record { reason, .. }, false) = (Refusal::of(source), dead) {
+                    if !alone {
+                        settled.refused_batch = Some(r.key.id);
+                        continue;
+                    }
+                    let error = format!("Kafka refused it: {source}");
+                    match set_aside(sink, &self.config.routing, &r.row, reason, error).await {
+                        Ok(dl) => {
+                            dead = true;
+                            report = Report::of(dl.into_future().await);
+                        }
+                        Err(e) => {
+                            settled.failure = Some(e.into());
+                            continue;
+                        }
+                    }
+                }
+            }
+            match report.into_result() {
+                Ok(_) => {
+                    if dead {
+                        state.counts.dead_lettered += 1;
+                    } else {
+                        state.counts.published += 1;
+                    }
+                    settled.last_id = Some(r.key.id);
+                    state.last = Some(r.key);
+                }
+                Err(source) => {
+                    settled.failure = Some(ReplayError::Delivery { id: r.key.id, source });
+                }
+            }
+        }
+    }
+
     /// The record the relay would have produced, marked as replayed.
     fn record(&self, r: &ReplayRow, started_at: &str) -> Result<KafkaRecord, RecordError> {
         let commit_ms = r
@@ -333,6 +393,22 @@ impl Replay {
         rec.headers
             .push((header::REPLAYED.to_owned(), started_at.as_bytes().to_vec()));
         Ok(rec)
+    }
+}
+
+/// What settling a batch's acknowledgements found.
+#[derive(Debug, Default)]
+struct Settled {
+    /// The last row acknowledged (or set aside).
+    last_id: Option<Uuid>,
+    /// Kafka refused the batch holding this row.
+    refused_batch: Option<Uuid>,
+    failure: Option<ReplayError>,
+}
+
+impl Settled {
+    fn stopped(&self) -> bool {
+        self.refused_batch.is_some() || self.failure.is_some()
     }
 }
 

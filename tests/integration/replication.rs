@@ -15,6 +15,15 @@ use uuid::Uuid;
 use crate::harness::postgres::{self, CLEARTEXT_USER, MD5_USER, SCRAM_USER, TRUST_USER};
 use crate::harness::{server, wait_for, TestDb};
 
+/// What the session proves: `publication` and `table`, no messages.
+fn subject(publication: &PublicationName, table: &TableName) -> outboxd::pg::publication::Subject {
+    outboxd::pg::publication::Subject {
+        publication: publication.clone(),
+        table: table.clone(),
+        receiving: Default::default(),
+    }
+}
+
 fn cfg(url: &str) -> PgConnectConfig {
     url.parse().expect("test url parses")
 }
@@ -26,7 +35,7 @@ async fn open_stream(db: &TestDb, publication: &str, slot: &str) -> (OutboxStrea
     let publication = PublicationName::new(publication).unwrap();
     let slot = SlotName::new(slot).unwrap();
     let table = TableName::new("public.outbox").unwrap();
-    let verified = admin::ensure_publication(&client, &publication, &table)
+    let verified = admin::ensure_publication(&client, &subject(&publication, &table))
         .await
         .expect("publication");
     let mut repl = ReplicationConnection::connect(&cfg)
@@ -420,9 +429,13 @@ async fn publication_problems_name_the_fix() {
     let client = admin::connect(&cfg(&db.superuser_url())).await.unwrap();
     let table = TableName::new("public.outbox").unwrap();
     let p = PublicationName::new("outboxd").unwrap();
-    let first = admin::ensure_publication(&client, &p, &table).await.unwrap();
+    let first = admin::ensure_publication(&client, &subject(&p, &table))
+        .await
+        .unwrap();
     assert_eq!(
-        admin::ensure_publication(&client, &p, &table).await.unwrap(),
+        admin::ensure_publication(&client, &subject(&p, &table))
+            .await
+            .unwrap(),
         first,
         "a second call finds the same proven publication"
     );
@@ -441,9 +454,12 @@ async fn publication_problems_name_the_fix() {
         .batch_execute("CREATE TABLE other (id int); CREATE PUBLICATION elsewhere FOR TABLE other")
         .await
         .unwrap();
-    let err = admin::ensure_publication(&client, &PublicationName::new("elsewhere").unwrap(), &table)
-        .await
-        .unwrap_err();
+    let err = admin::ensure_publication(
+        &client,
+        &subject(&PublicationName::new("elsewhere").unwrap(), &table),
+    )
+    .await
+    .unwrap_err();
     assert!(matches!(err, AdminError::TableNotPublished { .. }));
     assert!(
         err.to_string()
@@ -454,14 +470,17 @@ async fn publication_problems_name_the_fix() {
         .batch_execute("CREATE PUBLICATION no_inserts FOR TABLE outbox WITH (publish = 'update')")
         .await
         .unwrap();
-    let err = admin::ensure_publication(&client, &PublicationName::new("no_inserts").unwrap(), &table)
-        .await
-        .unwrap_err();
+    let err = admin::ensure_publication(
+        &client,
+        &subject(&PublicationName::new("no_inserts").unwrap(), &table),
+    )
+    .await
+    .unwrap_err();
     assert!(
         err.to_string().contains("SET (publish = 'insert, update')"),
         "{err}"
     );
-    let err = admin::ensure_publication(&client, &p, &TableName::new("public.missing").unwrap())
+    let err = admin::ensure_publication(&client, &subject(&p, &TableName::new("public.missing").unwrap()))
         .await
         .unwrap_err();
     assert!(matches!(err, AdminError::NoTable { .. }), "{err}");

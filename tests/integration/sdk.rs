@@ -494,7 +494,8 @@ async fn migration_0004_separates_histories_the_old_key_mixed() {
             "0004_event_store_aggregate_type.sql",
             "0005_event_metadata.sql",
             "0006_event_time_index.sql",
-            "0007_outbox_emit.sql"
+            "0007_outbox_emit.sql",
+            "0008_outbox_order_and_emit_grants.sql"
         ]
     );
     let without: i64 = client
