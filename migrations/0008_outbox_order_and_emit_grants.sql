@@ -18,6 +18,10 @@ ALTER TABLE outbox ALTER COLUMN created_at SET DEFAULT clock_timestamp();
 --    by superusers only: applied by another role, this step only warns,
 --    and outboxd with postgres.messages = true refuses to start, printing
 --    the statements for a superuser to run.
+--
+--    On PostgreSQL 13 and older, pgoutput sends no logical decoding
+--    messages, so an event written with outbox_emit could never reach
+--    Kafka: the function is dropped there instead.
 DO $grants$
 DECLARE
     f regprocedure;
@@ -26,6 +30,11 @@ DECLARE
          WHERE p.proname = 'outbox_emit' AND p.pronamespace = current_schema()::regnamespace
          LIMIT 1);
 BEGIN
+    IF current_setting('server_version_num')::int < 140000 THEN
+        DROP FUNCTION IF EXISTS outbox_emit(text, text, text, jsonb, jsonb, uuid);
+        RAISE NOTICE 'outbox_emit dropped: PostgreSQL before 14 sends no logical decoding messages to outboxd';
+        RETURN;
+    END IF;
     IF NOT (SELECT rolsuper FROM pg_catalog.pg_roles WHERE rolname = current_user) THEN
         RAISE WARNING 'pg_logical_emit_message stays executable by PUBLIC: only a superuser may revoke it. Until one does, any role could write an outbox event, and outboxd with postgres.messages = true refuses to start';
         RETURN;

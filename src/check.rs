@@ -41,6 +41,9 @@ fn line(name: &'static str, ok: bool, detail: impl Into<String>) -> CheckLine {
 /// rest meaningless (no connection), Kafka is checked regardless.
 pub async fn run_checks(config: &Config, v: &Validated) -> Vec<CheckLine> {
     let mut out = vec![line("config", true, "parsed and valid")];
+    if let Some(w) = fencing_warning(config) {
+        out.push(w);
+    }
     out.extend(postgres_checks(config, v).await);
     out.push(
         match KafkaSink::new(&config.kafka, config.kafka.admin_timeout.0) {
@@ -65,6 +68,24 @@ pub async fn run_checks(config: &Config, v: &Validated) -> Vec<CheckLine> {
     out
 }
 
+/// A `message.timeout.ms` longer than the leader lease: a leader stopped
+/// with records queued could still send them after a standby took over.
+fn fencing_warning(config: &Config) -> Option<CheckLine> {
+    if config.kafka.delivery == crate::config::Delivery::ExactlyOnce {
+        return None;
+    }
+    let timeout: u64 = config.kafka.options.get("message.timeout.ms")?.parse().ok()?;
+    let lease = config.postgres.leader_timeout.0;
+    (u128::from(timeout) > lease.as_millis()).then(|| CheckLine {
+        name: "fencing",
+        ok: true,
+        warning: true,
+        detail: format!(
+            "kafka.options.message.timeout.ms ({timeout} ms) is longer than postgres.leader_timeout ({lease:?}): a leader that was stopped with records queued may still send them after a standby took over (out of order with the new leader's first copies). Leave it unset, or at most the lease"
+        ),
+    })
+}
+
 /// The slot register ([`crate::slot_register`]): a missing slot that
 /// outboxd streamed before was lost, and `run` will refuse to recreate it.
 async fn register_check(config: &Config, v: &Validated) -> CheckLine {
@@ -85,6 +106,11 @@ async fn register_check(config: &Config, v: &Validated) -> CheckLine {
         Err(e) => Err(e),
     };
     let record = crate::slot_register::read(kafka, &system.system_id, slot, kafka.admin_timeout.0).await;
+    if let (Ok(Some(info)), Ok(r)) = (&info, &record) {
+        if let Some(problem) = resumption_problem(config, v, &system, info, r.as_ref()).await {
+            return line("register", false, problem);
+        }
+    }
     match (info, record) {
         (Err(e), _) => line("register", false, e.to_string()),
         (_, Err(e)) => line("register", false, e.to_string()),
@@ -128,13 +154,67 @@ async fn register_check(config: &Config, v: &Validated) -> CheckLine {
     }
 }
 
+/// What a session starting now would refuse about where the slot
+/// resumes (see `pipeline::resume`): a register past the server's WAL (a
+/// rewound history), or a publication that may have changed since.
+async fn resumption_problem(
+    config: &Config,
+    v: &Validated,
+    system: &crate::pg::connection::SystemIdentity,
+    info: &admin::SlotInfo,
+    record: Option<&crate::slot_register::SlotRecord>,
+) -> Option<String> {
+    use crate::pipeline::resume::{publication_proof, register_beyond_wal, PublicationProof};
+    let client = admin::connect(&v.pg).await.ok()?;
+    let wal_end = admin::wal_insert_lsn(&client).await.ok()?;
+    if let Some(detail) = register_beyond_wal(record, system.timeline, wal_end) {
+        return Some(format!(
+            "{detail}: the WAL history went back (a restored snapshot or backup); `run` refuses to stream. If this server is the one to publish from now on, run `outboxd progress --reset`"
+        ));
+    }
+    let version = crate::pg::publication::server_version(&client).await.ok()?;
+    let verified = crate::pg::publication::inspect(&client, &config.publication_subject(v, version))
+        .await
+        .ok()?;
+    match publication_proof(&verified, info.catalog_xmin, record) {
+        PublicationProof::Unproven { .. } if config.kafka.keeps_slot_register() => Some(format!(
+            "the publication may have changed since the slot's position {} (its catalog rows are newer than the slot's catalog_xmin, and the slot register holds another fingerprint or none): `run` refuses to stream. Re-publish the window with `{}`, then run `outboxd progress --accept-publication`",
+            info.confirmed_flush_lsn.map(|l| l.to_string()).unwrap_or_else(|| "-".into()),
+            crate::slot_register::replay_command(v.source.as_deref(), record)
+        )),
+        _ => None,
+    }
+}
+
 /// Exactly-once: the progress topic reads with `read_committed`. It never
 /// registers the transactional id: that would fence a running outboxd.
 async fn progress_check(config: &Config, v: &Validated) -> CheckLine {
     let kafka = &config.kafka;
     let slot = v.slot.as_str();
+    let wal_end = match admin::connect(&v.pg).await {
+        Ok(c) => admin::wal_insert_lsn(&c).await.ok(),
+        Err(_) => None,
+    };
+    let system = crate::pg::connection::ReplicationConnection::identify(&v.pg)
+        .await
+        .ok();
     match crate::exactly_once::read_progress(kafka, kafka.progress_topic(), slot, kafka.admin_timeout.0).await
     {
+        Ok(Some(r))
+            if system.as_ref().is_some_and(|s| s.system_id == r.system_id && s.timeline == r.timeline)
+                && r.end_lsn().ok().zip(wal_end).is_some_and(|(end, wal)| end > wal) =>
+        {
+            line(
+                "progress",
+                false,
+                format!(
+                    "{}: the progress record says commit {} of slot {slot} is in Kafka, but this server's WAL ends before it ({}): the WAL history went back (a restored snapshot or backup), and `run` refuses to skip anything by it. If this server is the one to publish from now on, run `outboxd progress --reset`",
+                    kafka.progress_topic(),
+                    r.commit_lsn,
+                    wal_end.map(|l| l.to_string()).unwrap_or_default()
+                ),
+            )
+        }
         Ok(Some(r)) => line(
             "progress",
             true,
@@ -299,6 +379,20 @@ async fn postgres_checks(config: &Config, v: &Validated) -> Vec<CheckLine> {
                 v.table
             ),
         ),
+        // Checked last, once the publication delivers: the line below.
+        Err(
+            admin::AdminError::EmitNotReceived { .. }
+            | admin::AdminError::EmitPrefix { .. }
+            | admin::AdminError::EmitOpen { .. },
+        ) => line(
+            "publication",
+            true,
+            format!(
+                "{} delivers every INSERT on {} with every column",
+                v.publication.as_str(),
+                v.table
+            ),
+        ),
         Err(admin::AdminError::NoPublication { .. }) if config.postgres.create_publication => line(
             "publication",
             true,
@@ -310,6 +404,21 @@ async fn postgres_checks(config: &Config, v: &Validated) -> Vec<CheckLine> {
         Err(e) => line("publication", false, e.to_string()),
     });
 
+    out.push(
+        match crate::pg::publication::messages(&client, &subject.receiving).await {
+            Ok(Some(prefix)) => line(
+                "messages",
+                true,
+                format!("reads logical decoding messages with prefix {prefix:?} (the table-less outbox); PUBLIC may not write them"),
+            ),
+            Ok(None) => line(
+                "messages",
+                true,
+                "reads no logical decoding messages (no outbox_emit in this database, or postgres.messages = false)",
+            ),
+            Err(e) => line("messages", false, e.to_string()),
+        },
+    );
     out.push(match admin::slot_info(&client, &v.slot).await {
         Ok(None) => line("slot", true, format!("{} is missing and will be created at start", v.slot.as_str())),
         Ok(Some(info)) if info.plugin.as_deref() != Some("pgoutput") || info.database.as_deref() != Some(v.pg.dbname.as_str()) => line(

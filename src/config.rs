@@ -195,11 +195,13 @@ pub struct PostgresConfig {
     pub leader_timeout: HumanDuration,
     /// Also publish transactional logical decoding messages with
     /// `message_prefix` (the table-less outbox, `outbox_emit`; PostgreSQL
-    /// 14+). Off by default: with it on, outboxd refuses to start while
-    /// PUBLIC may call `pg_logical_emit_message`, and with it off, while
-    /// `outbox_emit` is installed (its events would be lost).
-    #[serde(default)]
-    pub messages: bool,
+    /// 14+): `"auto"` (the default) when `outbox_emit` is installed, `true`
+    /// or `false`. While they are read, outboxd refuses to start if PUBLIC
+    /// may call `pg_logical_emit_message` (any role could forge an event);
+    /// while they are not, if `outbox_emit` is installed (its events would
+    /// be lost).
+    #[serde(default, deserialize_with = "messages")]
+    pub messages: crate::pg::publication::Messages,
     /// The prefix of the messages that are outbox events.
     #[serde(default = "default_message_prefix")]
     pub message_prefix: String,
@@ -221,26 +223,33 @@ impl Config {
     }
 }
 
+/// `postgres.messages`: `true`, `false` or `"auto"`.
+fn messages<'de, D: Deserializer<'de>>(d: D) -> Result<crate::pg::publication::Messages, D::Error> {
+    use crate::pg::publication::Messages;
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Value {
+        Bool(bool),
+        Text(String),
+    }
+    match Value::deserialize(d)? {
+        Value::Bool(true) => Ok(Messages::On),
+        Value::Bool(false) => Ok(Messages::Off),
+        Value::Text(t) if t == "auto" => Ok(Messages::Auto),
+        Value::Text(t) => Err(serde::de::Error::custom(format!(
+            "{t:?} is not true, false or \"auto\""
+        ))),
+    }
+}
+
 impl PostgresConfig {
     /// What a session asks pgoutput for on a server of `server_version`
     /// (`server_version_num`).
     pub fn receiving(&self, server_version: i32) -> crate::pg::publication::Receiving {
-        use crate::pg::publication::Receiving;
-        match (self.messages, server_version >= 140_000) {
-            (true, true) => Receiving {
-                message_prefix: Some(self.message_prefix.clone()),
-                messages_off_because: None,
-            },
-            (true, false) => Receiving {
-                message_prefix: None,
-                messages_off_because: Some(
-                    "this PostgreSQL sends no logical decoding messages to pgoutput (14 or later does)",
-                ),
-            },
-            (false, _) => Receiving {
-                message_prefix: None,
-                messages_off_because: Some("postgres.messages is false"),
-            },
+        crate::pg::publication::Receiving {
+            messages: self.messages,
+            prefix: self.message_prefix.clone(),
+            server_sends: server_version >= 140_000,
         }
     }
 }
@@ -901,7 +910,9 @@ impl Config {
         self.opentelemetry
             .validate()
             .map_err(|e| invalid("opentelemetry.endpoint", e))?;
-        if self.postgres.messages && self.postgres.message_prefix.is_empty() {
+        if self.postgres.messages != crate::pg::publication::Messages::Off
+            && self.postgres.message_prefix.is_empty()
+        {
             return Err(invalid(
                 "postgres.message_prefix",
                 "must not be empty: every logical decoding message would be read as an outbox event",

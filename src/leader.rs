@@ -131,7 +131,9 @@ impl LeaderElection {
     /// Tries once to become (or stay) the leader. `Ok(false)`: another
     /// process leads.
     pub async fn try_lead(&mut self) -> Result<bool, AdminError> {
-        if self.leading && self.still_held() {
+        // Held, fresh, and its session still open (a server restart closes
+        // it before the next renewal notices).
+        if self.still_held() && self.client.as_ref().is_some_and(|c| !c.is_closed()) {
             return Ok(true);
         }
         self.stop_renewing();
@@ -191,7 +193,8 @@ impl LeaderElection {
 
     fn start_renewing(&mut self, client: Arc<Client>) {
         let (lease, timeout) = (self.lease.clone(), self.timeout);
-        let _ = lease.send(Lease {
+        // send_replace: the value changes even while no one subscribes.
+        lease.send_replace(Lease {
             renewed_at: Instant::now(),
             lost: false,
             timeout,

@@ -90,6 +90,10 @@ enum Command {
         /// when the rows may be what `outboxd replay` needs to close the gap.
         #[arg(long)]
         force: bool,
+        /// A partitioned outbox: how long to wait, per old partition, for
+        /// the slot to confirm past its rows before keeping it for now.
+        #[arg(long, value_parser = humantime::parse_duration, default_value = "30s")]
+        wait: std::time::Duration,
     },
     /// Re-publish outbox rows from the table (after a lost slot, lost Kafka data, or for a new consumer).
     Replay(ReplayArgs),
@@ -525,6 +529,7 @@ async fn retention(
     batch: i64,
     published_only: bool,
     force: bool,
+    wait: std::time::Duration,
 ) -> ExitCode {
     let (mut client, config, validated) = match sql_client(&path).await {
         Ok(c) => c,
@@ -564,7 +569,7 @@ async fn retention(
         outbox_sdk::retention::Retain::PublishedOnly => outboxd::retention::Passed::Published,
         outbox_sdk::retention::Retain::Cdc => outboxd::retention::Passed::Slot {
             slot: &validated.slot,
-            wait: std::time::Duration::from_secs(30),
+            wait,
         },
     };
     match outboxd::retention::drop_old_partitions(&mut client, &validated.table, older_than, passed).await {
@@ -625,7 +630,8 @@ fn main() -> ExitCode {
                 batch,
                 published_only,
                 force,
-            } => retention(config, older_than, batch, published_only, force).await,
+                wait,
+            } => retention(config, older_than, batch, published_only, force, wait).await,
             Command::Replay(args) => replay(args).await,
         }
     })

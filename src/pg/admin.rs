@@ -90,7 +90,7 @@ pub enum AdminError {
     },
     #[error("{function} writes logical decoding messages with another prefix than postgres.message_prefix = {prefix:?}: its events would be skipped as someone else's. Set postgres.message_prefix to the prefix it writes (the shipped outbox_emit writes \"outbox\")")]
     EmitPrefix { function: String, prefix: String },
-    #[error("any role may call pg_logical_emit_message (PUBLIC has EXECUTE on it), so any role that can connect could write an outbox event for outboxd to publish. As a superuser, run: {revoke} and grant EXECUTE on it only to the owner of outbox_emit (migration 0008 does both when a superuser applies it)")]
+    #[error("any role may call pg_logical_emit_message (PUBLIC has EXECUTE on it), so any role that can connect could write an outbox event for outboxd to publish. As a superuser, run: {revoke} and grant EXECUTE on it only to the owner of outbox_emit (migration 0008 does both when a superuser applies it). Where no role may change it (a managed service), and nothing uses the table-less outbox: DROP FUNCTION outbox_emit and set postgres.messages = false")]
     EmitOpen { revoke: String },
 }
 

@@ -85,16 +85,61 @@ pub struct Verified {
     /// each precedes the slot's `catalog_xmin`, the publication was as it
     /// is now for all WAL the slot still streams (see [`unchanged_since_slot`]).
     pub xmins: Vec<u32>,
+    /// The prefix of the logical decoding messages to read (`None`: none).
+    pub message_prefix: Option<String>,
 }
 
-/// What the session reads besides rows: logical decoding messages with
-/// this prefix (`None`: messages are not asked for).
-#[derive(Clone, Debug, PartialEq, Eq, Default)]
+/// `postgres.messages`: whether the session asks pgoutput for logical
+/// decoding messages (the table-less outbox).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Messages {
+    /// When the database is set up to emit them (`outbox_emit` exists).
+    #[default]
+    Auto,
+    On,
+    Off,
+}
+
+/// What the session reads besides rows.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Receiving {
-    pub message_prefix: Option<String>,
-    /// Why messages are not asked for, when they are not: for the error
-    /// that names what to change.
-    pub messages_off_because: Option<&'static str>,
+    pub messages: Messages,
+    /// The prefix of the messages that are outbox events.
+    pub prefix: String,
+    /// The server sends messages to pgoutput (PostgreSQL 14+).
+    pub server_sends: bool,
+}
+
+impl Default for Receiving {
+    fn default() -> Self {
+        Receiving {
+            messages: Messages::Auto,
+            prefix: crate::emitted::DEFAULT_PREFIX.to_owned(),
+            server_sends: true,
+        }
+    }
+}
+
+impl Receiving {
+    /// The prefix of the messages to read, given what the database is set
+    /// up to emit (`None`: none are read).
+    fn decide(&self, emit: &EmitSetup) -> Option<String> {
+        let wanted = match self.messages {
+            Messages::On => true,
+            Messages::Off => false,
+            Messages::Auto => !emit.functions.is_empty(),
+        };
+        (wanted && self.server_sends).then(|| self.prefix.clone())
+    }
+
+    /// Why messages are not read, for the error that names what to change.
+    fn off_because(&self) -> &'static str {
+        if !self.server_sends && self.messages != Messages::Off {
+            "this PostgreSQL sends no logical decoding messages to pgoutput (14 or later does)"
+        } else {
+            "postgres.messages is false"
+        }
+    }
 }
 
 /// What the catalog says about the publication and the table.
@@ -144,6 +189,65 @@ struct EmitSetup {
     public_can_emit: bool,
     /// The `pg_logical_emit_message` signatures, for the REVOKE statements.
     emit_signatures: Vec<String>,
+}
+
+/// The columns of a reading that say what the database is set up to emit
+/// (the prefix is parameter `$6`): the `outbox_emit` functions and whether
+/// each writes the prefix, whether PUBLIC may call `pg_logical_emit_message`,
+/// and its signatures.
+const EMIT_SETUP: &str = "
+    (SELECT string_agg(n.nspname || '.' || f.proname || '=' || (position(quote_literal($6::text) in f.prosrc) > 0)::text, ','
+                       ORDER BY n.nspname)
+       FROM pg_catalog.pg_proc f JOIN pg_catalog.pg_namespace n ON n.oid = f.pronamespace
+      WHERE f.proname = 'outbox_emit'),
+    (SELECT coalesce(bool_or(pg_catalog.has_function_privilege('public', f.oid, 'EXECUTE')), false)
+       FROM pg_catalog.pg_proc f WHERE f.proname = 'pg_logical_emit_message'
+        AND f.pronamespace = 'pg_catalog'::regnamespace),
+    (SELECT string_agg(f.oid::regprocedure::text, ';' ORDER BY f.oid)
+       FROM pg_catalog.pg_proc f WHERE f.proname = 'pg_logical_emit_message'
+        AND f.pronamespace = 'pg_catalog'::regnamespace)";
+
+impl EmitSetup {
+    /// Reads the three [`EMIT_SETUP`] columns starting at `first`.
+    fn from_row(r: &tokio_postgres::Row, first: usize) -> Self {
+        EmitSetup {
+            functions: r
+                .get::<_, Option<String>>(first)
+                .unwrap_or_default()
+                .split(',')
+                .filter_map(|f| {
+                    let (name, writes) = f.split_once('=')?;
+                    Some((name.to_owned(), writes == "true"))
+                })
+                .collect(),
+            public_can_emit: r.get(first + 1),
+            emit_signatures: r
+                .get::<_, Option<String>>(first + 2)
+                .unwrap_or_default()
+                .split(';')
+                .filter(|s| !s.is_empty())
+                .map(str::to_owned)
+                .collect(),
+        }
+    }
+}
+
+/// What `outboxd check` says about the table-less outbox, whether or not
+/// the publication exists yet: the prefix of the messages read (`None`:
+/// none), or the problem.
+pub async fn messages(client: &Client, receiving: &Receiving) -> Result<Option<String>, AdminError> {
+    // $1..$5 are the reading's; only $6 is used here.
+    let sql = format!(
+        "SELECT {EMIT_SETUP} FROM (SELECT $1::text, $2::text, $3::text, $4::text, $5::text) AS unused"
+    );
+    let row = client
+        .query_one(&sql, &[&"", &"", &"", &"", &"", &receiving.prefix.as_str()])
+        .await?;
+    let emit = EmitSetup::from_row(&row, 0);
+    match emit_problem(&emit, receiving) {
+        Some(e) => Err(e),
+        None => Ok(receiving.decide(&emit)),
+    }
 }
 
 impl Reading {
@@ -255,25 +359,13 @@ async fn read(
                 EXISTS (SELECT 1 FROM pg_catalog.pg_publication_tables pt
                          WHERE pt.pubname = $1 AND pt.schemaname = $3 AND pt.tablename = $4),
                 pr.xmin::text, {schema_xmin},
-                (SELECT string_agg(n.nspname || '.' || f.proname || '=' || (position(quote_literal($6) in f.prosrc) > 0)::text, ','
-                                   ORDER BY n.nspname)
-                   FROM pg_catalog.pg_proc f JOIN pg_catalog.pg_namespace n ON n.oid = f.pronamespace
-                  WHERE f.proname = 'outbox_emit'),
-                (SELECT coalesce(bool_or(pg_catalog.has_function_privilege('public', f.oid, 'EXECUTE')), false)
-                   FROM pg_catalog.pg_proc f WHERE f.proname = 'pg_logical_emit_message'
-                    AND f.pronamespace = 'pg_catalog'::regnamespace),
-                (SELECT string_agg(f.oid::regprocedure::text, ';' ORDER BY f.oid)
-                   FROM pg_catalog.pg_proc f WHERE f.proname = 'pg_logical_emit_message'
-                    AND f.pronamespace = 'pg_catalog'::regnamespace)
+                {EMIT_SETUP}
            FROM pg_catalog.pg_publication p
            LEFT JOIN pg_catalog.pg_publication_rel pr ON pr.prpubid = p.oid AND pr.prrelid = $2
           WHERE p.pubname = $1"
     );
     let names: Vec<&str> = OUTBOX_COLUMNS.to_vec();
-    let prefix = receiving
-        .message_prefix
-        .as_deref()
-        .unwrap_or(crate::emitted::DEFAULT_PREFIX);
+    let prefix = receiving.prefix.as_str();
     let row = client
         .query_opt(
             &sql,
@@ -304,25 +396,7 @@ async fn read(
             Some((k.to_owned(), v.parse().ok()?))
         })
         .collect();
-    let emit = EmitSetup {
-        functions: r
-            .get::<_, Option<String>>(20)
-            .unwrap_or_default()
-            .split(',')
-            .filter_map(|f| {
-                let (name, writes) = f.split_once('=')?;
-                Some((name.to_owned(), writes == "true"))
-            })
-            .collect(),
-        public_can_emit: r.get(21),
-        emit_signatures: r
-            .get::<_, Option<String>>(22)
-            .unwrap_or_default()
-            .split(';')
-            .filter(|s| !s.is_empty())
-            .map(str::to_owned)
-            .collect(),
-    };
+    let emit = EmitSetup::from_row(&r, 20);
     Ok(Some(Reading {
         pub_oid: r.get(13),
         via_root: r.get(14),
@@ -447,12 +521,10 @@ fn emit_problem(emit: &EmitSetup, receiving: &Receiving) -> Option<AdminError> {
             .collect::<Vec<_>>()
             .join(", ")
     };
-    match &receiving.message_prefix {
+    match &receiving.decide(emit) {
         None if !emit.functions.is_empty() => Some(AdminError::EmitNotReceived {
             functions: installed(),
-            because: receiving
-                .messages_off_because
-                .unwrap_or("postgres.messages is false"),
+            because: receiving.off_because(),
         }),
         None => None,
         Some(prefix) => {
@@ -500,6 +572,7 @@ pub async fn inspect(client: &Client, subject: &Subject) -> Result<Verified, Adm
         table_oid: oid,
         fingerprint: reading.fingerprint(),
         xmins: reading.xmins(),
+        message_prefix: subject.receiving.decide(&reading.emit),
     })
 }
 
@@ -512,6 +585,10 @@ pub enum GuardState {
     Changed { verified: Lsn, reason: String },
     /// The catalog could not be read; a new session will try again.
     Failed { verified: Lsn, reason: String },
+    /// The table-less outbox was installed while messages were not read
+    /// (`postgres.messages = "auto"`): a new session reads them, from the
+    /// last proven position on.
+    Restart { verified: Lsn, reason: String },
 }
 
 impl GuardState {
@@ -520,7 +597,8 @@ impl GuardState {
         match self {
             GuardState::Verified(l)
             | GuardState::Changed { verified: l, .. }
-            | GuardState::Failed { verified: l, .. } => *l,
+            | GuardState::Failed { verified: l, .. }
+            | GuardState::Restart { verified: l, .. } => *l,
         }
     }
 }
@@ -551,11 +629,30 @@ pub fn spawn_guard(
             loop {
                 let wal = wal_lsn(&client).await?;
                 let reading = read(&client, version, &subject, baseline.table_oid).await?;
-                // A change of what decides delivery, or a database now set
-                // up to emit what this session does not receive.
-                let unchanged = reading.as_ref().is_some_and(|r| {
-                    r.fingerprint() == baseline.fingerprint
+                // `auto` finds outbox_emit installed: read its messages,
+                // in a new session that starts where this one proved.
+                if let Some(r) = &reading {
+                    let now = subject.receiving.decide(&r.emit);
+                    if baseline.message_prefix.is_none()
+                        && now.is_some()
                         && emit_problem(&r.emit, &subject.receiving).is_none()
+                    {
+                        let _ = tx.send(GuardState::Restart {
+                            verified,
+                            reason: "outbox_emit was installed: reading the table-less outbox's messages from now on"
+                                .to_owned(),
+                        });
+                        return Ok(());
+                    }
+                }
+                // A change of what decides delivery, or a database now set
+                // up to emit what this session does not receive. A session
+                // that reads messages goes on reading them when outbox_emit
+                // is dropped: its events before the drop still arrive.
+                let unchanged = reading.as_ref().is_some_and(|r| {
+                    let reads_less = baseline.message_prefix.is_some() && subject.receiving.decide(&r.emit).is_none();
+                    r.fingerprint() == baseline.fingerprint
+                        && (reads_less || emit_problem(&r.emit, &subject.receiving).is_none())
                 });
                 if !unchanged {
                     let (publication, table) = (&subject.publication, &subject.table);
@@ -633,19 +730,19 @@ mod tests {
         }
     }
 
-    fn subject(prefix: Option<&str>) -> Subject {
+    fn subject(messages: Messages) -> Subject {
         Subject {
             publication: PublicationName::new("outboxd").unwrap(),
             table: TableName::new("public.outbox").unwrap(),
             receiving: Receiving {
-                message_prefix: prefix.map(str::to_owned),
-                messages_off_because: None,
+                messages,
+                ..Receiving::default()
             },
         }
     }
 
     fn check(r: &Reading) -> Option<String> {
-        problem(r, &subject(None), 7).map(|e| e.to_string())
+        problem(r, &subject(Messages::Off), 7).map(|e| e.to_string())
     }
 
     #[test]
@@ -692,7 +789,7 @@ mod tests {
             e.contains("postgres.messages") && e.contains("public.outbox_emit"),
             "{e}"
         );
-        let on = subject(Some("outbox"));
+        let on = subject(Messages::Auto);
         // Receiving, but PUBLIC may write messages.
         let e = problem(&installed(true), &on, 7)
             .map(|e| e.to_string())
@@ -714,8 +811,27 @@ mod tests {
             ..good()
         };
         assert_eq!(problem(&closed, &on, 7).map(|e| e.to_string()), None);
-        // Nothing emits and nothing is received: PUBLIC's default is fine.
+        // Nothing emits and nothing is received: PUBLIC's default is fine,
+        // also with messages on "auto".
         assert_eq!(check(&good()), None);
+        assert_eq!(problem(&good(), &on, 7).map(|e| e.to_string()), None);
+        // Asked for explicitly, they are read, and PUBLIC must not emit.
+        let e = problem(&good(), &subject(Messages::On), 7)
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(e.contains("REVOKE"), "{e}");
+        // A server that sends none: outbox_emit installed is refused.
+        let old_server = Subject {
+            receiving: Receiving {
+                server_sends: false,
+                ..Receiving::default()
+            },
+            ..subject(Messages::Auto)
+        };
+        let e = problem(&installed(true), &old_server, 7)
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(e.contains("14 or later"), "{e}");
     }
 
     #[test]
@@ -728,6 +844,7 @@ mod tests {
             table_oid: 7,
             fingerprint: String::new(),
             xmins: vec![741, 742],
+            message_prefix: None,
         };
         assert!(unchanged_since_slot(&v, Some(800)));
         assert!(!unchanged_since_slot(&v, Some(742)), "742 is not before 742");

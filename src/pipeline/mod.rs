@@ -73,7 +73,7 @@
 mod commit;
 mod durability;
 mod poller;
-mod resume;
+pub(crate) mod resume;
 mod session;
 mod streaming;
 
@@ -154,6 +154,8 @@ pub enum RelayError {
     PublicationChanged { verified: Lsn, reason: String },
     #[error("cannot read the publication's state to prove delivery: {0}")]
     GuardFailed(String),
+    #[error("{0}; a new session starts from the last proven position")]
+    Resubscribe(String),
     #[error("the server ended the replication stream")]
     StreamEnded,
     #[error("replication protocol out of order: {0}")]
@@ -193,6 +195,7 @@ impl RelayError {
             RelayError::Pg(_)
             | RelayError::StreamEnded
             | RelayError::LeadershipLost
+            | RelayError::Resubscribe(_)
             | RelayError::GuardFailed(_) => "postgres_stream",
             RelayError::Stream(_) | RelayError::OutOfOrder(_) => "decode",
             RelayError::Kafka(e) => e.reason(),
@@ -220,6 +223,7 @@ impl RelayError {
             | RelayError::BatchRefused { .. }
             | RelayError::RefusedInTransaction { .. }
             | RelayError::TransactionTimedOut { .. }
+            | RelayError::Resubscribe(_)
             | RelayError::GuardFailed(_) => true,
             RelayError::Progress(e) => e.is_transient(),
             RelayError::ForeignProgress(_) => false,
@@ -501,7 +505,7 @@ impl Relay {
         let status_every = status_every(self.config.postgres.status_interval.0, server_timeout);
         let failover = (server_version >= 170_000).then_some(self.config.postgres.failover_slot);
         // The table-less outbox (crate::emitted), when it is received.
-        let message_prefix = subject.receiving.message_prefix.clone();
+        let message_prefix = verified.message_prefix.clone();
         let system = repl.identify_system().await?;
         // What Kafka remembers of the slot, read at every start and never
         // read as "nothing" when Kafka cannot answer (see slot_register).

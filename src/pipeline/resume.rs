@@ -132,7 +132,7 @@ pub(super) fn register_waypoint(record: Option<&SlotRecord>, timeline: u32) -> O
 /// Why the slot register says this server went back in time, if it does:
 /// it recorded a confirmed position past the end of the server's WAL, on
 /// the same timeline.
-pub(super) fn register_beyond_wal(
+pub(crate) fn register_beyond_wal(
     record: Option<&SlotRecord>,
     timeline: u32,
     wal_end: Lsn,
@@ -149,7 +149,7 @@ pub(super) fn register_beyond_wal(
 
 /// How the publication was shown unchanged since the slot's position.
 #[derive(Debug, PartialEq, Eq)]
-pub(super) enum PublicationProof {
+pub(crate) enum PublicationProof {
     /// Every catalog row deciding delivery predates the slot's catalog_xmin.
     OlderThanSlot,
     /// The slot register holds the same fingerprint.
@@ -160,7 +160,7 @@ pub(super) enum PublicationProof {
 
 /// Whether the publication, as `verified` now, held for all WAL the slot
 /// still streams (see the module doc).
-pub(super) fn publication_proof(
+pub(crate) fn publication_proof(
     verified: &Verified,
     catalog_xmin: Option<u32>,
     record: Option<&SlotRecord>,
@@ -249,6 +249,7 @@ mod tests {
             table_oid: 7,
             fingerprint: "fp".into(),
             xmins: vec![741],
+            message_prefix: None,
         };
         assert_eq!(
             publication_proof(&v, Some(800), None),

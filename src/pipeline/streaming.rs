@@ -75,6 +75,7 @@ impl Relay {
                             return Err(RelayError::PublicationChanged { verified, reason })
                         }
                         (_, GuardState::Failed { reason, .. }) => return Err(RelayError::GuardFailed(reason)),
+                        (_, GuardState::Restart { reason, .. }) => return Err(RelayError::Resubscribe(reason)),
                         (_, GuardState::Verified(_)) => {}
                     }
                 }

@@ -106,6 +106,17 @@ pub(crate) async fn commit_record(client: &tokio_postgres::Client, txn: &Written
     )
 }
 
+/// `txn`'s commit time as a progress record writes it (the test server
+/// has `track_commit_timestamp = on`).
+pub(crate) async fn commit_time(client: &tokio_postgres::Client, txn: &Written) -> String {
+    let at: chrono::DateTime<chrono::Utc> = client
+        .query_one("SELECT pg_xact_commit_timestamp($1::text::xid)", &[&txn.xid])
+        .await
+        .unwrap()
+        .get(0);
+    at.to_rfc3339_opts(chrono::SecondsFormat::Micros, true)
+}
+
 fn kafka_config(brokers: &str) -> KafkaConfig {
     toml::from_str(&format!("brokers = \"{brokers}\"")).unwrap()
 }
@@ -245,6 +256,7 @@ async fn exactly_once_skips_what_the_progress_record_holds_and_confirms_past_it(
         &ProgressRecord {
             commit_lsn: covered_commit.to_string(),
             end_lsn: covered_end.to_string(),
+            commit_time: commit_time(&client, &second[29]).await,
             writer: "by-hand/0".into(),
             ..record.clone()
         },

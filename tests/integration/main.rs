@@ -12,6 +12,7 @@ mod emitted;
 mod exactly_once;
 mod failover;
 mod fuzz;
+mod hardening;
 mod harness;
 mod kafka_rules;
 mod operations;

@@ -865,7 +865,7 @@ async fn all_published(client: &tokio_postgres::Client) {
 
 /// Polling mode: seed 000's relay as a product feature.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn polling_mode_publishes_in_order_and_instances_share_the_work() {
+async fn polling_mode_publishes_in_order_and_one_instance_polls_at_a_time() {
     let db = TestDb::new("rel_polling").await;
     let client = db.client().await;
     let (events, _) = write_events(&client, 60, 10, 12, &["Order", "Invoice"], 0).await;
@@ -909,7 +909,8 @@ async fn polling_mode_publishes_in_order_and_instances_share_the_work() {
     stop.send(true).unwrap();
     handle.await.unwrap().unwrap();
 
-    // Two instances at once: SKIP LOCKED shares the rows, none twice.
+    // Two instances at once: one polls, the other waits as a hot standby,
+    // so one producer publishes each aggregate in order; none twice.
     client
         .batch_execute("UPDATE outbox SET published_at = NULL")
         .await
@@ -928,10 +929,16 @@ async fn polling_mode_publishes_in_order_and_instances_share_the_work() {
         (600, 600),
         "each row exactly once across instances"
     );
-    assert!(
-        m1.events_published.get() > 0 && m2.events_published.get() > 0,
-        "both instances took rows"
+    assert_eq!(
+        m1.events_published.get() + m2.events_published.get(),
+        600,
+        "one instance published every row"
     );
+    assert!(
+        m1.events_published.get() == 0 || m2.events_published.get() == 0,
+        "the other stood by"
+    );
+    assert_eq!(first_occurrence_order(&recs), expected_order(&events));
     assert_eq!(m1.oldest_unpublished_seconds.get(), 0.0);
     for (h, s) in [(h1, s1), (h2, s2)] {
         s.send(true).unwrap();
@@ -956,7 +963,10 @@ async fn a_slot_in_use_is_retried_not_a_crash_loop() {
         .batch_execute("SELECT pg_create_logical_replication_slot('busy_slot', 'pgoutput')")
         .await
         .unwrap();
-    let holder = ReplicationConnection::connect(&db.superuser_url().parse().unwrap())
+    // Another consumer (not an outboxd: those hold the leader lock, and a
+    // leader ends the walsender one that lost it left behind).
+    let other = format!("{}&application_name=other_consumer", db.superuser_url());
+    let holder = ReplicationConnection::connect(&other.parse().unwrap())
         .await
         .unwrap()
         .start_replication(&StartOptions {

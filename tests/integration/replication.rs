@@ -15,7 +15,8 @@ use uuid::Uuid;
 use crate::harness::postgres::{self, CLEARTEXT_USER, MD5_USER, SCRAM_USER, TRUST_USER};
 use crate::harness::{server, wait_for, TestDb};
 
-/// What the session proves: `publication` and `table`, no messages.
+/// What the session proves: `publication` and `table`, with the table-less
+/// outbox's messages (migration 0007 is applied to every test database).
 fn subject(publication: &PublicationName, table: &TableName) -> outboxd::pg::publication::Subject {
     outboxd::pg::publication::Subject {
         publication: publication.clone(),

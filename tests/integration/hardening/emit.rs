@@ -1,0 +1,205 @@
+//! Class 6: emitted messages that the configuration would not receive.
+//! Class 7: who may write a table-less outbox event.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use uuid::Uuid;
+
+use super::{daemon_config, exits, ids, log_text, outboxd_async, prefix, records, wait_ids};
+use crate::harness::broker::broker;
+use crate::harness::{wait_for, TestDb};
+use crate::relay::{confirmed_flush, current_lsn, Daemon};
+
+/// Grants or revokes PUBLIC's EXECUTE on every `pg_logical_emit_message`
+/// signature (PostgreSQL 17 added a fourth argument).
+fn public_emit(grant: bool) -> String {
+    let (verb, dir) = if grant {
+        ("GRANT", "TO")
+    } else {
+        ("REVOKE", "FROM")
+    };
+    format!(
+        "DO $$ DECLARE f regprocedure; BEGIN
+           FOR f IN SELECT p.oid::regprocedure FROM pg_proc p
+                     WHERE p.proname = 'pg_logical_emit_message' AND p.pronamespace = 'pg_catalog'::regnamespace
+           LOOP EXECUTE format('{verb} EXECUTE ON FUNCTION %s {dir} PUBLIC', f); END LOOP;
+         END $$"
+    )
+}
+
+/// What outbox_emit writes, for a forger to copy.
+fn content(id: Uuid, agg: &str) -> String {
+    format!(
+        r#"{{"v": 1, "id": "{id}", "aggregateType": "Order", "aggregateId": "{agg}", "type": "forged.v1", "payload": {{"x": 1}}}}"#
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_written_with_outbox_emit_are_never_lost_to_the_configuration() {
+    let db = TestDb::new("hard_emit6").await;
+    let client = db.client().await;
+    let dir = tempfile::tempdir().unwrap();
+    let brokers = &broker().brokers;
+    let p = prefix("emit6");
+    let topic = format!("{p}.order");
+    let config = |name: &str, postgres: &str| {
+        let path = daemon_config(
+            dir.path(),
+            name,
+            &db.superuser_url(),
+            "emit6",
+            brokers,
+            &p,
+            "",
+            "",
+            "",
+        );
+        let text = std::fs::read_to_string(&path).unwrap().replacen(
+            "[postgres]\n",
+            &format!("[postgres]\n{postgres}\n"),
+            1,
+        );
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    // outbox_emit is installed (migration 0007), messages are off.
+    let off = config("off.toml", "messages = false");
+    let (code, out, _) = outboxd_async(&["check", "--config", off.to_str().unwrap()]).await;
+    assert_ne!(code, Some(0), "{out}");
+    assert!(
+        out.contains("FAIL messages") && out.contains("postgres.messages"),
+        "{out}"
+    );
+    let log = dir.path().join("off.log");
+    let mut d = Daemon::start(&off, &log);
+    assert_eq!(exits(&mut d, Duration::from_secs(30), &log).await, Some(1));
+    assert!(log_text(&log).contains("every event written with outbox_emit would be lost"));
+    // Another prefix than outbox_emit writes.
+    let other = config("prefix.toml", "message_prefix = \"events\"");
+    let (code, out, _) = outboxd_async(&["check", "--config", other.to_str().unwrap()]).await;
+    assert_ne!(code, Some(0), "{out}");
+    assert!(out.contains("message_prefix"), "{out}");
+
+    // Messages off, and no outbox_emit: streaming starts. outbox_emit
+    // installed while it streams stops it before anything past the
+    // event is confirmed; with messages on, the event arrives.
+    client
+        .batch_execute("DROP FUNCTION outbox_emit(text, text, text, jsonb, jsonb, uuid)")
+        .await
+        .unwrap();
+    let log = dir.path().join("live.log");
+    let mut d = Daemon::start(&off, &log);
+    wait_for("the slot", Duration::from_secs(30), || async {
+        confirmed_flush(&client, "emit6").await
+    })
+    .await;
+    client
+        .batch_execute(include_str!("../../../migrations/0007_outbox_emit.sql"))
+        .await
+        .unwrap();
+    let id: Uuid = client
+        .query_one(
+            "SELECT outbox_emit('Order', 'e1', 'emitted.v1', '{\"n\": 1}')",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let after = current_lsn(&client).await;
+    assert_eq!(exits(&mut d, Duration::from_secs(30), &log).await, Some(1));
+    assert!(log_text(&log).contains("outbox_emit"), "{}", log_text(&log));
+    assert!(
+        confirmed_flush(&client, "emit6").await.unwrap() < after,
+        "not confirmed past the emitted event"
+    );
+    let on = config("on.toml", "messages = true");
+    let d = Daemon::start(&on, &dir.path().join("on.log"));
+    wait_ids(brokers, &[&topic], &HashSet::from([id])).await;
+    assert!(d.sigterm().success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_role_that_may_only_call_outbox_emit_cannot_forge_an_event() {
+    let db = TestDb::new("hard_emit7").await;
+    let client = db.client().await;
+    let dir = tempfile::tempdir().unwrap();
+    let brokers = &broker().brokers;
+    let p = prefix("emit7");
+    let topic = format!("{p}.order");
+    // An application role that may call outbox_emit and nothing else.
+    let role = format!("app_{}", &Uuid::new_v4().simple().to_string()[..8]);
+    client
+        .batch_execute(&format!(
+            "CREATE ROLE {role} LOGIN PASSWORD 'app-pass';
+             GRANT EXECUTE ON FUNCTION outbox_emit(text, text, text, jsonb, jsonb, uuid) TO {role};"
+        ))
+        .await
+        .unwrap();
+    let (app, conn) = tokio_postgres::connect(
+        &format!(
+            "host=127.0.0.1 port={} user={role} password=app-pass dbname={}",
+            crate::harness::server().port,
+            db.name
+        ),
+        tokio_postgres::NoTls,
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+
+    let cfg = daemon_config(
+        dir.path(),
+        "f.toml",
+        &db.superuser_url(),
+        "emit7",
+        brokers,
+        &p,
+        "",
+        "",
+        "",
+    );
+    let log = dir.path().join("f.log");
+    let mut d = Daemon::start(&cfg, &log);
+    wait_for("the slot", Duration::from_secs(30), || async {
+        confirmed_flush(&client, "emit7").await
+    })
+    .await;
+    let real: Uuid = app
+        .query_one("SELECT outbox_emit('Order', 'real', 'real.v1', '{}')", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let forged = Uuid::new_v4();
+    let e = app
+        .execute(
+            "SELECT pg_logical_emit_message(true, 'outbox', $1::text)",
+            &[&content(forged, "forged")],
+        )
+        .await
+        .expect_err("PUBLIC may not write messages (migration 0008)");
+    assert!(format!("{e:?}").contains("permission denied"), "{e:?}");
+    wait_ids(brokers, &[&topic], &HashSet::from([real])).await;
+
+    // A database where PUBLIC may write messages again: the running relay
+    // stops (within a guard round), and refuses to start.
+    client.batch_execute(&public_emit(true)).await.unwrap();
+    assert_eq!(exits(&mut d, Duration::from_secs(30), &log).await, Some(1));
+    assert!(log_text(&log).contains("any role may call pg_logical_emit_message"));
+    app.execute(
+        "SELECT pg_logical_emit_message(true, 'outbox', $1::text)",
+        &[&content(forged, "forged")],
+    )
+    .await
+    .unwrap();
+    let mut again = Daemon::start(&cfg, &log);
+    assert_eq!(exits(&mut again, Duration::from_secs(30), &log).await, Some(1));
+    let (code, out, _) = outboxd_async(&["check", "--config", cfg.to_str().unwrap()]).await;
+    assert_ne!(code, Some(0));
+    assert!(
+        out.contains("REVOKE EXECUTE ON FUNCTION pg_logical_emit_message"),
+        "{out}"
+    );
+    let in_kafka = ids(&records(brokers, &[&topic]).await);
+    assert!(!in_kafka.contains(&forged), "the forged event was not published");
+}

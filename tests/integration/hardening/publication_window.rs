@@ -1,0 +1,119 @@
+//! Class 2: the publication changed while no session streamed. The
+//! publication guard proves it from a session's start on; WAL between the
+//! slot's position and that start was never proven, and rows written there
+//! while the table was out of the publication were lost.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use uuid::Uuid;
+
+use super::{daemon_config, exits, ids, log_text, outboxd_async, prefix, records, wait_ids};
+use crate::harness::broker::broker;
+use crate::harness::{wait_for, TestDb};
+use crate::relay::{confirmed_flush, write_events, Daemon};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publication_changed_while_outboxd_was_down_is_refused_until_the_window_is_replayed() {
+    let db = TestDb::new("hard_pubwin").await;
+    let client = db.client().await;
+    let dir = tempfile::tempdir().unwrap();
+    let brokers = &broker().brokers;
+    let p = prefix("pubwin");
+    let topic = format!("{p}.order");
+    let slot = "pubwin";
+    let cfg = daemon_config(
+        dir.path(),
+        "pubwin.toml",
+        &db.superuser_url(),
+        slot,
+        brokers,
+        &p,
+        "",
+        "",
+        "",
+    );
+    let c = cfg.to_str().unwrap();
+    let log = dir.path().join("pubwin.log");
+
+    let daemon = Daemon::start(&cfg, &log);
+    wait_for("the slot", Duration::from_secs(30), || async {
+        confirmed_flush(&client, slot).await
+    })
+    .await;
+    let (a, _) = write_events(&client, 5, 1, 3, &["Order"], 0).await;
+    wait_ids(brokers, &[&topic], &a.iter().map(|e| e.id).collect()).await;
+    assert!(daemon.sigterm().success());
+
+    // A restart over an unchanged publication streams on.
+    let daemon = Daemon::start(&cfg, &log);
+    let (b, _) = write_events(&client, 5, 1, 3, &["Order"], 5).await;
+    wait_ids(brokers, &[&topic], &b.iter().map(|e| e.id).collect()).await;
+    assert!(daemon.sigterm().success());
+
+    // While it is stopped: the table leaves the publication, rows are
+    // written, and it comes back.
+    client
+        .batch_execute("ALTER PUBLICATION pubwin DROP TABLE outbox")
+        .await
+        .unwrap();
+    let (gap, _) = write_events(&client, 10, 1, 3, &["Order"], 10).await;
+    client
+        .batch_execute("ALTER PUBLICATION pubwin ADD TABLE outbox")
+        .await
+        .unwrap();
+
+    let (code, out, _) = outboxd_async(&["check", "--config", c]).await;
+    assert_ne!(code, Some(0), "{out}");
+    assert!(
+        out.contains("FAIL register") && out.contains("may have changed"),
+        "{out}"
+    );
+    let mut refused = Daemon::start(&cfg, &log);
+    assert_eq!(exits(&mut refused, Duration::from_secs(30), &log).await, Some(1));
+    let text = log_text(&log);
+    assert!(
+        text.contains("cannot show that publication pubwin delivered"),
+        "{text}"
+    );
+    let gap_ids: HashSet<Uuid> = gap.iter().map(|e| e.id).collect();
+    let in_kafka = ids(&records(brokers, &[&topic]).await);
+    assert!(
+        gap_ids.is_disjoint(&in_kafka),
+        "rows written outside the publication never reached Kafka"
+    );
+
+    // The recovery the error prints: the replay of the window, then
+    // accepting the publication as it is.
+    let replay = text
+        .lines()
+        .rev()
+        .find_map(|l| {
+            let start = l.find("`outboxd replay ")? + 1;
+            let end = l[start..].find('`')? + start;
+            Some(l[start..end].to_owned())
+        })
+        .expect("a replay command in the error");
+    let replay = replay.replacen("outboxd", crate::relay::bin(), 1);
+    let cwd = dir.path().to_owned();
+    let status = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("sh")
+            .arg("-c")
+            .arg(&replay)
+            .current_dir(cwd)
+            .status()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(status.success(), "the printed replay command");
+    wait_ids(brokers, &[&topic], &gap_ids).await;
+    let (code, out, err) = outboxd_async(&["progress", "--config", c, "--accept-publication"]).await;
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(out.contains("recorded publication pubwin"), "{out}");
+
+    let daemon = Daemon::start(&cfg, &log);
+    let (d, _) = write_events(&client, 5, 1, 3, &["Order"], 20).await;
+    wait_ids(brokers, &[&topic], &d.iter().map(|e| e.id).collect()).await;
+    assert!(daemon.sigterm().success());
+}

@@ -1,0 +1,159 @@
+//! Class 8: exactly-once, a record Kafka refuses inside a Kafka
+//! transaction. It was remembered by its insert LSN, and forgotten as soon
+//! as other commits (or an idle keepalive) confirmed past that LSN while its
+//! own transaction was still open: the replay met it again, and aborted
+//! again. COPY writes many rows in one WAL record: one refused row
+//! dead-lettered its neighbours.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use uuid::Uuid;
+
+use super::{daemon_config, prefix, wait_ids};
+use crate::harness::broker::{broker, consume, create_topics_with};
+use crate::harness::{wait_for, TestDb};
+use crate::operations::{get, metric};
+use crate::relay::{confirmed_flush, Daemon};
+
+/// The count of one labelled metric (`name{label="value"} n`).
+fn labelled(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(series))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
+
+fn big() -> serde_json::Value {
+    // Hex of random UUIDs: 50 KB that compression cannot shrink below the
+    // topic's 20,000 bytes.
+    let pad: String = (0..1400).map(|_| Uuid::new_v4().simple().to_string()).collect();
+    serde_json::json!({ "pad": pad })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exactly_once_sets_a_refused_record_aside_once_whatever_commits_around_it() {
+    let db = TestDb::new("hard_eo8").await;
+    let client = db.client().await;
+    let dir = tempfile::tempdir().unwrap();
+    let brokers = &broker().brokers;
+    let p = prefix("eo8");
+    let (topic, dlq) = (format!("{p}.order"), format!("{p}.dlq"));
+    let b = brokers.clone();
+    let t = topic.clone();
+    tokio::task::spawn_blocking(move || create_topics_with(&b, &[t], &[("max.message.bytes", "20000")]))
+        .await
+        .unwrap();
+    let port = crate::harness::postgres::free_port();
+    let cfg = daemon_config(
+        dir.path(),
+        "eo8.toml",
+        &db.superuser_url(),
+        "eo8",
+        brokers,
+        &p,
+        &format!("on_poison = \"dead-letter\"\ndead_letter_topic = \"{dlq}\""),
+        &format!("delivery = \"exactly-once\"\nprogress_topic = \"{p}.progress\""),
+        "",
+    );
+    let text = std::fs::read_to_string(&cfg).unwrap().replace(
+        "listen = \"127.0.0.1:0\"",
+        &format!("listen = \"127.0.0.1:{port}\""),
+    );
+    std::fs::write(&cfg, text).unwrap();
+    let log = dir.path().join("eo8.log");
+    let daemon = Daemon::start(&cfg, &log);
+    wait_for("the slot", Duration::from_secs(30), || async {
+        confirmed_flush(&client, "eo8").await
+    })
+    .await;
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+
+    // A transaction holds a row too large for the topic, open for 3 s
+    // while other transactions commit every 100 ms.
+    let (bad, good) = (Uuid::now_v7(), Uuid::now_v7());
+    let insert = "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload) VALUES ($1, 'Order', $2, 't', $3)";
+    let mut long = db.client().await;
+    let tx = long.transaction().await.unwrap();
+    tx.execute(insert, &[&good, &"held", &serde_json::json!({"n": 1})])
+        .await
+        .unwrap();
+    tx.execute(insert, &[&bad, &"held", &big()]).await.unwrap();
+    let mut others = Vec::new();
+    for i in 0..30 {
+        let id = Uuid::now_v7();
+        client
+            .execute(
+                insert,
+                &[&id, &format!("busy-{}", i % 3), &serde_json::json!({"i": i})],
+            )
+            .await
+            .unwrap();
+        others.push(id);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tx.commit().await.unwrap();
+
+    // COPY: five rows in one WAL record, the third too large.
+    let copy: Vec<Uuid> = (0..5).map(|_| Uuid::now_v7()).collect();
+    {
+        use futures::SinkExt;
+        let sink = client
+            .copy_in("COPY outbox (id, aggregate_type, aggregate_id, type, payload) FROM STDIN")
+            .await
+            .unwrap();
+        futures::pin_mut!(sink);
+        let mut text = String::new();
+        for (i, id) in copy.iter().enumerate() {
+            let payload = if i == 2 {
+                big()
+            } else {
+                serde_json::json!({"copy": i})
+            };
+            text.push_str(&format!("{id}\tOrder\tcopied\tt\t{payload}\n"));
+        }
+        sink.send(bytes::Bytes::from(text)).await.unwrap();
+        sink.finish().await.unwrap();
+    }
+
+    let mut published: HashSet<Uuid> = others.iter().copied().collect();
+    published.insert(good);
+    published.extend(
+        copy.iter()
+            .enumerate()
+            .filter(|(i, _)| *i != 2)
+            .map(|(_, id)| *id),
+    );
+    wait_ids(brokers, &[&topic], &published).await;
+    let dead = wait_ids(brokers, &[&dlq], &HashSet::from([bad, copy[2]])).await;
+    assert_eq!(dead.len(), 2, "exactly the two rows too large, once each");
+    assert!(dead.iter().all(|d| d.header("dlq.reason") == Some("too_large")));
+    // read_committed: every event once.
+    let (b, t) = (brokers.clone(), topic.clone());
+    let committed =
+        tokio::task::spawn_blocking(move || consume(&b, &[&t], usize::MAX, Duration::from_secs(5)))
+            .await
+            .unwrap();
+    let ids: Vec<Uuid> = committed
+        .iter()
+        .filter_map(|r| r.header("id")?.parse().ok())
+        .collect();
+    assert_eq!(ids.len(), published.len(), "each event once to read_committed");
+    assert_eq!(ids.iter().copied().collect::<HashSet<_>>(), published);
+    // Two aborts per refusal at most (docs/exactly-once.md): the batch
+    // that held it, and the record alone.
+    let (_, body) = get(addr, "/metrics").await;
+    let aborted = labelled(&body, "outboxd_kafka_transactions_total{outcome=\"aborted\"}");
+    eprintln!(
+        "refused in a transaction: {aborted} aborted Kafka transactions, {} committed",
+        labelled(&body, "outboxd_kafka_transactions_total{outcome=\"committed\"}")
+    );
+        assert!(
+        aborted <= 4.0,
+        "{aborted} aborted Kafka transactions for two refusals: {}",
+        super::log_text(&log)
+    );
+    assert!(metric(&body, "outboxd_ready").is_some());
+    assert!(daemon.sigterm().success());
+}

@@ -1,0 +1,145 @@
+//! Class 5: the slot register read fails closed. Class 12: a restart keeps
+//! the register's commit time.
+
+use std::time::Duration;
+
+use outboxd::config::Config;
+use outboxd::slot_register;
+use rdkafka::mocking::MockCluster;
+use rdkafka::types::RDKafkaRespErr;
+
+use super::{daemon_config, exits, log_text, prefix, wait_ids};
+use crate::harness::broker::broker;
+use crate::harness::{wait_for, TestDb};
+use crate::relay::{confirmed_flush, write_events, Daemon};
+
+/// The system identifier of the test server.
+async fn system_id(client: &tokio_postgres::Client) -> String {
+    client
+        .query_one("SELECT system_identifier::text FROM pg_control_system()", &[])
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// Before, a topic-level metadata error of the progress topic read as "no
+/// record": a lost slot was then recreated at the current WAL position.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_register_kafka_cannot_serve_is_never_read_as_no_record() {
+    let db = TestDb::new("hard_reg").await;
+    let client = db.client().await;
+    let mock = MockCluster::new(1).unwrap();
+    let progress = "reg.progress";
+    mock.create_topic(progress, 1, 1).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = daemon_config(
+        dir.path(),
+        "reg.toml",
+        &db.superuser_url(),
+        "hard_reg",
+        &mock.bootstrap_servers(),
+        "reg",
+        "",
+        &format!("progress_topic = \"{progress}\""),
+        "",
+    );
+    let (config, _) = Config::load(&cfg).unwrap();
+    let sys = system_id(&client).await;
+    for (error, transient) in [
+        (
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR_TOPIC_AUTHORIZATION_FAILED,
+            false,
+        ),
+        (RDKafkaRespErr::RD_KAFKA_RESP_ERR_LEADER_NOT_AVAILABLE, true),
+    ] {
+        mock.topic_error(progress, error).unwrap();
+        let read = slot_register::read(&config.kafka, &sys, "hard_reg", Duration::from_secs(5)).await;
+        let e = read.expect_err("an error, never \"no record\"");
+        assert_eq!(e.is_transient(), transient, "{e}");
+    }
+
+    // The relay with the slot gone and the register denied: it stops with
+    // the grant to add, and creates no slot.
+    mock.topic_error(
+        progress,
+        RDKafkaRespErr::RD_KAFKA_RESP_ERR_TOPIC_AUTHORIZATION_FAILED,
+    )
+    .unwrap();
+    let log = dir.path().join("reg.log");
+    let mut daemon = Daemon::start(&cfg, &log);
+    assert_eq!(exits(&mut daemon, Duration::from_secs(60), &log).await, Some(1));
+    assert!(
+        log_text(&log).contains("grant outboxd's principal READ, WRITE and DESCRIBE"),
+        "{}",
+        log_text(&log)
+    );
+    assert_eq!(
+        confirmed_flush(&client, "hard_reg").await,
+        None,
+        "no slot was created"
+    );
+    drop(mock);
+}
+
+/// Before, each session start rewrote the record without
+/// `confirmedCommitTime`, so a slot lost after a restart had only a
+/// placeholder in its recovery command.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_keeps_the_commit_time_a_lost_slot_is_replayed_from() {
+    let db = TestDb::new("hard_regtime").await;
+    let client = db.client().await;
+    let dir = tempfile::tempdir().unwrap();
+    let brokers = &broker().brokers;
+    let p = prefix("regtime");
+    let cfg = daemon_config(
+        dir.path(),
+        "t.toml",
+        &db.superuser_url(),
+        "regtime",
+        brokers,
+        &p,
+        "",
+        &format!("progress_topic = \"{p}.progress\""),
+        "",
+    );
+    let (config, _) = Config::load(&cfg).unwrap();
+    let log = dir.path().join("t.log");
+    let daemon = Daemon::start(&cfg, &log);
+    wait_for("the slot", Duration::from_secs(30), || async {
+        confirmed_flush(&client, "regtime").await
+    })
+    .await;
+    let (events, _) = write_events(&client, 3, 1, 1, &["Order"], 0).await;
+    wait_ids(
+        brokers,
+        &[&format!("{p}.order")],
+        &events.iter().map(|e| e.id).collect(),
+    )
+    .await;
+    assert!(daemon.sigterm().success());
+    let sys = system_id(&client).await;
+    let read = || async {
+        slot_register::read(&config.kafka, &sys, "regtime", Duration::from_secs(10))
+            .await
+            .unwrap()
+            .unwrap()
+    };
+    let stopped = read().await;
+    let time = stopped
+        .confirmed_commit_time
+        .clone()
+        .expect("a commit time at the clean stop");
+    assert!(stopped.last_commit().is_some(), "{stopped:?}");
+
+    // A new session writes the record at its first status tick, before it
+    // has confirmed any transaction of its own.
+    let daemon = Daemon::start(&cfg, &log);
+    let rewritten = wait_for("the new session's record", Duration::from_secs(30), || async {
+        let r = read().await;
+        (r.writer != stopped.writer).then_some(r)
+    })
+    .await;
+    assert_eq!(rewritten.confirmed_commit_time.as_deref(), Some(time.as_str()));
+    assert_eq!(rewritten.last_commit(), stopped.last_commit());
+    assert!(daemon.sigterm().success());
+}
