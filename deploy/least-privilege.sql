@@ -10,4 +10,16 @@
 CREATE ROLE outboxd WITH LOGIN REPLICATION PASSWORD 'change-me';
 GRANT USAGE ON SCHEMA public TO outboxd;
 GRANT SELECT ON public.outbox TO outboxd;
-CREATE PUBLICATION outboxd FOR TABLE public.outbox WITH (publish = 'insert');
+-- Via the partition root: a partitioned outbox's rows arrive as the
+-- outbox's (outboxd refuses a publication of a partitioned table without it).
+CREATE PUBLICATION outboxd FOR TABLE public.outbox WITH (publish = 'insert', publish_via_partition_root = true);
+--
+-- The table-less outbox (outbox_emit, migrations 0007 and 0008): outboxd
+-- reads its messages only while PUBLIC may not call pg_logical_emit_message.
+-- Migration 0008 arranges that when a superuser applies it; otherwise run,
+-- as a superuser, for every signature of pg_logical_emit_message
+-- (PostgreSQL 17 and later have a fourth argument, flush):
+--   REVOKE EXECUTE ON FUNCTION pg_logical_emit_message(boolean, text, text) FROM PUBLIC;
+--   REVOKE EXECUTE ON FUNCTION pg_logical_emit_message(boolean, text, bytea) FROM PUBLIC;
+--   GRANT EXECUTE ON FUNCTION pg_logical_emit_message(boolean, text, text) TO <owner of outbox_emit>;
+-- and grant application roles EXECUTE on outbox_emit only.

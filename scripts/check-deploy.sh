@@ -95,7 +95,7 @@ print("chart, alerts and dashboard: ok")
 PY
 
 log "the embedded config is valid for outboxd"
-cargo build --quiet --bin outboxd --example consume
+cargo build --quiet --bin outboxd --bin outboxd-consume
 binary="$target/debug/outboxd"
 "$py" -c 'import sys,yaml; print([d for d in yaml.safe_load_all(open(sys.argv[1])) if d and d["kind"]=="ConfigMap"][0]["data"]["outboxd.toml"])' \
   "$render/default.yaml" >"$render/outboxd.toml"
@@ -103,5 +103,5 @@ PGPASSWORD=x "$binary" check --config-only --config "$render/outboxd.toml" \
   || fail "the chart's config does not validate"
 
 log "image: the whole Dockerfile, checked as the chart runs it"
-scripts/lib/image.sh "$target/debug/examples/consume"
+scripts/lib/image.sh "$target/debug/outboxd-consume"
 echo "check-deploy: all passed"

@@ -7,13 +7,17 @@
 # from Kafka, shows the slot's confirmed LSN, and stops everything.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
+started=$SECONDS
+scripts/setup.sh quick-start
+setup_s=$((SECONDS - started))
 
 log() { printf '\n== %s\n' "$*"; }
 # shellcheck source=lib/services.sh
 source scripts/lib/services.sh
 
-cargo build --quiet --bin outboxd --example consume
+step=$SECONDS
+cargo build --quiet --bin outboxd --bin outboxd-consume
+build_s=$((SECONDS - step))
 target="${CARGO_TARGET_DIR:-target}/debug"
 
 outboxd_pid=
@@ -24,7 +28,10 @@ cleanup() {
 trap cleanup EXIT
 
 log "PostgreSQL (wal_level=logical) and Apache Kafka $(scripts/kafka.sh version) (KRaft)"
+step=$SECONDS
 start_services
+services_s=$((SECONDS - step))
+step=$SECONDS
 echo "PostgreSQL on 127.0.0.1:$PG_PORT, broker on 127.0.0.1:$KAFKA_PORT"
 "${PSQL[@]}" -f migrations/0001_outbox.sql
 
@@ -55,7 +62,7 @@ SQL
 done
 
 log "consumed from order.events"
-"$target/examples/consume" --brokers "127.0.0.1:$KAFKA_PORT" --count 6 --idle-secs 15 order.events
+"$target/outboxd-consume" --brokers "127.0.0.1:$KAFKA_PORT" --count 6 --idle-secs 15 order.events
 
 log "replication slot: confirmed only after Kafka acknowledged"
 end_lsn=$("${PSQL[@]}" -At -c "SELECT pg_current_wal_lsn()")
@@ -70,3 +77,5 @@ kill -TERM "$outboxd_pid"
 wait "$outboxd_pid"
 outboxd_pid=
 echo "outboxd exited 0"
+log "where the time went"
+echo "setup (scripts/setup.sh quick-start): ${setup_s} s; build: ${build_s} s; services: ${services_s} s; outboxd, the events and the checks: $((SECONDS - step)) s; in all $((SECONDS - started)) s"

@@ -10,7 +10,17 @@
 # CloudEvents Python SDK (scripts/lib/cloudevents-sdk.sh), into
 # ~/.cache/outboxd. Safe to run again:
 # it installs only what is missing.
+#
+#   scripts/setup.sh              everything the tests need (scripts/test.sh)
+#   scripts/setup.sh quick-start  only what scripts/demo.sh needs: PostgreSQL
+#                                 15, the build dependencies, a JDK and Maven,
+#                                 and the broker's jars
 set -euo pipefail
+what=${1:-tests}
+case "$what" in
+  tests|quick-start) ;;
+  *) printf 'setup: unknown target %s (tests or quick-start)\n' "$what" >&2; exit 2 ;;
+esac
 
 log() { printf 'setup: %s\n' "$*" >&2; }
 
@@ -39,6 +49,7 @@ log "PostgreSQL binaries: $pg_bin"
 
 # Newer servers for the version matrix, each in a Debian root of its own.
 pg_versions=${OUTBOXD_PG_VERSIONS-17 18}
+[ "$what" = quick-start ] && pg_versions=
 if [ -n "$pg_versions" ]; then
   dpkg -s debootstrap >/dev/null 2>&1 || { log "installing debootstrap"; apt_install debootstrap; }
   for v in $pg_versions; do
@@ -59,7 +70,7 @@ for tool in runuser psql; do
   command -v "$tool" >/dev/null || { log "missing $tool"; exit 1; }
 done
 
-if command -v rustup >/dev/null; then
+if command -v rustup >/dev/null && [ "$what" = tests ]; then
   rustup component list --installed 2>/dev/null | grep -q '^rustfmt' || rustup component add rustfmt
   rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy
 fi
@@ -77,6 +88,9 @@ if [ "${#missing[@]}" -gt 0 ]; then
 fi
 "$(dirname "$0")/kafka.sh" fetch
 log "broker: Apache Kafka $("$(dirname "$0")/kafka.sh" version) (scripts/kafka.sh)"
+# The services' scripts pick free ports with python3.
+command -v python3 >/dev/null || { log "installing python3"; apt_install python3; }
+[ "$what" = quick-start ] && exit 0
 # The CloudEvents SDK the tests decode CloudEvents records with.
 if ! command -v python3 >/dev/null || ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then
   log "installing python3 and python3-venv"

@@ -177,7 +177,7 @@ async fn resumption_problem(
         .await
         .ok()?;
     match publication_proof(&verified, info.catalog_xmin, record) {
-        PublicationProof::Unproven { .. } if config.kafka.keeps_slot_register() => Some(format!(
+        PublicationProof::Unproven { .. } if config.kafka.keeps_slot_register() && record.is_some() => Some(format!(
             "the publication may have changed since the slot's position {} (its catalog rows are newer than the slot's catalog_xmin, and the slot register holds another fingerprint or none): `run` refuses to stream. Re-publish the window with `{}`, then run `outboxd progress --accept-publication`",
             info.confirmed_flush_lsn.map(|l| l.to_string()).unwrap_or_else(|| "-".into()),
             crate::slot_register::replay_command(v.source.as_deref(), record)

@@ -74,7 +74,8 @@ pub enum Mode {
     /// Logical replication (pgoutput): no polling, commit order, low latency.
     #[default]
     Cdc,
-    /// `SELECT … FOR UPDATE SKIP LOCKED` rounds, for databases without
+    /// Rounds of `SELECT … FOR UPDATE` in write order by one elected
+    /// poller (see `crate::polling`), for databases without
     /// logical replication.
     Polling,
 }
@@ -176,7 +177,7 @@ pub struct PostgresConfig {
     pub create_publication: bool,
     /// PostgreSQL 17+: make the slot a failover slot, so that a standby
     /// with `sync_replication_slots = on` keeps a copy that outlives a
-    /// promotion (see the README, "Surviving a failover"). Ignored on older
+    /// promotion (see docs/failover.md). Ignored on older
     /// servers.
     #[serde(default = "yes")]
     pub failover_slot: bool,
@@ -496,7 +497,7 @@ pub struct RoutingConfig {
     /// Lowercase the aggregate type in the topic name (`Order` → `order.events`).
     #[serde(default = "yes")]
     pub lowercase_aggregate_type: bool,
-    /// `envelope` or `payload`.
+    /// `envelope`, `payload`, `cloudevents` or `cloudevents-binary`.
     #[serde(default)]
     pub value: ValueFormat,
     /// The CloudEvents `source`: a URI-reference template over

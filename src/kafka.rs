@@ -379,7 +379,11 @@ pub struct KafkaSink {
     producer: FutureProducer,
     admin: AdminClient<DefaultClientContext>,
     probe: BrokerProbe,
+    /// Topics proven served in this session (every partition answered).
     known_topics: HashSet<String>,
+    /// Topics the session's warm-up found in the metadata: they need no
+    /// creation, but still the readiness check before their first record.
+    existing_topics: HashSet<String>,
     create_topics: bool,
     partitions: i32,
     replication_factor: i32,
@@ -446,6 +450,7 @@ impl KafkaSink {
             producer,
             admin,
             known_topics: HashSet::new(),
+            existing_topics: HashSet::new(),
             create_topics: cfg.create_topics,
             partitions: cfg.topic_partitions,
             replication_factor: cfg.topic_replication_factor,
@@ -642,7 +647,7 @@ impl KafkaSink {
             return Ok(());
         }
         let started = tokio::time::Instant::now();
-        if !self.topic_exists(topic).await? {
+        if !self.existing_topics.contains(topic) && !self.topic_exists(topic).await? {
             if !self.create_topics {
                 return Err(KafkaSinkError::TopicMissing {
                     topic: topic.to_owned(),
@@ -681,13 +686,17 @@ impl KafkaSink {
             }
             tracing::info!(topic, partitions, "created topic");
         }
-        // No record goes to a topic before every partition is served. A
-        // broker creates a new topic's partitions one after another, and
-        // librdkafka's idempotent producer, seeing a partition come and go,
-        // resets its sequence numbers: the broker then took a record sent
-        // later as a duplicate of one it never stored, and the delivery
-        // report said "delivered". Seen on Kafka 4.4 with librdkafka 2.12
-        // (the quick start lost the first order on a fresh broker).
+        // No record goes to a topic before every partition is served, once
+        // per session (so for each new producer), whoever created it. A
+        // broker creates a new topic's partitions one after another;
+        // records produced into that window were lost on Kafka 4.4 with
+        // librdkafka 2.12 (the quick start lost the first order on a fresh
+        // broker). Where librdkafka then acknowledges implicitly (no
+        // offset), the relay replays (`Report::Unproven`); a record the
+        // broker took for a duplicate comes back with an offset, and only
+        // this wait keeps it from happening. Partitions added to a topic
+        // later are found by librdkafka's metadata refresh; their first
+        // records are covered by the offset check.
         let deadline = tokio::time::Instant::now() + self.timeout;
         while !self.topic_ready(topic).await {
             if tokio::time::Instant::now() > deadline {
@@ -741,6 +750,7 @@ impl KafkaSink {
     /// allowed, creates) them again: a broker may have lost them.
     pub fn forget_topics(&mut self) {
         self.known_topics.clear();
+        self.existing_topics.clear();
         self.warm_up();
     }
 
@@ -779,7 +789,7 @@ impl KafkaSink {
         };
         if let Ok(topics) = handle.await {
             tracing::debug!(topics = topics.len(), "topics already served");
-            self.known_topics.extend(topics);
+            self.existing_topics.extend(topics);
         }
     }
 

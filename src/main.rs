@@ -99,7 +99,7 @@ enum Command {
     Replay(ReplayArgs),
 }
 
-/// `outboxd replay`: see the README, "Replay and backfill".
+/// `outboxd replay`: see docs/recovery.md, "Replay and backfill".
 #[derive(Debug, clap::Args)]
 struct ReplayArgs {
     /// The TOML configuration file.

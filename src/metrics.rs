@@ -95,6 +95,8 @@ pub const PUBLISH_ERROR_REASONS: &[&str] = &[
     "transaction",
     "progress",
     "slot_register",
+    "not_stored",
+    "publication_unproven",
 ];
 
 /// Every `reason` of `outboxd_dead_letters_total` (and of a dead letter's
@@ -108,6 +110,7 @@ pub const DEAD_LETTER_REASONS: &[&str] = &[
     "bad_headers",
     "unreadable",
     "aggregate_type_not_allowed",
+    "bad_cloudevent",
 ];
 
 impl Metrics {

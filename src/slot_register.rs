@@ -249,9 +249,10 @@ pub async fn forget(
 #[error(
     "replication slot {slot} does not exist, but outboxd streamed it on this PostgreSQL system (timeline {then_timeline}, now {now_timeline}) up to at least {confirmed} at {seen_at} (slot register in {topic}). \
      The slot was lost ({cause}); a new slot would start at the current WAL position and skip every event committed in between, so outboxd does not create one. \
-     Recovery: 1. run `outboxd progress --reset --config <file>` to acknowledge the gap; 2. start outboxd, which creates a new slot; \
-     3. re-publish the outbox rows of transactions committed after LSN {confirmed}: run `{replay}` (consumers deduplicate by id). \
-     Or bring back the server that held the slot. See the README, \"Surviving a failover\" and \"Replay and backfill\""
+     Recovery: 1. run `outboxd progress --reset --create-slot --config <file>` to acknowledge the gap and create the slot now; \
+     2. re-publish the outbox rows of transactions committed after LSN {confirmed}: run `{replay}` (consumers deduplicate by id); \
+     3. start outboxd: each aggregate's replayed events are then in Kafka before its newer ones. \
+     Or bring back the server that held the slot. See docs/recovery.md"
 )]
 pub struct SlotLost {
     pub slot: String,

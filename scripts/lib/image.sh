@@ -4,7 +4,7 @@
 #
 #   scripts/lib/image.sh CONSUME
 #
-# CONSUME is a host-built `examples/consume`, used to read what the outboxd
+# CONSUME is a host-built `outboxd-consume` (src/bin), used to read what the outboxd
 # in the image published. No image can be pulled here, so the two base
 # images are made locally first (scripts/lib/debian-slim.sh and
 # scripts/lib/rust-builder.sh, once per machine); crates and Debian packages

@@ -150,7 +150,7 @@ pub enum RelayError {
     SlotLost(Box<SlotLost>),
     #[error("the dead-letter topic failed, so a poison row cannot be set aside: {0}; outboxd stops rather than skip it")]
     DeadLetterFailed(String),
-    #[error("{reason}. The publication changed while outboxd streamed, so outbox rows committed after WAL {verified} may never have been sent; outboxd has not confirmed past {verified}. Fix the publication, then re-publish the outbox rows committed since then (consumers deduplicate by id) before you restart: a restart streams that WAL with the publication as it was, and would skip such rows again")]
+    #[error("{reason}. The publication changed while outboxd streamed, so outbox rows committed after WAL {verified} may never have been sent; outboxd has not confirmed past {verified}. Fix the publication, re-publish the outbox rows committed since then with `outboxd replay --since <the commit time of WAL {verified}>` (consumers deduplicate by id), run `outboxd progress --accept-publication`, then restart: a restart streams that WAL with the publication as it was, and would skip such rows again. See docs/recovery.md")]
     PublicationChanged { verified: Lsn, reason: String },
     #[error("cannot read the publication's state to prove delivery: {0}")]
     GuardFailed(String),
@@ -160,7 +160,7 @@ pub enum RelayError {
     StreamEnded,
     #[error("replication protocol out of order: {0}")]
     OutOfOrder(&'static str),
-    #[error("replication slot {slot} was invalidated ({reason}: {}), so events committed after its confirmed LSN can no longer be streamed. Recovery: stop outboxd; run SELECT pg_drop_replication_slot('{slot}'); run `outboxd progress --reset` (the slot register remembers the slot and would refuse a new one); start outboxd (it creates a new slot at the current WAL position); then re-publish the gap from the outbox table: `{replay}` (consumers deduplicate by id). See the README, \"Reliability\" and \"Replay and backfill\"", admin::explain_invalidation(.reason))]
+    #[error("replication slot {slot} was invalidated ({reason}: {}), so events committed after its confirmed LSN can no longer be streamed. Recovery: stop outboxd; run SELECT pg_drop_replication_slot('{slot}'); run `outboxd progress --reset --create-slot` (the slot register remembers the slot and would refuse a new one; this acknowledges the gap and creates the slot at the current WAL position); re-publish the gap from the outbox table: `{replay}` (consumers deduplicate by id); then start outboxd. See docs/recovery.md", admin::explain_invalidation(.reason))]
     SlotInvalidated {
         slot: String,
         reason: String,
@@ -630,6 +630,14 @@ impl Relay {
             return Ok(());
         };
         let replay = slot_register::replay_command(self.validated.source.as_deref(), record);
+        // A slot outboxd never streamed (no record: a first start on a slot
+        // made by hand or by Debezium, or after `progress --reset`): there
+        // is no earlier session whose proof could carry over, as before
+        // this check existed. It is said, not refused.
+        if record.is_none() && self.config.kafka.keeps_slot_register() {
+            tracing::warn!(slot = self.validated.slot.as_str(), %start, "first start on a slot outboxd has not streamed: the publication cannot be shown unchanged since the slot's position (its catalog rows are newer than the slot's catalog_xmin); if it did not carry the table at some point since then, re-publish that window with outboxd replay");
+            return Ok(());
+        }
         if !self.config.kafka.keeps_slot_register() {
             self.metrics.error("publication_unproven");
             tracing::error!(slot = self.validated.slot.as_str(), %start, replay, "cannot show that the publication delivered every outbox INSERT while no session streamed (its catalog rows were written after the slot's catalog_xmin, and kafka.slot_register is off): rows written while it did not carry the table were never sent; re-publish them with the replay command if the publication changed");
@@ -641,7 +649,7 @@ impl Relay {
             registered: if registered.is_some() {
                 "another publication's fingerprint"
             } else {
-                "no fingerprint of it (a register written by an older outboxd, or none)"
+                "no fingerprint of it (a record written by an older outboxd)"
             },
             replay,
         })
@@ -906,6 +914,7 @@ impl Relay {
             waypoint,
             open_commit: Lsn::ZERO,
             row_index: 0,
+            pending_failure: None,
         };
         let result = self.stream_loop(&mut stream, &mut s, shutdown).await;
         match result {

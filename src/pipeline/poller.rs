@@ -57,7 +57,7 @@ pub(super) async fn poll_slot_and_brokers(
                     if row.get::<_, Option<String>>(1).as_deref() == Some("lost") {
                         tracing::error!(
                             slot = v.slot.as_str(),
-                            "the replication slot was invalidated (max_slot_wal_keep_size exceeded); see the README for recovery"
+                            "the replication slot was invalidated (max_slot_wal_keep_size exceeded); see docs/recovery.md, \"An invalidated slot\""
                         );
                     }
                 }

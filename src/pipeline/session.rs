@@ -148,6 +148,12 @@ pub(super) struct Session {
     /// A transaction the stream must meet before anything past `start` is
     /// confirmed (see `resume`).
     pub(super) waypoint: Option<super::resume::Waypoint>,
+    /// Exactly-once: the first failed delivery of the open Kafka
+    /// transaction that is not a refusal of its own, and when it came. The
+    /// session reads nothing more, hears the remaining reports out (a
+    /// refused record among them is the cause to name, and set aside), and
+    /// then ends with it; at most [`HEAR_OUT`] after it came.
+    pub(super) pending_failure: Option<(Instant, RelayError)>,
     /// The open transaction's commit LSN (its Begin's final LSN), and its
     /// outbox rows and messages so far: the index of the next one in its
     /// [`RowPos`].
@@ -287,6 +293,10 @@ pub(super) fn now_micros() -> i64 {
         .unwrap_or(0)
 }
 
+/// How long a session with a failed delivery in its Kafka transaction
+/// waits for the transaction's other reports before it ends.
+pub(super) const HEAR_OUT: Duration = Duration::from_secs(10);
+
 /// Shortest gap between status updates sent because the flush position moved.
 pub(super) const EAGER_CONFIRM: Duration = Duration::from_millis(100);
 
@@ -365,6 +375,17 @@ impl Session {
         let topic = rdkafka::message::Message::topic(&msg).to_owned();
         let in_transaction = !matches!(self.durability, Durability::AtLeastOnce);
         match (sent, Refusal::of(&e)) {
+            // Inside a Kafka transaction, one record Kafka refuses makes
+            // librdkafka purge the transaction's queued records, whose
+            // reports may come first: hear the rest of the transaction's
+            // reports out before naming the cause (see `pending_failure`).
+            (_, Refusal::Transient) | (Sent::Progress, _) if in_transaction => {
+                self.pending_failure.get_or_insert((
+                    Instant::now(),
+                    KafkaSinkError::Delivery { topic, source: e }.into(),
+                ));
+                Ok(())
+            }
             (_, Refusal::Transient) | (Sent::Progress, _) => {
                 Err(KafkaSinkError::Delivery { topic, source: e }.into())
             }

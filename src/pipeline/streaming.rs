@@ -9,7 +9,7 @@ use tokio::time::{Instant, MissedTickBehavior};
 
 use super::commit::commit_outcome;
 use super::resume::Passage;
-use super::session::{now_micros, DeadLetterJob, Sent, Session, EAGER_CONFIRM};
+use super::session::{now_micros, DeadLetterJob, Sent, Session, EAGER_CONFIRM, HEAR_OUT};
 use super::{Relay, RelayError};
 use crate::exactly_once::{LastCommit, RowPos};
 use crate::kafka::{KafkaSinkError, Refusal, SendOutcome};
@@ -45,7 +45,17 @@ impl Relay {
             // lease is fresh; a leader that was stopped finds it stale
             // before anything else (see crate::leader).
             let leading = self.election.still_held();
-            let intake = leading
+            // A failed delivery waits for the rest of its transaction's
+            // reports (see `Session::pending_failure`).
+            if let Some((since, _)) = &s.pending_failure {
+                if s.deliveries.is_empty() || since.elapsed() >= HEAR_OUT {
+                    if let Some((_, e)) = s.pending_failure.take() {
+                        return Err(e);
+                    }
+                }
+            }
+            let intake = s.pending_failure.is_none()
+                && leading
                 && s.deliveries.len() + s.durability.held_rows() < max_inflight
                 && self.end_isolation(s).await?;
             let commit_at = s.durability.deadline();
@@ -102,13 +112,15 @@ impl Relay {
                     }
                 }
             }
-            if !s.dead_letters.is_empty() {
+            // Nothing more goes into a Kafka transaction that failed.
+            let failing = s.pending_failure.is_some();
+            if !s.dead_letters.is_empty() && !failing {
                 self.flush_dead_letters(stream, s).await?;
             }
-            if s.durability.commit_due() {
+            if !failing && s.durability.commit_due() {
                 self.advance_commit(stream, s).await?;
             }
-            if s.durability.releasable() && leading {
+            if !failing && s.durability.releasable() && leading {
                 self.release_held(stream, s).await?;
             }
             // Confirm soon after acknowledgements move the flush position,

@@ -4,7 +4,7 @@
 //! against what the event store implies.
 
 use std::collections::BTreeMap;
-use std::process::{Child, Command};
+use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,7 +23,7 @@ use crate::relay::{config_text, spawn_relay_with_slot, stop_relay};
 
 /// The service as a child process, and a blocking HTTP client for it.
 struct Service {
-    child: Child,
+    child: crate::harness::Reaped,
     base: String,
     http: ureq::Agent,
 }

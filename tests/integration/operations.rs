@@ -273,15 +273,17 @@ async fn status_shows_the_real_slot_and_secrets_stay_hidden() {
     .unwrap();
     let log_path = dir.path().join("outboxd.log");
     let log = std::fs::File::create(&log_path).unwrap();
-    let mut daemon = Command::new(env!("CARGO_BIN_EXE_outboxd"))
-        .args(["run", "--config"])
-        .arg(&cfg_path)
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null())
-        .stdout(log.try_clone().unwrap())
-        .stderr(log)
-        .spawn()
-        .unwrap();
+    let mut daemon = crate::harness::Reaped::new(
+        Command::new(env!("CARGO_BIN_EXE_outboxd"))
+            .args(["run", "--config"])
+            .arg(&cfg_path)
+            .env_remove("RUST_LOG")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap(),
+    );
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     wait_for("the daemon to be ready", Duration::from_secs(30), || async {
         let url = format!("http://{addr}/readyz");

@@ -2,7 +2,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use std::sync::Arc;
@@ -806,7 +806,7 @@ fn bad_config_fails_at_start_naming_the_field() {
 }
 
 pub(crate) struct Daemon {
-    child: Child,
+    child: crate::harness::Reaped,
     config: PathBuf,
     log: PathBuf,
 }
@@ -824,15 +824,17 @@ impl Daemon {
             .append(true)
             .open(log)
             .unwrap();
-        let child = Command::new(bin())
-            .args(["run", "--config"])
-            .arg(config)
-            .env("RUST_LOG", level)
-            .stdin(Stdio::null())
-            .stdout(log_file.try_clone().unwrap())
-            .stderr(log_file)
-            .spawn()
-            .unwrap();
+        let child = crate::harness::Reaped::new(
+            Command::new(bin())
+                .args(["run", "--config"])
+                .arg(config)
+                .env("RUST_LOG", level)
+                .stdin(Stdio::null())
+                .stdout(log_file.try_clone().unwrap())
+                .stderr(log_file)
+                .spawn()
+                .unwrap(),
+        );
         Daemon {
             child,
             config: config.to_owned(),

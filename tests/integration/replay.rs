@@ -323,6 +323,7 @@ async fn replay_selects_throttles_resumes_and_accounts_for_every_row() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    let child = crate::harness::Reaped::new(child);
     // Interrupted once the first batches are acknowledged.
     let state_path = dir.path().join("outboxd-replay.json");
     wait_for("the first batch", Duration::from_secs(30), || {
@@ -338,7 +339,7 @@ async fn replay_selects_throttles_resumes_and_accounts_for_every_row() {
         .args(["-INT", &child.id().to_string()])
         .status()
         .unwrap();
-    let first = tokio::task::spawn_blocking(move || child.wait_with_output())
+    let first = tokio::task::spawn_blocking(move || child.into_inner().wait_with_output())
         .await
         .unwrap()
         .unwrap();

@@ -47,6 +47,7 @@ pub(crate) fn prefix(hint: &str) -> String {
 /// Writes a daemon config for `db_url` and `slot`, topics `<prefix>.<type>`,
 /// with `routing` and `kafka` appended to their sections and `extra` at the
 /// end; returns its path.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn daemon_config(
     dir: &Path,
     name: &str,

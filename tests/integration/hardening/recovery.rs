@@ -88,9 +88,11 @@ async fn a_gap_is_replayed_before_the_relay_resumes_and_each_aggregate_keeps_its
     // C was replayed too (written before the replay ran); the relay
     // streams past it before it stops.
     let end = crate::relay::current_lsn(&client).await;
-    wait_for("the relay past the last event", Duration::from_secs(30), || async {
-        confirmed_flush(&client, "gap").await.filter(|c| *c >= end)
-    })
+    wait_for(
+        "the relay past the last event",
+        Duration::from_secs(30),
+        || async { confirmed_flush(&client, "gap").await.filter(|c| *c >= end) },
+    )
     .await;
     assert!(daemon.sigterm().success(), "{}", super::tail(&log));
 

@@ -149,7 +149,7 @@ async fn exactly_once_sets_a_refused_record_aside_once_whatever_commits_around_i
         "refused in a transaction: {aborted} aborted Kafka transactions, {} committed",
         labelled(&body, "outboxd_kafka_transactions_total{outcome=\"committed\"}")
     );
-        assert!(
+    assert!(
         aborted <= 4.0,
         "{aborted} aborted Kafka transactions for two refusals: {}",
         super::log_text(&log)

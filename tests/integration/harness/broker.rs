@@ -589,9 +589,20 @@ pub fn consume_to_end(brokers: &str, topics: &[&str], timeout: Duration) -> Vec<
                 .elements()
                 .iter()
                 .map(|e| {
-                    let (_, high) = consumer
-                        .fetch_watermarks(e.topic(), e.partition(), Duration::from_secs(10))
-                        .expect("watermarks");
+                    // A partition whose leader is still being elected (a
+                    // topic just created) answers after a moment.
+                    let mut tries = 0;
+                    let (_, high) = loop {
+                        match consumer.fetch_watermarks(e.topic(), e.partition(), Duration::from_secs(10)) {
+                            Ok(w) => break w,
+                            Err(err) if tries < 50 => {
+                                tries += 1;
+                                eprintln!("watermarks of {} [{}]: {err}; again", e.topic(), e.partition());
+                                std::thread::sleep(Duration::from_millis(200));
+                            }
+                            Err(err) => panic!("watermarks: {err}"),
+                        }
+                    };
                     (e.topic().to_owned(), e.partition(), high)
                 })
                 .collect()

@@ -87,6 +87,51 @@ pub fn spawn_watchdog(then: &str) {
         .spawn();
 }
 
+/// A child process that is killed (SIGKILL) and reaped when the guard is
+/// dropped, also when its test fails or panics: no process a test starts
+/// outlives it (`scripts/test.sh` checks that none is left at the end).
+#[derive(Debug)]
+pub struct Reaped(Option<std::process::Child>);
+
+impl Reaped {
+    pub fn new(child: std::process::Child) -> Reaped {
+        Reaped(Some(child))
+    }
+
+    /// The child, no longer killed on drop (the caller waits for it).
+    pub fn into_inner(mut self) -> std::process::Child {
+        self.0.take().expect("a child")
+    }
+}
+
+impl std::ops::Deref for Reaped {
+    type Target = std::process::Child;
+    fn deref(&self) -> &std::process::Child {
+        self.0.as_ref().expect("a child")
+    }
+}
+
+impl std::ops::DerefMut for Reaped {
+    fn deref_mut(&mut self) -> &mut std::process::Child {
+        self.0.as_mut().expect("a child")
+    }
+}
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.0.take() {
+            // SIGCONT first: a stopped child (SIGSTOP) is killed all the same,
+            // but is only reaped once it runs.
+            let _ = std::process::Command::new("kill")
+                .args(["-CONT", &child.id().to_string()])
+                .stderr(std::process::Stdio::null())
+                .status();
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
 /// Polls `check` until it returns `Some`, or panics after `timeout` with `what`.
 pub async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> T
 where
@@ -128,7 +173,7 @@ pub fn example_bin(name: &str) -> std::path::PathBuf {
 /// Starts example `name` as a server with `args` (which must make it
 /// listen on a free port and print `listening on <base URL>` as its first
 /// line on stdout); returns the child and the base URL.
-pub fn spawn_example_server(name: &str, args: &[&str]) -> (std::process::Child, String) {
+pub fn spawn_example_server(name: &str, args: &[&str]) -> (Reaped, String) {
     use std::io::BufRead;
     let mut child = std::process::Command::new(example_bin(name))
         .args(args)
@@ -145,5 +190,5 @@ pub fn spawn_example_server(name: &str, args: &[&str]) -> (std::process::Child, 
         .strip_prefix("listening on ")
         .unwrap_or_else(|| panic!("{name} did not start: {line:?}"))
         .to_owned();
-    (child, base)
+    (Reaped::new(child), base)
 }

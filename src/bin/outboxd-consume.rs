@@ -2,7 +2,7 @@
 //! key and headers: a way to look at what outboxd published.
 //!
 //! ```sh
-//! cargo run --example consume -- --brokers localhost:9092 order.events
+//! cargo run --bin outboxd-consume -- --brokers localhost:9092 order.events
 //! ```
 
 use std::time::{Duration, Instant};
