@@ -1,37 +1,41 @@
 //! outboxd: a transactional-outbox relay from PostgreSQL logical replication
 //! (pgoutput) to Kafka.
 //!
-//! The data path, in the order an event travels:
-//! [`pg::connection`] streams WAL from a logical slot, [`pg::pgoutput`]
-//! decodes it, [`pg::outbox_stream`] reduces it to outbox transactions and
-//! [`outbox`] turns inserted rows into typed events, [`routing`] into Kafka
-//! records, [`kafka`] sends them, and [`progress`] decides which LSN
-//! [`pipeline`] may confirm.
+//! The tree is laid out by role, and reading it top-down tells the data path:
+//!
+//! * [`postgres`]: the wire. The replication connection (startup, TLS,
+//!   authentication, CopyBoth), the pgoutput decoder, and catalog reads:
+//!   slots, the publication proof, failover protection, timelines.
+//! * [`source`]: what the stream yields. The decoded stream reduced to outbox
+//!   transactions ([`source::stream`]), outbox rows ([`source::outbox`]) and
+//!   events emitted as logical decoding messages ([`source::emitted`]).
+//! * [`relay`]: sessions and their loop, progress (the ack tracker and which
+//!   LSN is confirmable), exactly-once transactions, the leader lease, the
+//!   slot register, where a session resumes, and polling mode.
+//! * [`kafka`]: the producer and topics ([`kafka::sink`]), records and dead
+//!   letters ([`kafka::records`]), CloudEvents, and table rows handed to the
+//!   producer ([`kafka::enqueue`]).
+//! * [`ops`]: the HTTP endpoints, liveness and readiness, logging, tracing.
+//! * [`cli`]: the commands built on the floors below: check, status,
+//!   replay, retention, progress.
+//! * [`config`]: the configuration file, one module per section: types and
+//!   validation only.
+//! * [`lsn`], [`metrics`]: the ground floor.
+//!
+//! An event travels: [`postgres::connection`] streams WAL from a logical
+//! slot, [`postgres::pgoutput`] decodes it, [`source::stream`] reduces it to
+//! outbox transactions and [`source::outbox`] turns inserted rows into
+//! events, [`kafka::records`] into Kafka records, [`kafka::sink`] sends them,
+//! and [`relay::progress`] decides which LSN the [`relay`] may confirm.
 
-pub mod check;
-pub mod cloudevents;
-pub mod commands;
+pub mod cli;
 pub mod config;
-pub mod emitted;
-pub mod enqueue;
-pub mod exactly_once;
-pub mod health;
-pub mod http;
 pub mod kafka;
-pub mod leader;
 pub mod lsn;
 pub mod metrics;
-pub mod otel;
-pub mod outbox;
-pub mod pg;
-pub mod pipeline;
-pub mod polling;
-pub mod progress;
-pub mod replay;
-pub mod retention;
-pub mod routing;
-pub mod slot_register;
-pub mod status;
-pub mod telemetry;
+pub mod ops;
+pub mod postgres;
+pub mod relay;
+pub mod source;
 
 pub use lsn::Lsn;

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use clap::{Parser, Subcommand};
 use outboxd::config::Config;
-use outboxd::pipeline::Relay;
+use outboxd::relay::Relay;
 use tokio::sync::watch;
 
 /// Relay transactional-outbox rows from PostgreSQL logical replication to Kafka.
@@ -158,15 +158,15 @@ fn parse_time(s: &str) -> Result<chrono::DateTime<chrono::Utc>, String> {
 }
 
 async fn replay(args: ReplayArgs) -> ExitCode {
-    use outboxd::replay::{Options, Outcome, Replay, ReplayError};
+    use outboxd::cli::replay::{Options, Outcome, Replay, ReplayError};
     use std::sync::atomic::{AtomicBool, Ordering};
     let (config, validated) = match load(&args.config) {
         Ok(c) => c,
         Err(code) => return code,
     };
-    outboxd::telemetry::init(&config.log);
+    outboxd::ops::telemetry::init(&config.log);
     let options = Options {
-        selection: outboxd::replay::select::Selection {
+        selection: outboxd::cli::replay::select::Selection {
             since: args.since,
             until: args.until,
             slack: args.slack,
@@ -250,7 +250,7 @@ async fn run(path: PathBuf) -> ExitCode {
         Ok(c) => c,
         Err(code) => return code,
     };
-    outboxd::telemetry::init(&config.log);
+    outboxd::ops::telemetry::init(&config.log);
     tracing::info!(
         version = env!("CARGO_PKG_VERSION"),
         mode = ?config.mode,
@@ -276,8 +276,8 @@ async fn run(path: PathBuf) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let health = Arc::new(outboxd::health::Health::new(config.health.thresholds()));
-    match outboxd::http::serve(validated.listen, metrics.clone(), health.clone()).await {
+    let health = Arc::new(outboxd::ops::health::Health::new(config.health.thresholds()));
+    match outboxd::ops::http::serve(validated.listen, metrics.clone(), health.clone()).await {
         Ok(addr) => tracing::info!(%addr, "serving /metrics, /healthz, /readyz and /status"),
         Err(e) => {
             tracing::error!(error = %e, "cannot start the HTTP server");
@@ -290,7 +290,7 @@ async fn run(path: PathBuf) -> ExitCode {
             Err(e) => Err(e.to_string()),
         },
         outboxd::config::Mode::Polling => {
-            match outboxd::polling::PollingRelay::new(config, validated, metrics, health) {
+            match outboxd::relay::polling::PollingRelay::new(config, validated, metrics, health) {
                 Ok(mut relay) => relay.run(stop_rx).await.map_err(|e| e.to_string()),
                 Err(e) => Err(e.to_string()),
             }
@@ -332,7 +332,7 @@ async fn check(path: PathBuf, config_only: bool) -> ExitCode {
         println!("ok   config       parsed and valid");
         return ExitCode::SUCCESS;
     }
-    let lines = outboxd::check::run_checks(&config, &validated).await;
+    let lines = outboxd::cli::check::run_checks(&config, &validated).await;
     for l in &lines {
         println!("{l}");
     }
@@ -347,7 +347,7 @@ async fn sql_client(
     path: &std::path::Path,
 ) -> Result<(tokio_postgres::Client, Config, outboxd::config::Validated), ExitCode> {
     let (config, validated) = load(path)?;
-    match outboxd::pg::admin::connect(&validated.pg).await {
+    match outboxd::postgres::admin::connect(&validated.pg).await {
         Ok(c) => Ok((c, config, validated)),
         Err(e) => {
             eprintln!("outboxd: {e}");
@@ -364,7 +364,7 @@ async fn progress(path: PathBuf, reset: bool, create_slot: bool, accept_publicat
     let kafka = &config.kafka;
     let slot = validated.slot.as_str();
     let timeout = kafka.admin_timeout.0;
-    match outboxd::exactly_once::read_progress(kafka, kafka.progress_topic(), slot, timeout).await {
+    match outboxd::relay::exactly_once::read_progress(kafka, kafka.progress_topic(), slot, timeout).await {
         Ok(Some(record)) => match serde_json::to_string_pretty(&record) {
             Ok(text) => println!("{text}"),
             Err(e) => eprintln!("outboxd: {e}"),
@@ -379,7 +379,7 @@ async fn progress(path: PathBuf, reset: bool, create_slot: bool, accept_publicat
         }
     }
     // The slot register is keyed by the PostgreSQL system identifier.
-    let system = match outboxd::pg::connection::ReplicationConnection::identify(&validated.pg).await {
+    let system = match outboxd::postgres::connection::ReplicationConnection::identify(&validated.pg).await {
         Ok(s) => s,
         Err(e) => {
             eprintln!(
@@ -388,7 +388,7 @@ async fn progress(path: PathBuf, reset: bool, create_slot: bool, accept_publicat
             return ExitCode::FAILURE;
         }
     };
-    match outboxd::slot_register::read(kafka, &system.system_id, slot, timeout).await {
+    match outboxd::relay::slot_register::read(kafka, &system.system_id, slot, timeout).await {
         Ok(Some(record)) => match serde_json::to_string_pretty(&record) {
             Ok(text) => println!("slot register:\n{text}"),
             Err(e) => eprintln!("outboxd: {e}"),
@@ -404,7 +404,7 @@ async fn progress(path: PathBuf, reset: bool, create_slot: bool, accept_publicat
         }
     }
     if accept_publication {
-        return match outboxd::commands::accept_publication(&config, &validated, &system).await {
+        return match outboxd::cli::progress::accept_publication(&config, &validated, &system).await {
             Ok(text) => {
                 println!("{text}");
                 ExitCode::SUCCESS
@@ -420,7 +420,7 @@ async fn progress(path: PathBuf, reset: bool, create_slot: bool, accept_publicat
     }
     // Only with outboxd stopped: a running one would go on from its own
     // position and write a new record at its next commit anyway.
-    let active = match outboxd::pg::admin::connect(&validated.pg).await {
+    let active = match outboxd::postgres::admin::connect(&validated.pg).await {
         Ok(client) => client
             .query_opt(
                 "SELECT active FROM pg_catalog.pg_replication_slots WHERE slot_name = $1",
@@ -444,15 +444,21 @@ async fn progress(path: PathBuf, reset: bool, create_slot: bool, accept_publicat
             return ExitCode::FAILURE;
         }
     }
-    let reset =
-        match outboxd::exactly_once::reset_progress(kafka, kafka.progress_topic(), slot, timeout).await {
-            Ok(()) => outboxd::slot_register::forget(kafka, &system.system_id, slot, timeout)
-                .await
-                .map_err(|e| e.to_string()),
-            Err(e) => Err(e.to_string()),
-        };
+    let reset = match outboxd::relay::exactly_once::reset_progress(
+        kafka,
+        kafka.progress_topic(),
+        slot,
+        timeout,
+    )
+    .await
+    {
+        Ok(()) => outboxd::relay::slot_register::forget(kafka, &system.system_id, slot, timeout)
+            .await
+            .map_err(|e| e.to_string()),
+        Err(e) => Err(e.to_string()),
+    };
     match reset {
-        Ok(()) if create_slot => match outboxd::commands::create_slot(&config, &validated).await {
+        Ok(()) if create_slot => match outboxd::cli::progress::create_slot(&config, &validated).await {
             Ok(text) => {
                 println!("reset; {text}");
                 ExitCode::SUCCESS
@@ -478,7 +484,7 @@ async fn status(path: PathBuf, json: bool) -> ExitCode {
         Ok(c) => c,
         Err(code) => return code,
     };
-    match outboxd::status::gather(&config, &validated).await {
+    match outboxd::cli::status::gather(&config, &validated).await {
         Ok(report) if json => match serde_json::to_string_pretty(&report) {
             Ok(text) => {
                 println!("{text}");
@@ -539,7 +545,7 @@ async fn retention(
     // until `outboxd replay` has re-published it.
     if config.mode == outboxd::config::Mode::Cdc && !force {
         let slot = &validated.slot;
-        let problem = match outboxd::pg::admin::slot_info(&client, slot).await {
+        let problem = match outboxd::postgres::admin::slot_info(&client, slot).await {
             Ok(None) => Some("does not exist".to_owned()),
             Ok(Some(info)) => info
                 .invalidated()
@@ -564,15 +570,17 @@ async fn retention(
     } else {
         outbox_sdk::retention::Retain::Cdc
     };
-    // A partitioned outbox: whole partitions first (see outboxd::retention).
+    // A partitioned outbox: whole partitions first (see outboxd::cli::retention).
     let passed = match retain {
-        outbox_sdk::retention::Retain::PublishedOnly => outboxd::retention::Passed::Published,
-        outbox_sdk::retention::Retain::Cdc => outboxd::retention::Passed::Slot {
+        outbox_sdk::retention::Retain::PublishedOnly => outboxd::cli::retention::Passed::Published,
+        outbox_sdk::retention::Retain::Cdc => outboxd::cli::retention::Passed::Slot {
             slot: &validated.slot,
             wait,
         },
     };
-    match outboxd::retention::drop_old_partitions(&mut client, &validated.table, older_than, passed).await {
+    match outboxd::cli::retention::drop_old_partitions(&mut client, &validated.table, older_than, passed)
+        .await
+    {
         Ok(outcomes) => {
             for o in outcomes {
                 println!("{o}");

@@ -99,7 +99,7 @@ async fn serve(args: Args) -> Result<(), BoxError> {
     if args.snapshot_every < 1 {
         return Err("--snapshot-every must be at least 1".into());
     }
-    let pg: outboxd::pg::conninfo::PgConnectConfig = args.database_url.parse()?;
+    let pg: outboxd::config::conninfo::PgConnectConfig = args.database_url.parse()?;
     let pool = pool::new(pg, args.pool_size.max(4))?;
     {
         let mut client = pool.get().await?;

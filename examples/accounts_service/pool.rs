@@ -3,8 +3,8 @@
 //! daemon).
 
 use deadpool::managed::{self, Metrics, RecycleError, RecycleResult};
-use outboxd::pg::admin::AdminError;
-use outboxd::pg::conninfo::PgConnectConfig;
+use outboxd::config::conninfo::PgConnectConfig;
+use outboxd::postgres::admin::AdminError;
 
 #[derive(Debug)]
 pub struct Manager {
@@ -16,7 +16,7 @@ impl managed::Manager for Manager {
     type Error = AdminError;
 
     async fn create(&self) -> Result<tokio_postgres::Client, AdminError> {
-        outboxd::pg::admin::connect(&self.cfg).await
+        outboxd::postgres::admin::connect(&self.cfg).await
     }
 
     async fn recycle(&self, client: &mut tokio_postgres::Client, _: &Metrics) -> RecycleResult<AdminError> {

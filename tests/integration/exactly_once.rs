@@ -6,7 +6,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use outboxd::config::KafkaConfig;
-use outboxd::exactly_once::{read_progress, ProgressRecord, PROGRESS_VERSION};
+use outboxd::relay::exactly_once::{read_progress, ProgressRecord, PROGRESS_VERSION};
 use outboxd::Lsn;
 use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
 use serde_json::json;
@@ -317,7 +317,7 @@ async fn exactly_once_skips_what_the_progress_record_holds_and_confirms_past_it(
 fn progress_history(brokers: &str, topic: &str) -> Vec<ProgressRecord> {
     consume(brokers, &[topic], usize::MAX, Duration::from_secs(3))
         .iter()
-        .filter(|r| !r.key.starts_with(outboxd::slot_register::KEY_PREFIX))
+        .filter(|r| !r.key.starts_with(outboxd::relay::slot_register::KEY_PREFIX))
         .map(|r| ProgressRecord::decode(&r.value).expect("a progress record"))
         .collect()
 }
@@ -344,7 +344,7 @@ async fn exactly_once_survives_sigkills_with_each_event_read_once() {
         &eo_config(&db.superuser_url(), slot, &brokers, prefix, "max_inflight = 2000"),
     );
     let log = dir.path().join("outboxd.log");
-    let level = "warn,outboxd::pipeline=info";
+    let level = "warn,outboxd::relay=info";
     let mut daemon = Daemon::start_logging(&cfg, &log, level);
     wait_for("the slot", Duration::from_secs(30), || async {
         confirmed_flush(&client, slot).await
@@ -459,7 +459,7 @@ async fn a_fenced_zombie_never_commits_after_its_successor_starts() {
         "max_wait = \"400ms\"\nmax_events = 100000",
     );
     let cfg = write_config(dir.path(), "eo.toml", &text);
-    let level = "warn,outboxd::pipeline=info";
+    let level = "warn,outboxd::relay=info";
     let a = Daemon::start_logging(&cfg, &dir.path().join("a.log"), level);
     wait_for("the slot", Duration::from_secs(30), || async {
         confirmed_flush(&client, slot).await
@@ -581,7 +581,7 @@ async fn two_outboxd_sharing_a_transactional_id_fence_each_other_and_lose_nothin
     let client = db.client().await;
     let brokers = broker().brokers.clone();
     let dir = tempfile::tempdir().unwrap();
-    let level = "warn,outboxd::pipeline=info";
+    let level = "warn,outboxd::relay=info";
     let shared = "transactional_id = \"outboxd.shared-by-mistake\"\nmax_wait = \"50ms\"";
     let mut daemons = Vec::new();
     for name in ["a", "b"] {

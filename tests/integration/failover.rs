@@ -20,9 +20,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use outboxd::config::Config;
-use outboxd::health::Health;
 use outboxd::metrics::Metrics;
-use outboxd::pipeline::{Relay, RelayError};
+use outboxd::ops::health::Health;
+use outboxd::relay::{Relay, RelayError};
 use outboxd::Lsn;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;

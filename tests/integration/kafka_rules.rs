@@ -6,7 +6,7 @@
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use outboxd::pipeline::RelayError;
+use outboxd::relay::RelayError;
 use uuid::Uuid;
 
 use crate::harness::broker::{broker, consume, topics_with_prefix, Consumed};

@@ -6,9 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use outboxd::config::Config;
-use outboxd::health::Health;
 use outboxd::metrics::Metrics;
-use outboxd::pipeline::Relay;
+use outboxd::ops::health::Health;
+use outboxd::relay::Relay;
 use tokio::sync::watch;
 
 use crate::harness::broker::{self, broker};
@@ -48,7 +48,7 @@ ack_max_age = "5s"
 struct Running {
     addr: SocketAddr,
     stop: watch::Sender<bool>,
-    handle: tokio::task::JoinHandle<Result<(), outboxd::pipeline::RelayError>>,
+    handle: tokio::task::JoinHandle<Result<(), outboxd::relay::RelayError>>,
 }
 
 /// Runs a relay with its HTTP server, as `outboxd run` does.
@@ -56,7 +56,7 @@ async fn start(text: &str) -> Running {
     let (config, validated) = Config::from_toml(text, |_| None).unwrap();
     let metrics = Arc::new(Metrics::new().unwrap());
     let health = Arc::new(Health::new(config.health.thresholds()));
-    let addr = outboxd::http::serve(validated.listen, metrics.clone(), health.clone())
+    let addr = outboxd::ops::http::serve(validated.listen, metrics.clone(), health.clone())
         .await
         .unwrap();
     let (stop, rx) = watch::channel(false);

@@ -6,7 +6,7 @@
 use std::process::Command;
 use std::time::Duration;
 
-use outboxd::pipeline::RelayError;
+use outboxd::relay::RelayError;
 use outboxd::Lsn;
 
 use crate::harness::broker::broker;

@@ -8,9 +8,9 @@ use std::time::Duration;
 use std::sync::Arc;
 
 use outboxd::config::Config;
-use outboxd::health::Health;
 use outboxd::metrics::Metrics;
-use outboxd::pipeline::{Relay, RelayError};
+use outboxd::ops::health::Health;
+use outboxd::relay::{Relay, RelayError};
 use outboxd::Lsn;
 use serde_json::json;
 use tokio::sync::watch;

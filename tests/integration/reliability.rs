@@ -6,9 +6,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use outboxd::config::Config;
-use outboxd::health::Health;
 use outboxd::metrics::Metrics;
-use outboxd::pipeline::{Relay, RelayError};
+use outboxd::ops::health::Health;
+use outboxd::relay::{Relay, RelayError};
 use outboxd::Lsn;
 use tokio::sync::watch;
 use uuid::Uuid;
@@ -315,7 +315,7 @@ async fn connect_quietly(pg: &PgServer) -> Option<tokio_postgres::Client> {
     Some(client)
 }
 
-async fn status_of(port: u16) -> Option<outboxd::health::Snapshot> {
+async fn status_of(port: u16) -> Option<outboxd::ops::health::Snapshot> {
     let url = format!("http://127.0.0.1:{port}/status");
     tokio::task::spawn_blocking(move || {
         let body = ureq::get(&url).call().ok()?.body_mut().read_to_string().ok()?;
@@ -888,7 +888,7 @@ async fn polling_mode_publishes_in_order_and_one_instance_polls_at_a_time() {
         let (stop, rx) = watch::channel(false);
         let m = metrics.clone();
         let handle = tokio::spawn(async move {
-            outboxd::polling::PollingRelay::new(config, validated, m, health)
+            outboxd::relay::polling::PollingRelay::new(config, validated, m, health)
                 .unwrap()
                 .run(rx)
                 .await
@@ -950,8 +950,8 @@ async fn polling_mode_publishes_in_order_and_one_instance_polls_at_a_time() {
 /// outboxd waits and retries, then streams once it is free.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slot_in_use_is_retried_not_a_crash_loop() {
-    use outboxd::pg::connection::{ReplicationConnection, StartOptions};
-    use outboxd::pg::ident::{PublicationName, SlotName};
+    use outboxd::config::ident::{PublicationName, SlotName};
+    use outboxd::postgres::connection::{ReplicationConnection, StartOptions};
     let db = TestDb::new("rel_busy").await;
     let client = db.client().await;
     let slot = "busy_slot";

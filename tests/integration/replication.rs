@@ -2,12 +2,12 @@
 
 use std::time::Duration;
 
-use outboxd::pg::admin::{self, AdminError, SlotState};
-use outboxd::pg::connection::{ReplicationConnection, StartOptions};
-use outboxd::pg::conninfo::PgConnectConfig;
-use outboxd::pg::error::PgError;
-use outboxd::pg::ident::{PublicationName, SlotName, TableName};
-use outboxd::pg::outbox_stream::{OutboxStream, StreamEvent};
+use outboxd::config::conninfo::PgConnectConfig;
+use outboxd::config::ident::{PublicationName, SlotName, TableName};
+use outboxd::postgres::admin::{self, AdminError, SlotState};
+use outboxd::postgres::connection::{ReplicationConnection, StartOptions};
+use outboxd::postgres::error::PgError;
+use outboxd::source::stream::{OutboxStream, StreamEvent};
 use outboxd::Lsn;
 use serde_json::json;
 use uuid::Uuid;
@@ -17,8 +17,8 @@ use crate::harness::{server, wait_for, TestDb};
 
 /// What the session proves: `publication` and `table`, with the table-less
 /// outbox's messages (migration 0007 is applied to every test database).
-fn subject(publication: &PublicationName, table: &TableName) -> outboxd::pg::publication::Subject {
-    outboxd::pg::publication::Subject {
+fn subject(publication: &PublicationName, table: &TableName) -> outboxd::postgres::publication::Subject {
+    outboxd::postgres::publication::Subject {
         publication: publication.clone(),
         table: table.clone(),
         receiving: Default::default(),
@@ -198,7 +198,7 @@ async fn thousand_rows_in_hundred_transactions_decode_exactly() {
             assert_eq!(headers, w.headers);
             assert_eq!(
                 row.created_at,
-                outboxd::outbox::CreatedAt::At(created[&w.id]),
+                outboxd::source::outbox::CreatedAt::At(created[&w.id]),
                 "created_at of {t}/{r}"
             );
         }

@@ -13,7 +13,7 @@ use crate::harness::postgres;
 use crate::harness::{wait_for, TestDb};
 use crate::relay::{write_events, Daemon, Event};
 
-async fn status_of(port: u16) -> Option<outboxd::health::Snapshot> {
+async fn status_of(port: u16) -> Option<outboxd::ops::health::Snapshot> {
     let url = format!("http://127.0.0.1:{port}/status");
     tokio::task::spawn_blocking(move || {
         let body = ureq::get(&url).call().ok()?.body_mut().read_to_string().ok()?;

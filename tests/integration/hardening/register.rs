@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use outboxd::config::Config;
-use outboxd::slot_register;
+use outboxd::relay::slot_register;
 use rdkafka::mocking::MockCluster;
 use rdkafka::types::RDKafkaRespErr;
 

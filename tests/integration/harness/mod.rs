@@ -63,7 +63,7 @@ impl TestDb {
 /// relays log to stderr; run with `--nocapture` to see them.
 pub fn init_logs() {
     if let Ok(level) = std::env::var("OUTBOXD_TEST_LOG") {
-        outboxd::telemetry::init(&outboxd::config::LogConfig {
+        outboxd::ops::telemetry::init(&outboxd::config::LogConfig {
             format: outboxd::config::LogFormat::Text,
             level: Some(level),
         });

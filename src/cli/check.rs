@@ -1,0 +1,486 @@
+//! `outboxd check`: everything that must hold before `run` can work,
+//! checked one by one, each with the fix when it fails.
+
+use std::fmt;
+
+use crate::config::{Config, Validated};
+use crate::kafka::sink::KafkaSink;
+use crate::postgres::{admin, failover};
+
+/// The result of one check.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CheckLine {
+    pub name: &'static str,
+    pub ok: bool,
+    /// Works, but not as safely as it could (printed as `warn`).
+    pub warning: bool,
+    pub detail: String,
+}
+
+impl fmt::Display for CheckLine {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mark = match (self.ok, self.warning) {
+            (false, _) => "FAIL",
+            (true, true) => "warn",
+            (true, false) => "ok  ",
+        };
+        write!(f, "{mark} {:<12} {}", self.name, self.detail)
+    }
+}
+
+fn line(name: &'static str, ok: bool, detail: impl Into<String>) -> CheckLine {
+    CheckLine {
+        name,
+        ok,
+        warning: false,
+        detail: detail.into(),
+    }
+}
+
+/// Runs every check; PostgreSQL checks stop at the first that makes the
+/// rest meaningless (no connection), Kafka is checked regardless.
+pub async fn run_checks(config: &Config, v: &Validated) -> Vec<CheckLine> {
+    let mut out = vec![line("config", true, "parsed and valid")];
+    if let Some(w) = fencing_warning(config) {
+        out.push(w);
+    }
+    out.extend(postgres_checks(config, v).await);
+    out.push(
+        match KafkaSink::new(&config.kafka, config.kafka.admin_timeout.0) {
+            Err(e) => line("kafka", false, e.to_string()),
+            Ok(sink) => match sink.check_brokers().await {
+                Ok(n) => line(
+                    "kafka",
+                    true,
+                    format!("{} reachable, {n} broker(s) in the cluster", config.kafka.brokers),
+                ),
+                Err(e) => line("kafka", false, e.to_string()),
+            },
+        },
+    );
+    let kafka_ok = out.last().is_some_and(|l| l.ok);
+    if config.kafka.keeps_slot_register() && kafka_ok && config.mode == crate::config::Mode::Cdc {
+        out.push(register_check(config, v).await);
+    }
+    if v.transactional_id.is_some() && kafka_ok {
+        out.push(progress_check(config, v).await);
+    }
+    out
+}
+
+/// A `message.timeout.ms` longer than the leader lease: a leader stopped
+/// with records queued could still send them after a standby took over.
+fn fencing_warning(config: &Config) -> Option<CheckLine> {
+    if config.kafka.delivery == crate::config::Delivery::ExactlyOnce {
+        return None;
+    }
+    let timeout: u64 = config.kafka.options.get("message.timeout.ms")?.parse().ok()?;
+    let lease = config.postgres.leader_timeout.0;
+    (u128::from(timeout) > lease.as_millis()).then(|| CheckLine {
+        name: "fencing",
+        ok: true,
+        warning: true,
+        detail: format!(
+            "kafka.options.message.timeout.ms ({timeout} ms) is longer than postgres.leader_timeout ({lease:?}): a leader that was stopped with records queued may still send them after a standby took over (out of order with the new leader's first copies). Leave it unset, or at most the lease"
+        ),
+    })
+}
+
+/// The slot register ([`crate::relay::slot_register`]): a missing slot that
+/// outboxd streamed before was lost, and `run` will refuse to recreate it.
+async fn register_check(config: &Config, v: &Validated) -> CheckLine {
+    let kafka = &config.kafka;
+    let slot = v.slot.as_str();
+    let system = match crate::postgres::connection::ReplicationConnection::identify(&v.pg).await {
+        Ok(s) => s,
+        Err(e) => {
+            return line(
+                "register",
+                false,
+                format!("cannot identify the PostgreSQL system: {e}"),
+            )
+        }
+    };
+    let info = match admin::connect(&v.pg).await {
+        Ok(c) => admin::slot_info(&c, &v.slot).await,
+        Err(e) => Err(e),
+    };
+    let record =
+        crate::relay::slot_register::read(kafka, &system.system_id, slot, kafka.admin_timeout.0).await;
+    if let (Ok(Some(info)), Ok(r)) = (&info, &record) {
+        if let Some(problem) = resumption_problem(config, v, &system, info, r.as_ref()).await {
+            return line("register", false, problem);
+        }
+    }
+    match (info, record) {
+        (Err(e), _) => line("register", false, e.to_string()),
+        (_, Err(e)) => line("register", false, e.to_string()),
+        (Ok(None), Ok(Some(r))) => line(
+            "register",
+            false,
+            crate::relay::slot_register::SlotLost::new(
+                &r,
+                system.timeline,
+                kafka.progress_topic(),
+                v.source.as_deref(),
+            )
+            .to_string(),
+        ),
+        (Ok(Some(info)), Ok(r)) if info.invalidated().is_some() => line(
+            "register",
+            false,
+            format!(
+                "slot {slot} was invalidated: after recreating it, re-publish the gap with `{}`",
+                crate::relay::slot_register::replay_command(v.source.as_deref(), r.as_ref())
+            ),
+        ),
+        (Ok(_), Ok(Some(r))) => line(
+            "register",
+            true,
+            format!(
+                "{}: outboxd streamed slot {slot} up to at least {} (seen at {})",
+                kafka.progress_topic(),
+                r.confirmed_lsn,
+                r.seen_at
+            ),
+        ),
+        (Ok(_), Ok(None)) => line(
+            "register",
+            true,
+            format!(
+                "{}: slot {slot} not streamed yet on this system",
+                kafka.progress_topic()
+            ),
+        ),
+    }
+}
+
+/// What a session starting now would refuse about where the slot
+/// resumes (see `pipeline::resume`): a register past the server's WAL (a
+/// rewound history), or a publication that may have changed since.
+async fn resumption_problem(
+    config: &Config,
+    v: &Validated,
+    system: &crate::postgres::connection::SystemIdentity,
+    info: &admin::SlotInfo,
+    record: Option<&crate::relay::slot_register::SlotRecord>,
+) -> Option<String> {
+    use crate::relay::resume::{publication_proof, register_beyond_wal, PublicationProof};
+    let client = admin::connect(&v.pg).await.ok()?;
+    let wal_end = admin::wal_insert_lsn(&client).await.ok()?;
+    if let Some(detail) = register_beyond_wal(record, system.timeline, wal_end) {
+        return Some(format!(
+            "{detail}: the WAL history went back (a restored snapshot or backup); `run` refuses to stream. If this server is the one to publish from now on, run `outboxd progress --reset`"
+        ));
+    }
+    let version = crate::postgres::publication::server_version(&client).await.ok()?;
+    let verified = crate::postgres::publication::inspect(&client, &config.publication_subject(v, version))
+        .await
+        .ok()?;
+    match publication_proof(&verified, info.catalog_xmin, record) {
+        PublicationProof::Unproven { .. } if config.kafka.keeps_slot_register() && record.is_some() => Some(format!(
+            "the publication may have changed since the slot's position {} (its catalog rows are newer than the slot's catalog_xmin, and the slot register holds another fingerprint or none): `run` refuses to stream. Re-publish the window with `{}`, then run `outboxd progress --accept-publication`",
+            info.confirmed_flush_lsn.map(|l| l.to_string()).unwrap_or_else(|| "-".into()),
+            crate::relay::slot_register::replay_command(v.source.as_deref(), record)
+        )),
+        _ => None,
+    }
+}
+
+/// Exactly-once: the progress topic reads with `read_committed`. It never
+/// registers the transactional id: that would fence a running outboxd.
+async fn progress_check(config: &Config, v: &Validated) -> CheckLine {
+    let kafka = &config.kafka;
+    let slot = v.slot.as_str();
+    let wal_end = match admin::connect(&v.pg).await {
+        Ok(c) => admin::wal_insert_lsn(&c).await.ok(),
+        Err(_) => None,
+    };
+    let system = crate::postgres::connection::ReplicationConnection::identify(&v.pg)
+        .await
+        .ok();
+    match crate::relay::exactly_once::read_progress(kafka, kafka.progress_topic(), slot, kafka.admin_timeout.0).await
+    {
+        Ok(Some(r))
+            if system.as_ref().is_some_and(|s| s.system_id == r.system_id && s.timeline == r.timeline)
+                && r.end_lsn().ok().zip(wal_end).is_some_and(|(end, wal)| end > wal) =>
+        {
+            line(
+                "progress",
+                false,
+                format!(
+                    "{}: the progress record says commit {} of slot {slot} is in Kafka, but this server's WAL ends before it ({}): the WAL history went back (a restored snapshot or backup), and `run` refuses to skip anything by it. If this server is the one to publish from now on, run `outboxd progress --reset`",
+                    kafka.progress_topic(),
+                    r.commit_lsn,
+                    wal_end.map(|l| l.to_string()).unwrap_or_default()
+                ),
+            )
+        }
+        Ok(Some(r)) => line(
+            "progress",
+            true,
+            format!(
+                "{}: slot {slot} is in Kafka up to commit {} (written by {} at {})",
+                kafka.progress_topic(),
+                r.commit_lsn,
+                r.writer,
+                r.written_at
+            ),
+        ),
+        Ok(None) => line(
+            "progress",
+            true,
+            format!(
+                "{}: no record for slot {slot} yet; the first start publishes from the slot",
+                kafka.progress_topic()
+            ),
+        ),
+        Err(e) => line(
+            "progress",
+            false,
+            format!(
+                "{e}; outboxd needs READ on {} (and WRITE, and CREATE unless it exists)",
+                kafka.progress_topic()
+            ),
+        ),
+    }
+}
+
+async fn postgres_checks(config: &Config, v: &Validated) -> Vec<CheckLine> {
+    let mut out = Vec::new();
+    let client = match admin::connect(&v.pg).await {
+        Ok(c) => c,
+        Err(e) => {
+            out.push(line("postgres", false, e.to_string()));
+            return out;
+        }
+    };
+    out.push(line("postgres", true, format!("connected to {}", v.pg.target())));
+    if config.mode == crate::config::Mode::Polling {
+        let has = client
+            .query_one(
+                "SELECT EXISTS (SELECT 1 FROM information_schema.columns
+                                 WHERE table_schema = $1 AND table_name = $2 AND column_name = 'published_at')",
+                &[&v.table.schema, &v.table.name],
+            )
+            .await
+            .map(|r| r.get::<_, bool>(0));
+        out.push(match has {
+            Ok(true) => line(
+                "table",
+                true,
+                format!("{} has published_at (polling mode)", v.table),
+            ),
+            Ok(false) => line(
+                "table",
+                false,
+                format!(
+                    "{} has no published_at column: polling mode needs migrations/0001_outbox.sql",
+                    v.table
+                ),
+            ),
+            Err(e) => line("table", false, admin::describe(&e)),
+        });
+        return out;
+    }
+
+    match client.query_one("SHOW wal_level", &[]).await {
+        Ok(r) => {
+            let level: String = r.get(0);
+            out.push(if level == "logical" {
+                line("wal_level", true, "logical")
+            } else {
+                line(
+                    "wal_level",
+                    false,
+                    format!("is {level}, must be logical: ALTER SYSTEM SET wal_level = logical; then restart PostgreSQL"),
+                )
+            });
+        }
+        Err(e) => out.push(line("wal_level", false, e.to_string())),
+    }
+
+    let table_ok = match admin::table_exists(&client, &v.table).await {
+        Ok(true) => {
+            out.push(line("table", true, format!("{} exists", v.table)));
+            true
+        }
+        Ok(false) => {
+            out.push(line(
+                "table",
+                false,
+                format!(
+                    "{} does not exist: run `outboxd migrate` or apply migrations/0001_outbox.sql",
+                    v.table
+                ),
+            ));
+            false
+        }
+        Err(e) => {
+            out.push(line("table", false, e.to_string()));
+            false
+        }
+    };
+
+    let role = client
+        .query_one(
+            "SELECT r.rolname::text, r.rolreplication OR r.rolsuper,
+                    has_database_privilege(current_database(), 'CREATE')
+               FROM pg_catalog.pg_roles r WHERE r.rolname = current_user",
+            &[],
+        )
+        .await;
+    match role {
+        Ok(r) => {
+            let name: String = r.get(0);
+            let replication: bool = r.get(1);
+            out.push(if replication {
+                line("privileges", true, format!("role {name} may replicate"))
+            } else {
+                line(
+                    "privileges",
+                    false,
+                    format!("role {name} lacks REPLICATION: ALTER ROLE {name} WITH REPLICATION;"),
+                )
+            });
+            if table_ok {
+                let select = client
+                    .query_one(
+                        "SELECT has_table_privilege(format('%I.%I', $1::text, $2::text), 'SELECT')",
+                        &[&v.table.schema, &v.table.name],
+                    )
+                    .await
+                    .map(|r| r.get::<_, bool>(0));
+                if let Ok(false) = select {
+                    out.push(line(
+                        "privileges",
+                        false,
+                        format!(
+                            "role {name} cannot SELECT {}: GRANT SELECT ON {} TO {name};",
+                            v.table,
+                            v.table.quoted()
+                        ),
+                    ));
+                }
+            }
+        }
+        Err(e) => out.push(line("privileges", false, e.to_string())),
+    }
+
+    // The same proof the relay makes at start and keeps making.
+    let version = crate::postgres::publication::server_version(&client)
+        .await
+        .unwrap_or(0);
+    let subject = config.publication_subject(v, version);
+    out.push(
+        match crate::postgres::publication::inspect(&client, &subject).await {
+            Ok(_) => line(
+                "publication",
+                true,
+                format!(
+                    "{} delivers every INSERT on {} with every column",
+                    v.publication.as_str(),
+                    v.table
+                ),
+            ),
+            // Checked last, once the publication delivers: the line below.
+            Err(
+                admin::AdminError::EmitNotReceived { .. }
+                | admin::AdminError::EmitPrefix { .. }
+                | admin::AdminError::EmitOpen { .. },
+            ) => line(
+                "publication",
+                true,
+                format!(
+                    "{} delivers every INSERT on {} with every column",
+                    v.publication.as_str(),
+                    v.table
+                ),
+            ),
+            Err(admin::AdminError::NoPublication { .. }) if config.postgres.create_publication => line(
+                "publication",
+                true,
+                format!(
+                    "{} is missing and will be created at start",
+                    v.publication.as_str()
+                ),
+            ),
+            Err(e) => line("publication", false, e.to_string()),
+        },
+    );
+
+    out.push(
+        match crate::postgres::publication::messages(&client, &subject.receiving).await {
+            Ok(Some(prefix)) => line(
+                "messages",
+                true,
+                format!("reads logical decoding messages with prefix {prefix:?} (the table-less outbox); PUBLIC may not write them"),
+            ),
+            Ok(None) => line(
+                "messages",
+                true,
+                "reads no logical decoding messages (no outbox_emit in this database, or postgres.messages = false)",
+            ),
+            Err(e) => line("messages", false, e.to_string()),
+        },
+    );
+    out.push(match admin::slot_info(&client, &v.slot).await {
+        Ok(None) => line("slot", true, format!("{} is missing and will be created at start", v.slot.as_str())),
+        Ok(Some(info)) if info.plugin.as_deref() != Some("pgoutput") || info.database.as_deref() != Some(v.pg.dbname.as_str()) => line(
+            "slot",
+            false,
+            format!(
+                "{} exists with plugin {:?} on database {:?}; drop it with SELECT pg_drop_replication_slot('{}') or choose another postgres.slot",
+                v.slot.as_str(),
+                info.plugin.unwrap_or_default(),
+                info.database.unwrap_or_default(),
+                v.slot.as_str()
+            ),
+        ),
+        Ok(Some(info)) if info.invalidated().is_some() => line(
+            "slot",
+            false,
+            format!(
+                "{} was invalidated ({}: {}): drop and recreate it; events written meanwhile must be re-published from the outbox table",
+                v.slot.as_str(),
+                info.invalidated().unwrap_or_default(),
+                admin::explain_invalidation(&info.invalidated().unwrap_or_default())
+            ),
+        ),
+        Ok(Some(info)) => line(
+            "slot",
+            true,
+            format!(
+                "{} confirmed at {}{}",
+                v.slot.as_str(),
+                info.confirmed_flush_lsn.map(|l| l.to_string()).unwrap_or_else(|| "-".into()),
+                match info.active_pid {
+                    Some(pid) => format!(", active for PID {pid}"),
+                    None => String::new(),
+                }
+            ),
+        ),
+        Err(e) => line("slot", false, e.to_string()),
+    });
+    out.push(failover_check(config, v, &client).await);
+    out
+}
+
+/// Whether the slot would survive a promotion ([`failover::inspect`]): a
+/// warning when not, a failure only with
+/// `health.require_failover_protection`.
+async fn failover_check(config: &Config, v: &Validated, client: &tokio_postgres::Client) -> CheckLine {
+    match failover::inspect(client, &v.pg, &v.slot).await {
+        Ok(p) => {
+            let protected = p.gauge() == 1;
+            let required = config.health.require_failover_protection;
+            CheckLine {
+                name: "failover",
+                ok: protected || !required,
+                warning: !protected,
+                detail: p.describe(),
+            }
+        }
+        Err(e) => line("failover", false, e.to_string()),
+    }
+}

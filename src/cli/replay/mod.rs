@@ -1,0 +1,439 @@
+//! `outboxd replay`: re-publishes outbox rows from the table.
+//!
+//! For when the WAL cannot deliver them (a lost or invalidated slot, Kafka
+//! data lost) or a new consumer needs history. The relay's slot is never
+//! touched, so a replay may run while the relay streams: the relay's
+//! guarantees are its own, and a replayed record is one more copy of an
+//! event consumers deduplicate by id.
+//!
+//! # The flow
+//!
+//! 1. [`select`] lists the ids of the selection in replay order (commit
+//!    time where PostgreSQL knows it, else `created_at`, then id); with
+//!    `--resume`, only the rows after the state file's last one.
+//! 2. Batch by batch, the rows are read by id and each becomes the record
+//!    the relay would have produced (same topic, key, headers and value,
+//!    the **original** id), plus a `replayed` header holding the time the
+//!    replay started. A row that can never be published follows
+//!    `routing.on_poison`, as in the relay.
+//! 3. Records are handed to an idempotent producer (never the relay's
+//!    transactional one), throttled by `--rate`. Acknowledgements are
+//!    taken in replay order; the batch's acknowledged prefix moves the
+//!    state file's `last` ([`state`]). The first failed delivery stops the
+//!    replay there, with the state saved: `--resume` repeats from the
+//!    first unacknowledged row, so nothing is skipped.
+//! 4. SIGINT or SIGTERM stops sending, waits for what is in flight, saves
+//!    the state and prints the command that resumes.
+//!
+//! Records of one aggregate keep replay order: they share a key, hence a
+//! partition, and the idempotent producer keeps a partition's order across
+//! retries.
+
+pub mod pace;
+pub mod select;
+pub mod state;
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use uuid::Uuid;
+
+use crate::config::{Config, Mode, Validated};
+use crate::kafka::enqueue::{enqueue_row, set_aside, EnqueueError, Enqueued};
+use crate::kafka::records::{build_record, header, KafkaRecord, RecordError};
+use crate::kafka::sink::{KafkaSink, KafkaSinkError, Refusal, Report};
+use crate::postgres::admin::{self, AdminError};
+use pace::{Progress, Throttle};
+use select::{Count, Key, Query, ReplayRow, Selection};
+
+use state::{Counts, State, StateError, StateFile};
+
+/// What to replay and how.
+#[derive(Clone, Debug)]
+pub struct Options {
+    pub selection: Selection,
+    /// Replay the whole table (required when nothing narrows the selection).
+    pub all: bool,
+    /// Count only; publish nothing.
+    pub dry_run: bool,
+    /// Records a second, at most.
+    pub rate: Option<f64>,
+    /// Rows read and acknowledged per batch.
+    pub batch: usize,
+    pub state: PathBuf,
+    pub resume: bool,
+}
+
+/// Why a replay stopped before the end.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    #[error("nothing selects the rows to replay: give --since, --until, --aggregate-type, --aggregate-id or --id, or --all for the whole table")]
+    NothingSelected,
+    #[error(transparent)]
+    Admin(#[from] AdminError),
+    #[error(transparent)]
+    State(#[from] StateError),
+    #[error(transparent)]
+    Kafka(#[from] KafkaSinkError),
+    #[error(transparent)]
+    Poison(EnqueueError),
+    #[error("Kafka did not acknowledge the record of outbox row {id}: {source}; the replay stopped there")]
+    Delivery { id: Uuid, source: KafkaSinkError },
+}
+
+impl From<EnqueueError> for ReplayError {
+    fn from(e: EnqueueError) -> Self {
+        match e {
+            EnqueueError::Kafka(k) => ReplayError::Kafka(k),
+            poison @ EnqueueError::Poison { .. } => ReplayError::Poison(poison),
+        }
+    }
+}
+
+/// How a replay ended.
+#[derive(Debug)]
+pub enum Outcome {
+    /// `--dry-run`: what would be replayed.
+    DryRun {
+        counts: Vec<Count>,
+        by_commit_time: bool,
+    },
+    /// Every selected row is accounted for.
+    Finished(Summary),
+    /// Stopped by a signal, with the state saved.
+    Interrupted(Summary),
+}
+
+/// What a replay did, for the summary it prints.
+#[derive(Clone, Debug)]
+pub struct Summary {
+    /// Rows selected by this run (after the resumed position).
+    pub selected: u64,
+    /// Counts over every run of this replay (resumed runs included).
+    pub counts: Counts,
+    /// Counts of this run alone.
+    pub this_run: Counts,
+    pub elapsed: Duration,
+    pub by_commit_time: bool,
+    pub last: Option<Key>,
+}
+
+impl std::fmt::Display for Summary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let secs = self.elapsed.as_secs_f64();
+        let run = &self.this_run;
+        writeln!(
+            f,
+            "selected     {} rows, ordered by {}",
+            self.selected,
+            if self.by_commit_time {
+                "commit time (track_commit_timestamp), then created_at and id"
+            } else {
+                "created_at, then id"
+            }
+        )?;
+        writeln!(
+            f,
+            "published    {} ({:.0}/s over {secs:.1} s)",
+            run.published,
+            run.published as f64 / secs.max(0.001)
+        )?;
+        writeln!(f, "dead-letter  {}", run.dead_lettered)?;
+        writeln!(f, "gone         {} (deleted before they were read)", run.gone)?;
+        if self.counts != self.this_run {
+            writeln!(
+                f,
+                "all runs     {} published, {} dead-lettered, {} gone",
+                self.counts.published, self.counts.dead_lettered, self.counts.gone
+            )?;
+        }
+        match &self.last {
+            Some(k) => write!(f, "last         {} (order time {})", k.id, k.order_time),
+            None => write!(f, "last         none"),
+        }
+    }
+}
+
+/// One replay.
+#[derive(Debug)]
+pub struct Replay {
+    config: Config,
+    validated: Validated,
+    options: Options,
+}
+
+impl Replay {
+    pub fn new(config: Config, validated: Validated, options: Options) -> Self {
+        Replay {
+            config,
+            validated,
+            options,
+        }
+    }
+
+    /// The command that resumes this replay, when its state file holds an
+    /// unfinished one.
+    pub fn resumable(&self) -> Option<String> {
+        match StateFile::new(&self.options.state).load() {
+            Ok(Some(s)) if !s.finished => Some(self.resume_command()),
+            _ => None,
+        }
+    }
+
+    /// The command that resumes this replay.
+    pub fn resume_command(&self) -> String {
+        let config = self
+            .validated
+            .source
+            .as_ref()
+            .map_or("<config file>".to_owned(), |p| p.display().to_string());
+        format!(
+            "outboxd replay --config {} --state {} --resume",
+            shell_word(&config),
+            shell_word(&self.options.state.display().to_string())
+        )
+    }
+
+    /// Runs until every selected row is handled, an error, or `stop`.
+    pub async fn run(&self, stop: Arc<AtomicBool>) -> Result<Outcome, ReplayError> {
+        let o = &self.options;
+        if !o.resume && !o.all && !o.selection.is_narrowed() {
+            return Err(ReplayError::NothingSelected);
+        }
+        let client = admin::connect(&self.validated.pg).await?;
+        let query = Query::prepare(&client, &self.validated.table, self.config.mode == Mode::Cdc).await?;
+        let file = StateFile::new(&o.state);
+        let started_at = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+        let fresh = State::new(o.selection.clone(), started_at);
+        let mut state = if o.dry_run && !o.resume {
+            fresh
+        } else {
+            file.open(o.resume, fresh)?
+        };
+        if o.dry_run {
+            let counts = query
+                .counts(&client, &state.selection, state.last.as_ref())
+                .await?;
+            return Ok(Outcome::DryRun {
+                counts,
+                by_commit_time: query.by_commit_time(),
+            });
+        }
+        let mut ids = query.ids(&client, &state.selection, state.last.as_ref()).await?;
+        let selected = ids.len() as u64;
+        let mut sink = KafkaSink::new(&self.config.kafka, self.config.kafka.admin_timeout.0)?;
+        sink.check_brokers().await?;
+        file.save(&state)?;
+        let run_start = Instant::now();
+        let before = state.counts;
+        let mut throttle = Throttle::new(o.rate);
+        let mut progress = Progress::new(selected);
+        let mut interrupted = false;
+        let mut failure: Option<ReplayError> = None;
+        // After Kafka refused a batch: rows go one at a time, each waiting
+        // for its answer, up to and including this one, so that a refusal
+        // is the row's own (see `crate::relay::polling`, the same rule).
+        let mut isolate_until: Option<Uuid> = None;
+        'runs: loop {
+            let mut refused_batch = None;
+            for chunk in ids.chunks(o.batch.max(1)) {
+                let mut rows = query.rows(&client, chunk).await?;
+                // In replay order: each row and what was enqueued for it,
+                // or `None` for a row deleted since it was listed.
+                let mut pending: Vec<Option<(ReplayRow, Enqueued)>> = Vec::with_capacity(chunk.len());
+                let mut settled = Settled::default();
+                for id in chunk {
+                    if stop.load(Ordering::Relaxed) {
+                        interrupted = true;
+                        break;
+                    }
+                    let Some(r) = rows.remove(id) else {
+                        pending.push(None);
+                        continue;
+                    };
+                    throttle.admit().await;
+                    let record = self.record(&r, &state.started_at);
+                    match enqueue_row(&mut sink, &self.config.routing, &r.row, record).await {
+                        Ok(e) => pending.push(Some((r, e))),
+                        Err(e) => {
+                            failure = Some(e.into());
+                            break;
+                        }
+                    }
+                    if let Some(until) = isolate_until {
+                        self.settle(&mut sink, &mut pending, &mut state, &mut settled, true)
+                            .await;
+                        if settled.last_id == Some(until) {
+                            isolate_until = None;
+                        }
+                        if settled.stopped() {
+                            break;
+                        }
+                    }
+                    progress.update(state.counts.done() - before.done() + pending.len() as u64);
+                }
+                self.settle(&mut sink, &mut pending, &mut state, &mut settled, false)
+                    .await;
+                file.save(&state)?;
+                if let Some(e) = settled.failure {
+                    failure.get_or_insert(e);
+                }
+                refused_batch = settled.refused_batch;
+                if failure.is_some() || interrupted || refused_batch.is_some() {
+                    break;
+                }
+            }
+            match refused_batch {
+                Some(id) if failure.is_none() && !interrupted => {
+                    tracing::warn!(%id, "Kafka refused a batch; sending the rows from there one at a time, to set aside only the row Kafka refuses");
+                    isolate_until = Some(id);
+                    ids = query.ids(&client, &state.selection, state.last.as_ref()).await?;
+                }
+                _ => break 'runs,
+            }
+        }
+        progress.finish(state.counts.done() - before.done());
+        let this_run = Counts {
+            published: state.counts.published - before.published,
+            dead_lettered: state.counts.dead_lettered - before.dead_lettered,
+            gone: state.counts.gone - before.gone,
+        };
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        if !interrupted {
+            state.finished = true;
+            file.save(&state)?;
+        }
+        let summary = Summary {
+            selected,
+            counts: state.counts,
+            this_run,
+            elapsed: run_start.elapsed(),
+            by_commit_time: query.by_commit_time(),
+            last: state.last,
+        };
+        Ok(if interrupted {
+            Outcome::Interrupted(summary)
+        } else {
+            Outcome::Finished(summary)
+        })
+    }
+
+    /// Takes the acknowledgements of `pending` in order: each acknowledged
+    /// row moves `state.last`; after the first failure none does (resuming
+    /// repeats them). `alone`: the rows were sent one at a time, so a
+    /// refusal is the row's own, and follows `routing.on_poison`.
+    async fn settle(
+        &self,
+        sink: &mut KafkaSink,
+        pending: &mut Vec<Option<(ReplayRow, Enqueued)>>,
+        state: &mut State,
+        settled: &mut Settled,
+        alone: bool,
+    ) {
+        for entry in pending.drain(..) {
+            let Some((r, enqueued)) = entry else {
+                if !settled.stopped() {
+                    state.counts.gone += 1;
+                }
+                continue;
+            };
+            let mut dead = matches!(enqueued, Enqueued::DeadLetter(..));
+            let mut report = Report::of(enqueued.into_future().await);
+            if settled.stopped() {
+                continue;
+            }
+            if let Report::Failed(source, _) = &report {
+                if let (Refusal::Record { reason, .. }, false) = (Refusal::of(source), dead) {
+                    if !alone {
+                        settled.refused_batch = Some(r.key.id);
+                        continue;
+                    }
+                    let error = format!("Kafka refused it: {source}");
+                    match set_aside(sink, &self.config.routing, &r.row, reason, error).await {
+                        Ok(dl) => {
+                            dead = true;
+                            report = Report::of(dl.into_future().await);
+                        }
+                        Err(e) => {
+                            settled.failure = Some(e.into());
+                            continue;
+                        }
+                    }
+                }
+            }
+            match report.into_result() {
+                Ok(_) => {
+                    if dead {
+                        state.counts.dead_lettered += 1;
+                    } else {
+                        state.counts.published += 1;
+                    }
+                    settled.last_id = Some(r.key.id);
+                    state.last = Some(r.key);
+                }
+                Err(source) => {
+                    settled.failure = Some(ReplayError::Delivery { id: r.key.id, source });
+                }
+            }
+        }
+    }
+
+    /// The record the relay would have produced, marked as replayed.
+    fn record(&self, r: &ReplayRow, started_at: &str) -> Result<KafkaRecord, RecordError> {
+        let commit_ms = r
+            .commit_ms
+            .or_else(|| r.row.created_at.rfc3339().map(chrono::DateTime::timestamp_millis))
+            .unwrap_or_else(|| chrono::Utc::now().timestamp_millis());
+        let mut rec = build_record(&r.row, &self.validated.topic, &self.validated.value, commit_ms)?;
+        rec.headers.retain(|(k, _)| k != header::REPLAYED);
+        rec.headers
+            .push((header::REPLAYED.to_owned(), started_at.as_bytes().to_vec()));
+        Ok(rec)
+    }
+}
+
+/// What settling a batch's acknowledgements found.
+#[derive(Debug, Default)]
+struct Settled {
+    /// The last row acknowledged (or set aside).
+    last_id: Option<Uuid>,
+    /// Kafka refused the batch holding this row.
+    refused_batch: Option<Uuid>,
+    failure: Option<ReplayError>,
+}
+
+impl Settled {
+    fn stopped(&self) -> bool {
+        self.refused_batch.is_some() || self.failure.is_some()
+    }
+}
+
+/// `s` quoted for a POSIX shell when it needs to be.
+pub fn shell_word(s: &str) -> String {
+    if !s.is_empty()
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_./:=+,@%".contains(c))
+    {
+        s.to_owned()
+    } else {
+        format!("'{}'", s.replace('\'', "'\\''"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shell_words_quote_what_a_shell_would_split() {
+        assert_eq!(shell_word("/etc/outboxd.toml"), "/etc/outboxd.toml");
+        assert_eq!(shell_word("2026-12-01T10:00:00Z"), "2026-12-01T10:00:00Z");
+        assert_eq!(shell_word("my config.toml"), "'my config.toml'");
+        assert_eq!(shell_word("it's"), "'it'\\''s'");
+        assert_eq!(shell_word(""), "''");
+    }
+}

@@ -1,0 +1,1244 @@
+//! The TOML configuration file.
+//!
+//! Every key is documented in `config/outboxd.toml`. Loading goes:
+//!
+//! 1. read the file and parse it as TOML;
+//! 2. in every string value, replace `${VAR}` and `${VAR:-default}` from
+//!    the environment (`$$` writes a literal `$`); an unset variable without
+//!    a default is an error naming the key. Replacing *after* parsing means
+//!    a secret holding `"`, `\` or a newline can never break the TOML, and
+//!    no parse error can quote it;
+//! 3. deserialize with `deny_unknown_fields`, so a misspelt key fails;
+//! 4. [`Config::validate`] checks values that types cannot (URLs, names,
+//!    templates, ranges).
+//!
+//! Every error names the key by its dotted path (`kafka.max_inflight`) and
+//! says what is wrong.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use serde::{Deserialize, Deserializer};
+
+pub mod conninfo;
+pub mod ident;
+
+use crate::config::conninfo::PgConnectConfig;
+use crate::config::ident::{PublicationName, SlotName, TableName};
+use crate::kafka::records::{RecordValue, TopicTemplate};
+
+/// The configuration could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read { path: String, source: std::io::Error },
+    #[error("config key {path}: environment variable {var} is not set; set it or write ${{{var}:-default}}")]
+    MissingEnv { var: String, path: String },
+    #[error("config key {path}: unterminated ${{")]
+    Unterminated { path: String },
+    #[error("config key {path}: {reason}")]
+    Invalid { path: String, reason: String },
+    #[error("config: {0}")]
+    Syntax(String),
+}
+
+fn invalid(path: &str, reason: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        path: path.to_owned(),
+        reason: reason.into(),
+    }
+}
+
+/// A duration written with a unit: `500ms`, `10s`, `2m`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HumanDuration(pub Duration);
+
+impl<'de> Deserialize<'de> for HumanDuration {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        humantime::parse_duration(&s).map(HumanDuration).map_err(|e| {
+            serde::de::Error::custom(format!(
+                "{s:?} is not a duration such as \"500ms\" or \"10s\": {e}"
+            ))
+        })
+    }
+}
+
+fn secs(n: u64) -> HumanDuration {
+    HumanDuration(Duration::from_secs(n))
+}
+
+/// How outboxd finds new outbox rows.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// Logical replication (pgoutput): no polling, commit order, low latency.
+    #[default]
+    Cdc,
+    /// Rounds of `SELECT … FOR UPDATE` in write order by one elected
+    /// poller (see `crate::relay::polling`), for databases without
+    /// logical replication.
+    Polling,
+}
+
+/// `[polling]`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PollingConfig {
+    /// Rows per round.
+    #[serde(default = "default_batch_size")]
+    pub batch_size: usize,
+    /// Pause after a round that found fewer than `batch_size` rows.
+    #[serde(default = "default_poll_pause")]
+    pub interval: HumanDuration,
+}
+
+impl Default for PollingConfig {
+    fn default() -> Self {
+        PollingConfig {
+            batch_size: default_batch_size(),
+            interval: default_poll_pause(),
+        }
+    }
+}
+
+fn default_batch_size() -> usize {
+    500
+}
+fn default_poll_pause() -> HumanDuration {
+    HumanDuration(Duration::from_millis(500))
+}
+
+/// The whole file.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// `cdc` (default) or `polling`.
+    #[serde(default)]
+    pub mode: Mode,
+    /// Polling mode settings.
+    #[serde(default)]
+    pub polling: PollingConfig,
+    /// Where the outbox lives.
+    pub postgres: PostgresConfig,
+    /// Where events go.
+    pub kafka: KafkaConfig,
+    /// How rows become Kafka records.
+    #[serde(default)]
+    pub routing: RoutingConfig,
+    /// Metrics and health endpoints.
+    #[serde(default)]
+    pub http: HttpConfig,
+    /// What liveness and readiness mean.
+    #[serde(default)]
+    pub health: HealthConfig,
+    /// Stopping.
+    #[serde(default)]
+    pub shutdown: ShutdownConfig,
+    /// Logs.
+    #[serde(default)]
+    pub log: LogConfig,
+    /// OpenTelemetry spans of published events (off by default).
+    #[serde(default)]
+    pub opentelemetry: crate::ops::otel::OtelConfig,
+}
+
+/// A value that is never printed: `Debug` shows `***`.
+#[derive(Clone, Deserialize, PartialEq, Eq)]
+#[serde(transparent)]
+pub struct Secret(pub String);
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("***")
+    }
+}
+
+/// `[postgres]`
+#[derive(Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PostgresConfig {
+    /// libpq-style URL; the role needs REPLICATION.
+    pub url: String,
+    /// The password, when the URL has none: any characters, no URL
+    /// encoding (for example `"${PGPASSWORD}"`).
+    #[serde(default)]
+    pub password: Option<Secret>,
+    /// The outbox table, `schema.table`.
+    #[serde(default = "default_table")]
+    pub table: String,
+    /// The logical replication slot.
+    #[serde(default = "default_name")]
+    pub slot: String,
+    /// The publication.
+    #[serde(default = "default_name")]
+    pub publication: String,
+    /// Create the publication when it is missing.
+    #[serde(default = "yes")]
+    pub create_publication: bool,
+    /// PostgreSQL 17+: make the slot a failover slot, so that a standby
+    /// with `sync_replication_slots = on` keeps a copy that outlives a
+    /// promotion (see docs/failover.md). Ignored on older
+    /// servers.
+    #[serde(default = "yes")]
+    pub failover_slot: bool,
+    /// How often to report progress to the server.
+    #[serde(default = "default_status_interval")]
+    pub status_interval: HumanDuration,
+    /// Longest wait between reconnection attempts.
+    #[serde(default = "default_backoff_max")]
+    pub reconnect_backoff_max: HumanDuration,
+    /// The leader lease: PostgreSQL ends the leader lock's session when
+    /// the leader has not renewed it for this long (stopped, or its host
+    /// gone), and a hot standby takes over. The at-least-once producer's
+    /// `message.timeout.ms` defaults to it, so that what a stopped leader
+    /// had queued times out instead of reaching Kafka after a takeover.
+    #[serde(default = "default_leader_timeout")]
+    pub leader_timeout: HumanDuration,
+    /// Also publish transactional logical decoding messages with
+    /// `message_prefix` (the table-less outbox, `outbox_emit`; PostgreSQL
+    /// 14+): `"auto"` (the default) when `outbox_emit` is installed, `true`
+    /// or `false`. While they are read, outboxd refuses to start if PUBLIC
+    /// may call `pg_logical_emit_message` (any role could forge an event);
+    /// while they are not, if `outbox_emit` is installed (its events would
+    /// be lost).
+    #[serde(default, deserialize_with = "messages")]
+    pub messages: crate::postgres::publication::Messages,
+    /// The prefix of the messages that are outbox events.
+    #[serde(default = "default_message_prefix")]
+    pub message_prefix: String,
+}
+
+fn default_message_prefix() -> String {
+    crate::source::emitted::DEFAULT_PREFIX.to_owned()
+}
+
+impl Config {
+    /// What a session proves about the publication on a server of
+    /// `server_version` (`server_version_num`).
+    pub fn publication_subject(
+        &self,
+        v: &Validated,
+        server_version: i32,
+    ) -> crate::postgres::publication::Subject {
+        crate::postgres::publication::Subject {
+            publication: v.publication.clone(),
+            table: v.table.clone(),
+            receiving: self.postgres.receiving(server_version),
+        }
+    }
+}
+
+/// `postgres.messages`: `true`, `false` or `"auto"`.
+fn messages<'de, D: Deserializer<'de>>(d: D) -> Result<crate::postgres::publication::Messages, D::Error> {
+    use crate::postgres::publication::Messages;
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Value {
+        Bool(bool),
+        Text(String),
+    }
+    match Value::deserialize(d)? {
+        Value::Bool(true) => Ok(Messages::On),
+        Value::Bool(false) => Ok(Messages::Off),
+        Value::Text(t) if t == "auto" => Ok(Messages::Auto),
+        Value::Text(t) => Err(serde::de::Error::custom(format!(
+            "{t:?} is not true, false or \"auto\""
+        ))),
+    }
+}
+
+impl PostgresConfig {
+    /// What a session asks pgoutput for on a server of `server_version`
+    /// (`server_version_num`).
+    pub fn receiving(&self, server_version: i32) -> crate::postgres::publication::Receiving {
+        crate::postgres::publication::Receiving {
+            messages: self.messages,
+            prefix: self.message_prefix.clone(),
+            server_sends: server_version >= 140_000,
+        }
+    }
+}
+
+/// `[kafka]`
+#[derive(Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KafkaConfig {
+    /// `host:port,host:port`.
+    pub brokers: String,
+    /// Create missing topics through the admin API.
+    #[serde(default = "yes")]
+    pub create_topics: bool,
+    /// Partitions of created topics.
+    #[serde(default = "default_partitions")]
+    pub topic_partitions: i32,
+    /// Replication factor of created topics; -1 uses the broker default.
+    #[serde(default = "default_replication_factor")]
+    pub topic_replication_factor: i32,
+    /// Topic-level configs of created topics, for example
+    /// `"min.insync.replicas" = "2"`. Topics that already exist are left as
+    /// they are.
+    #[serde(default)]
+    pub topic_config: BTreeMap<String, String>,
+    /// Most events sent but not yet acknowledged; reading pauses above it.
+    #[serde(default = "default_max_inflight")]
+    pub max_inflight: usize,
+    /// Timeout of metadata and admin requests.
+    #[serde(default = "default_admin_timeout")]
+    pub admin_timeout: HumanDuration,
+    /// `at-least-once` (default) or `exactly-once` (Kafka transactions, for
+    /// consumers with `isolation.level = read_committed`).
+    #[serde(default)]
+    pub delivery: Delivery,
+    /// Exactly-once settings; used when `delivery = "exactly-once"`.
+    #[serde(default)]
+    pub exactly_once: ExactlyOnceConfig,
+    /// The compacted topic where outboxd keeps, per slot, the slot
+    /// register (both modes: which slots it streamed, so that a lost slot
+    /// is noticed) and the exactly-once progress record. Default
+    /// `outboxd.progress`; `kafka.exactly_once.progress_topic` is the
+    /// older spelling.
+    #[serde(default)]
+    pub progress_topic: Option<String>,
+    /// Keep the slot register (see `progress_topic`), so that a slot that
+    /// disappears (a promotion before the slot was synced, a dropped slot)
+    /// stops outboxd instead of a new slot silently skipping events.
+    /// Exactly-once always keeps it.
+    #[serde(default = "yes")]
+    pub slot_register: bool,
+    /// librdkafka settings, passed as they are.
+    #[serde(default)]
+    pub options: BTreeMap<String, String>,
+}
+
+/// `postgres.url` for `Debug`: its password, if any, replaced.
+fn url_without_password(url: &str) -> String {
+    match url::Url::parse(url) {
+        Ok(mut u) if u.password().is_some() => {
+            let _ = u.set_password(Some("***"));
+            u.to_string()
+        }
+        Ok(u) => u.to_string(),
+        Err(_) => "<unparsed url>".to_owned(),
+    }
+}
+
+// No Debug output may show a secret: the URL's password, the password,
+// and every value of [kafka.options] (sasl.password, ssl.key.password, …)
+// are left out.
+impl std::fmt::Debug for PostgresConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresConfig")
+            .field("url", &url_without_password(&self.url))
+            .field("password", &self.password)
+            .field("table", &self.table)
+            .field("slot", &self.slot)
+            .field("publication", &self.publication)
+            .field("create_publication", &self.create_publication)
+            .field("failover_slot", &self.failover_slot)
+            .field("status_interval", &self.status_interval)
+            .field("reconnect_backoff_max", &self.reconnect_backoff_max)
+            .field("leader_timeout", &self.leader_timeout)
+            .field("messages", &self.messages)
+            .field("message_prefix", &self.message_prefix)
+            .finish()
+    }
+}
+
+impl std::fmt::Debug for KafkaConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let options: BTreeMap<&str, &str> = self.options.keys().map(|k| (k.as_str(), "***")).collect();
+        f.debug_struct("KafkaConfig")
+            .field("brokers", &self.brokers)
+            .field("create_topics", &self.create_topics)
+            .field("topic_partitions", &self.topic_partitions)
+            .field("topic_replication_factor", &self.topic_replication_factor)
+            .field("topic_config", &self.topic_config)
+            .field("max_inflight", &self.max_inflight)
+            .field("admin_timeout", &self.admin_timeout)
+            .field("delivery", &self.delivery)
+            .field("exactly_once", &self.exactly_once)
+            .field("progress_topic", &self.progress_topic)
+            .field("slot_register", &self.slot_register)
+            .field("options", &options)
+            .finish()
+    }
+}
+
+impl KafkaConfig {
+    /// The progress topic: `kafka.progress_topic`, else the older
+    /// `kafka.exactly_once.progress_topic`, else `outboxd.progress`.
+    pub fn progress_topic(&self) -> &str {
+        self.progress_topic
+            .as_deref()
+            .or(self.exactly_once.progress_topic.as_deref())
+            .unwrap_or("outboxd.progress")
+    }
+
+    /// Whether the slot register is kept: always with exactly-once.
+    pub fn keeps_slot_register(&self) -> bool {
+        self.slot_register || self.delivery == Delivery::ExactlyOnce
+    }
+
+    /// The producer's `transaction.timeout.ms` (librdkafka's default 60 s):
+    /// how long the broker lets a Kafka transaction stay open.
+    pub fn transaction_timeout(&self) -> Duration {
+        Duration::from_millis(
+            self.options
+                .get("transaction.timeout.ms")
+                .and_then(|t| t.parse().ok())
+                .unwrap_or(60_000),
+        )
+    }
+}
+
+/// How records become durable in Kafka, and so what the slot may confirm.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum Delivery {
+    /// Each record is acknowledged on its own; a crash re-sends what was in
+    /// flight, so consumers deduplicate by the `id` header.
+    #[default]
+    AtLeastOnce,
+    /// Whole PostgreSQL transactions go into Kafka transactions, with the
+    /// progress record in the same transaction: a `read_committed`
+    /// consumer sees each event once.
+    ExactlyOnce,
+}
+
+/// `[kafka.exactly_once]`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExactlyOnceConfig {
+    /// The producers' `transactional.id` prefix: two producers, `<id>-0`
+    /// and `<id>-1`, take turns. A new outboxd with the same id fences the
+    /// old one. Default: `outboxd.<slot>`.
+    #[serde(default)]
+    pub transactional_id: Option<String>,
+    /// The older spelling of `kafka.progress_topic`.
+    #[serde(default)]
+    pub progress_topic: Option<String>,
+    /// A Kafka transaction is committed once it holds this many events
+    /// (at the next PostgreSQL commit).
+    #[serde(default = "default_txn_max_events")]
+    pub max_events: usize,
+    /// ... or this many bytes of keys, values and headers.
+    #[serde(default = "default_txn_max_bytes")]
+    pub max_bytes: usize,
+    /// ... or when its first PostgreSQL transaction is this old.
+    #[serde(default = "default_txn_max_wait")]
+    pub max_wait: HumanDuration,
+    /// How long a Kafka commit (or `init_transactions`) may take before
+    /// the session gives up on it and replays from the progress record.
+    #[serde(default = "default_txn_commit_timeout")]
+    pub commit_timeout: HumanDuration,
+}
+
+impl Default for ExactlyOnceConfig {
+    fn default() -> Self {
+        ExactlyOnceConfig {
+            transactional_id: None,
+            progress_topic: None,
+            max_events: default_txn_max_events(),
+            max_bytes: default_txn_max_bytes(),
+            max_wait: default_txn_max_wait(),
+            commit_timeout: default_txn_commit_timeout(),
+        }
+    }
+}
+
+fn default_txn_max_events() -> usize {
+    10_000
+}
+fn default_txn_max_bytes() -> usize {
+    16 * 1024 * 1024
+}
+fn default_txn_max_wait() -> HumanDuration {
+    HumanDuration(Duration::from_millis(10))
+}
+fn default_cloudevents_source() -> String {
+    crate::kafka::cloudevents::DEFAULT_SOURCE.to_owned()
+}
+
+fn default_txn_commit_timeout() -> HumanDuration {
+    secs(30)
+}
+
+/// How a record's value is built.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum ValueFormat {
+    /// `{"eventId","type","occurredAt","aggregateType","aggregateId","data"}`.
+    #[default]
+    Envelope,
+    /// The payload JSON as stored.
+    Payload,
+    /// A CloudEvent 1.0 in structured mode (see [`crate::kafka::cloudevents`]).
+    #[serde(rename = "cloudevents")]
+    CloudEvents,
+    /// A CloudEvent 1.0 in binary mode: `ce_*` headers, the payload as value.
+    #[serde(rename = "cloudevents-binary")]
+    CloudEventsBinary,
+}
+
+/// What to do with a row Kafka will never accept.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum OnPoison {
+    /// Stop with a clear error; the slot does not move past the row.
+    #[default]
+    Stop,
+    /// Send the row to `routing.dead_letter_topic` and go on.
+    DeadLetter,
+}
+
+/// `[routing]`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RoutingConfig {
+    /// Topic name template with `{aggregate_type}` and `{type}`.
+    #[serde(default = "default_topic")]
+    pub topic: String,
+    /// Lowercase the aggregate type in the topic name (`Order` → `order.events`).
+    #[serde(default = "yes")]
+    pub lowercase_aggregate_type: bool,
+    /// `envelope`, `payload`, `cloudevents` or `cloudevents-binary`.
+    #[serde(default)]
+    pub value: ValueFormat,
+    /// The CloudEvents `source`: a URI-reference template over
+    /// `{aggregate_type}`, `{aggregate_id}` and `{type}`.
+    #[serde(default = "default_cloudevents_source")]
+    pub cloudevents_source: String,
+    /// `stop` or `dead-letter`.
+    #[serde(default)]
+    pub on_poison: OnPoison,
+    /// Where dead letters go.
+    #[serde(default = "default_dead_letter_topic")]
+    pub dead_letter_topic: String,
+    /// The aggregate types that may become topics: exact names, or
+    /// prefixes ending in `*`. A row of another type follows `on_poison`
+    /// and creates no topic. Unset: any aggregate type.
+    #[serde(default)]
+    pub allowed_aggregate_types: Option<Vec<String>>,
+}
+
+impl Default for RoutingConfig {
+    fn default() -> Self {
+        RoutingConfig {
+            topic: default_topic(),
+            lowercase_aggregate_type: true,
+            value: ValueFormat::Envelope,
+            cloudevents_source: default_cloudevents_source(),
+            on_poison: OnPoison::Stop,
+            dead_letter_topic: default_dead_letter_topic(),
+            allowed_aggregate_types: None,
+        }
+    }
+}
+
+/// `[http]`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HttpConfig {
+    /// Address of /metrics, /healthz and /readyz.
+    #[serde(default = "default_listen")]
+    pub listen: String,
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        HttpConfig {
+            listen: default_listen(),
+        }
+    }
+}
+
+/// `[health]`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HealthConfig {
+    /// /healthz fails when the replication loop has not run for this long.
+    #[serde(default = "default_liveness")]
+    pub liveness_timeout: HumanDuration,
+    /// /readyz fails when the last status update to PostgreSQL is older.
+    #[serde(default = "default_status_max_age")]
+    pub status_max_age: HumanDuration,
+    /// /readyz fails when events are in flight and Kafka has not acknowledged any for this long.
+    #[serde(default = "default_ack_max_age")]
+    pub ack_max_age: HumanDuration,
+    /// /readyz fails when the replication lag exceeds this many bytes (unset: no limit).
+    #[serde(default)]
+    pub max_lag_bytes: Option<u64>,
+    /// /readyz fails, and an error is logged, when the slot retains more WAL than this (unset: no limit).
+    #[serde(default)]
+    pub max_retained_wal_bytes: Option<u64>,
+    /// How often to poll the slot's retained WAL and failover protection,
+    /// and probe the brokers.
+    #[serde(default = "default_poll_interval")]
+    pub poll_interval: HumanDuration,
+    /// /readyz fails while the slot would not survive a promotion (see
+    /// `outboxd check`, "failover"). Off by default: a server without a
+    /// standby is a valid setup.
+    #[serde(default)]
+    pub require_failover_protection: bool,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        HealthConfig {
+            liveness_timeout: default_liveness(),
+            status_max_age: default_status_max_age(),
+            ack_max_age: default_ack_max_age(),
+            max_lag_bytes: None,
+            max_retained_wal_bytes: None,
+            poll_interval: default_poll_interval(),
+            require_failover_protection: false,
+        }
+    }
+}
+
+impl HealthConfig {
+    pub fn thresholds(&self) -> crate::ops::health::Thresholds {
+        crate::ops::health::Thresholds {
+            liveness_timeout: self.liveness_timeout.0,
+            status_max_age: self.status_max_age.0,
+            ack_max_age: self.ack_max_age.0,
+            max_lag_bytes: self.max_lag_bytes,
+            max_retained_wal_bytes: self.max_retained_wal_bytes,
+            require_failover_protection: self.require_failover_protection,
+        }
+    }
+}
+
+/// `[shutdown]`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShutdownConfig {
+    /// On SIGTERM, how long to wait for in-flight events to be acknowledged.
+    #[serde(default = "default_drain")]
+    pub drain_timeout: HumanDuration,
+}
+
+impl Default for ShutdownConfig {
+    fn default() -> Self {
+        ShutdownConfig {
+            drain_timeout: default_drain(),
+        }
+    }
+}
+
+/// Log output format.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+/// `[log]`
+#[derive(Clone, Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct LogConfig {
+    /// `text` or `json`.
+    #[serde(default)]
+    pub format: LogFormat,
+    /// A tracing filter such as `info` or `outboxd=debug`; `RUST_LOG` wins.
+    #[serde(default)]
+    pub level: Option<String>,
+}
+
+fn yes() -> bool {
+    true
+}
+fn default_table() -> String {
+    "public.outbox".into()
+}
+fn default_name() -> String {
+    "outboxd".into()
+}
+fn default_status_interval() -> HumanDuration {
+    secs(1)
+}
+fn default_backoff_max() -> HumanDuration {
+    secs(30)
+}
+fn default_leader_timeout() -> HumanDuration {
+    secs(8)
+}
+fn default_partitions() -> i32 {
+    3
+}
+fn default_replication_factor() -> i32 {
+    -1
+}
+fn default_max_inflight() -> usize {
+    20_000
+}
+fn default_admin_timeout() -> HumanDuration {
+    secs(10)
+}
+fn default_topic() -> String {
+    "{aggregate_type}.events".into()
+}
+fn default_dead_letter_topic() -> String {
+    "outboxd.dead-letter".into()
+}
+fn default_listen() -> String {
+    "127.0.0.1:9187".into()
+}
+fn default_liveness() -> HumanDuration {
+    secs(60)
+}
+fn default_status_max_age() -> HumanDuration {
+    secs(10)
+}
+fn default_ack_max_age() -> HumanDuration {
+    secs(30)
+}
+fn default_poll_interval() -> HumanDuration {
+    secs(10)
+}
+fn default_drain() -> HumanDuration {
+    secs(30)
+}
+
+/// Values checked and converted once, at start.
+#[derive(Clone, Debug)]
+pub struct Validated {
+    pub pg: PgConnectConfig,
+    pub table: TableName,
+    pub slot: SlotName,
+    pub publication: PublicationName,
+    pub topic: TopicTemplate,
+    /// How record values are built (`routing.value`, and the CloudEvents
+    /// source).
+    pub value: RecordValue,
+    pub listen: SocketAddr,
+    /// The producer's `transactional.id` when delivery is exactly-once.
+    pub transactional_id: Option<String>,
+    /// The file the configuration was read from, for the commands outboxd
+    /// prints (`None` when it came from text).
+    pub source: Option<std::path::PathBuf>,
+}
+
+/// Replaces `${VAR}` and `${VAR:-default}` in one string value (at the
+/// dotted key `path`, for errors); `$$` is a literal `$`.
+pub fn interpolate(
+    text: &str,
+    path: &str,
+    env: &impl Fn(&str) -> Option<String>,
+) -> Result<String, ConfigError> {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(pos) = rest.find('$') {
+        out.push_str(&rest[..pos]);
+        let after = &rest[pos + 1..];
+        if let Some(stripped) = after.strip_prefix('$') {
+            out.push('$');
+            rest = stripped;
+        } else if let Some(body) = after.strip_prefix('{') {
+            let end = body.find('}').ok_or_else(|| ConfigError::Unterminated {
+                path: path.to_owned(),
+            })?;
+            let expr = &body[..end];
+            let (var, default) = match expr.split_once(":-") {
+                Some((v, d)) => (v, Some(d)),
+                None => (expr, None),
+            };
+            match (env(var).filter(|v| !v.is_empty() || default.is_none()), default) {
+                (Some(v), _) => out.push_str(&v),
+                (None, Some(d)) => out.push_str(d),
+                (None, None) => {
+                    return Err(ConfigError::MissingEnv {
+                        var: var.to_owned(),
+                        path: path.to_owned(),
+                    })
+                }
+            }
+            rest = &body[end + 1..];
+        } else {
+            out.push('$');
+            rest = after;
+        }
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+/// Interpolates every string in a parsed TOML value, in place.
+fn interpolate_value(
+    value: &mut toml::Value,
+    path: &str,
+    env: &impl Fn(&str) -> Option<String>,
+) -> Result<(), ConfigError> {
+    match value {
+        toml::Value::String(s) => *s = interpolate(s, path, env)?,
+        toml::Value::Array(items) => {
+            for (i, v) in items.iter_mut().enumerate() {
+                interpolate_value(v, &format!("{path}[{i}]"), env)?;
+            }
+        }
+        toml::Value::Table(t) => {
+            for (k, v) in t.iter_mut() {
+                let child = if path.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{path}.{k}")
+                };
+                interpolate_value(v, &child, env)?;
+            }
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+impl Config {
+    /// Reads, interpolates, parses and validates a config file.
+    pub fn load(path: &Path) -> Result<(Config, Validated), ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        let (config, mut validated) = Self::from_toml(&text, |v| std::env::var(v).ok())?;
+        validated.source = Some(path.to_owned());
+        Ok((config, validated))
+    }
+
+    /// Parses and validates config text with the given environment.
+    pub fn from_toml(
+        text: &str,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<(Config, Validated), ConfigError> {
+        let table: toml::Table = toml::from_str(text).map_err(|e| ConfigError::Syntax(e.to_string()))?;
+        let mut value = toml::Value::Table(table);
+        interpolate_value(&mut value, "", &env)?;
+        let config: Config = serde_path_to_error::deserialize(value).map_err(|e| {
+            let path = e.path().to_string();
+            let reason = e.into_inner().message().to_owned();
+            if path == "." || path.is_empty() {
+                ConfigError::Syntax(reason)
+            } else {
+                invalid(&path, reason)
+            }
+        })?;
+        let validated = config.validate()?;
+        Ok((config, validated))
+    }
+
+    /// Checks what the types cannot.
+    pub fn validate(&self) -> Result<Validated, ConfigError> {
+        let mut pg: PgConnectConfig = self
+            .postgres
+            .url
+            .parse()
+            .map_err(|e: crate::config::conninfo::ConnInfoError| invalid("postgres.url", e.to_string()))?;
+        if let Some(password) = &self.postgres.password {
+            if pg.password.is_some() {
+                return Err(invalid(
+                    "postgres.password",
+                    "the url has a password too; keep one of them",
+                ));
+            }
+            pg.password = Some(password.0.clone());
+        }
+        let table =
+            TableName::new(&self.postgres.table).map_err(|e| invalid("postgres.table", e.to_string()))?;
+        let slot = SlotName::new(&self.postgres.slot).map_err(|e| invalid("postgres.slot", e.to_string()))?;
+        let publication = PublicationName::new(&self.postgres.publication)
+            .map_err(|e| invalid("postgres.publication", e.to_string()))?;
+        if self.postgres.status_interval.0 < Duration::from_millis(10) {
+            return Err(invalid("postgres.status_interval", "must be at least 10ms"));
+        }
+        if self.postgres.leader_timeout.0 < Duration::from_secs(2) {
+            return Err(invalid(
+                "postgres.leader_timeout",
+                "must be at least 2s: the leader renews the lease every quarter of it",
+            ));
+        }
+        if self.kafka.brokers.trim().is_empty() {
+            return Err(invalid("kafka.brokers", "must list at least one host:port"));
+        }
+        if self.polling.batch_size == 0 {
+            return Err(invalid("polling.batch_size", "must be at least 1"));
+        }
+        if self.kafka.max_inflight == 0 {
+            return Err(invalid("kafka.max_inflight", "must be at least 1"));
+        }
+        if self.kafka.topic_partitions < 1 {
+            return Err(invalid("kafka.topic_partitions", "must be at least 1"));
+        }
+        if self.kafka.topic_replication_factor == 0 || self.kafka.topic_replication_factor < -1 {
+            return Err(invalid(
+                "kafka.topic_replication_factor",
+                "must be -1 (broker default) or at least 1",
+            ));
+        }
+        if self.kafka.options.contains_key("bootstrap.servers") {
+            return Err(invalid(
+                "kafka.options.bootstrap.servers",
+                "set kafka.brokers instead",
+            ));
+        }
+        if self
+            .kafka
+            .options
+            .get("enable.idempotence")
+            .is_some_and(|v| v != "true")
+        {
+            return Err(invalid(
+                "kafka.options.enable.idempotence",
+                "must stay true: without it retries can reorder an aggregate's events",
+            ));
+        }
+        self.validate_delivery()?;
+        if self.health.poll_interval.0 < Duration::from_millis(100) {
+            return Err(invalid("health.poll_interval", "must be at least 100ms"));
+        }
+        if self.health.status_max_age.0 <= self.postgres.status_interval.0 {
+            return Err(invalid(
+                "health.status_max_age",
+                "must be longer than postgres.status_interval, or outboxd is never ready",
+            ));
+        }
+        let mut topic = TopicTemplate::parse(&self.routing.topic, self.routing.lowercase_aggregate_type)
+            .map_err(|e| invalid("routing.topic", e))?;
+        if let Some(allowed) = &self.routing.allowed_aggregate_types {
+            if allowed.is_empty() || allowed.iter().any(|a| a.is_empty() || a == "*") {
+                return Err(invalid(
+                    "routing.allowed_aggregate_types",
+                    "list the aggregate types (or prefixes ending in *); leave it out to allow any",
+                ));
+            }
+            topic = topic.allowing(allowed.clone());
+        }
+        self.opentelemetry
+            .validate()
+            .map_err(|e| invalid("opentelemetry.endpoint", e))?;
+        if self.postgres.messages != crate::postgres::publication::Messages::Off
+            && self.postgres.message_prefix.is_empty()
+        {
+            return Err(invalid(
+                "postgres.message_prefix",
+                "must not be empty: every logical decoding message would be read as an outbox event",
+            ));
+        }
+        crate::kafka::records::validate_topic(&self.routing.dead_letter_topic)
+            .map_err(|e| invalid("routing.dead_letter_topic", e.to_string()))?;
+        let source = crate::kafka::cloudevents::SourceTemplate::parse(&self.routing.cloudevents_source)
+            .map_err(|e| invalid("routing.cloudevents_source", e))?;
+        let value = RecordValue::new(self.routing.value, source);
+        let listen: SocketAddr = self.http.listen.parse().map_err(|_| {
+            invalid(
+                "http.listen",
+                format!("{:?} is not an address such as 0.0.0.0:9187", self.http.listen),
+            )
+        })?;
+        let transactional_id = match self.kafka.delivery {
+            Delivery::AtLeastOnce => None,
+            Delivery::ExactlyOnce => Some(
+                self.kafka
+                    .exactly_once
+                    .transactional_id
+                    .clone()
+                    .unwrap_or_else(|| format!("outboxd.{}", slot.as_str())),
+            ),
+        };
+        Ok(Validated {
+            pg,
+            table,
+            slot,
+            publication,
+            topic,
+            listen,
+            transactional_id,
+            value,
+            source: None,
+        })
+    }
+
+    /// The delivery mode's own rules.
+    fn validate_delivery(&self) -> Result<(), ConfigError> {
+        let options = &self.kafka.options;
+        if let (Some(new), Some(old)) = (
+            &self.kafka.progress_topic,
+            &self.kafka.exactly_once.progress_topic,
+        ) {
+            if new != old {
+                return Err(invalid(
+                    "kafka.progress_topic",
+                    "differs from kafka.exactly_once.progress_topic (its older spelling): keep one",
+                ));
+            }
+        }
+        let progress_topic = self.kafka.progress_topic();
+        crate::kafka::records::validate_topic(progress_topic)
+            .map_err(|e| invalid("kafka.progress_topic", e.to_string()))?;
+        if progress_topic == self.routing.dead_letter_topic {
+            return Err(invalid(
+                "kafka.progress_topic",
+                "must differ from routing.dead_letter_topic",
+            ));
+        }
+        if options.contains_key("transactional.id") {
+            return Err(invalid(
+                "kafka.options.transactional.id",
+                "set kafka.delivery = \"exactly-once\" (and, to choose the id, kafka.exactly_once.transactional_id) instead",
+            ));
+        }
+        if self.kafka.delivery == Delivery::AtLeastOnce {
+            return Ok(());
+        }
+        let eo = &self.kafka.exactly_once;
+        if self.mode == Mode::Polling {
+            return Err(invalid(
+                "kafka.delivery",
+                "exactly-once needs mode = \"cdc\": the polling relay marks rows in PostgreSQL, not in Kafka's transaction",
+            ));
+        }
+        if eo
+            .transactional_id
+            .as_deref()
+            .is_some_and(|id| id.trim().is_empty())
+        {
+            return Err(invalid(
+                "kafka.exactly_once.transactional_id",
+                "must not be empty; leave it out for outboxd.<slot>",
+            ));
+        }
+        if eo.max_events == 0 {
+            return Err(invalid("kafka.exactly_once.max_events", "must be at least 1"));
+        }
+        if eo.max_bytes == 0 {
+            return Err(invalid("kafka.exactly_once.max_bytes", "must be at least 1"));
+        }
+        if eo.commit_timeout.0 < Duration::from_secs(1) {
+            return Err(invalid(
+                "kafka.exactly_once.commit_timeout",
+                "must be at least 1s",
+            ));
+        }
+        // The broker aborts a transaction left open longer than
+        // transaction.timeout.ms; a commit must be tried well before that.
+        if let Some(t) = options.get("transaction.timeout.ms") {
+            let ms: u64 = t.parse().map_err(|_| {
+                invalid(
+                    "kafka.options.transaction.timeout.ms",
+                    "must be a number of milliseconds",
+                )
+            })?;
+            if Duration::from_millis(ms) <= eo.commit_timeout.0 + eo.max_wait.0 {
+                return Err(invalid(
+                    "kafka.options.transaction.timeout.ms",
+                    "must be longer than kafka.exactly_once.commit_timeout plus max_wait",
+                ));
+            }
+        }
+        let txn_timeout = self.kafka.transaction_timeout();
+        if options
+            .get("message.timeout.ms")
+            .and_then(|t| t.parse::<u64>().ok())
+            .is_some_and(|m| Duration::from_millis(m) > txn_timeout)
+        {
+            return Err(invalid(
+                "kafka.options.message.timeout.ms",
+                "must not exceed transaction.timeout.ms (default 60000) with exactly-once delivery",
+            ));
+        }
+        if options.get("acks").is_some_and(|a| a != "all" && a != "-1") {
+            return Err(invalid(
+                "kafka.options.acks",
+                "must be all with exactly-once delivery (Kafka transactions require it)",
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let vars: Vec<(String, String)> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        move |k| vars.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone())
+    }
+
+    const MINIMAL: &str = "[postgres]\nurl = \"postgres://u@h/db\"\n[kafka]\nbrokers = \"k:9092\"\n";
+
+    #[test]
+    fn interpolation() {
+        let e = env(&[("A", "x"), ("EMPTY", "")]);
+        let i = |t: &str| interpolate(t, "k", &e);
+        assert_eq!(i("${A}-${B:-d}-$$-$x").unwrap(), "x-d-$-$x");
+        assert_eq!(i("${EMPTY:-fallback}").unwrap(), "fallback");
+        assert_eq!(i("${EMPTY}").unwrap(), "");
+        let err = interpolate("a${MISSING}", "postgres.url", &e)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("MISSING") && err.contains("postgres.url"), "{err}");
+        assert!(i("${A").is_err());
+        // Comments are gone after parsing: an unset variable there is fine.
+        let text = format!("# ${{UNSET}} in a comment\n{MINIMAL}");
+        assert!(Config::from_toml(&text, env(&[])).is_ok());
+    }
+
+    /// Secrets that break each parser on the way (TOML, the URL, librdkafka)
+    /// work where they may, and no error ever quotes them.
+    #[test]
+    fn no_error_echoes_a_secret() {
+        let secrets = [
+            "pa\"ss",
+            "back\\slash",
+            "new\nline",
+            "p@ss/w?rd#1",
+            "%zz%",
+            "tab\tand ]] [[ ''' \"\"\"",
+            "${NESTED}",
+        ];
+        for secret in secrets {
+            let e = env(&[("PGPASSWORD", secret), ("KAFKA_PASSWORD", secret)]);
+            // In postgres.password: any characters work.
+            let text = "[postgres]\nurl = \"postgres://u@h/db\"\npassword = \"${PGPASSWORD}\"\n[kafka]\nbrokers = \"k:9092\"\n";
+            let (_, v) = Config::from_toml(text, &e).unwrap_or_else(|err| panic!("{secret:?}: {err}"));
+            assert_eq!(v.pg.password.as_deref(), Some(secret));
+            // In the URL, unencoded: may fail, but never quotes it.
+            let text =
+                "[postgres]\nurl = \"postgres://u:${PGPASSWORD}@h/db\"\n[kafka]\nbrokers = \"k:9092\"\n";
+            if let Err(err) = Config::from_toml(text, &e) {
+                assert!(!err.to_string().contains(secret), "{secret:?} in {err}");
+            }
+            // Bad values for librdkafka properties.
+            for key in ["sasl.password", "message.max.bytes", "sasl.mechanisms"] {
+                let text = format!(
+                    "[postgres]\nurl = \"postgres://u@h/db\"\n[kafka]\nbrokers = \"k:9092\"\n[kafka.options]\n\"{key}\" = \"${{KAFKA_PASSWORD}}\"\n"
+                );
+                let (c, _) = Config::from_toml(&text, &e).unwrap();
+                if let Err(err) = crate::kafka::sink::KafkaSink::new(&c.kafka, Duration::from_secs(1)) {
+                    let err = err.to_string();
+                    assert!(!err.contains(secret), "{key}={secret:?} in {err}");
+                    assert!(err.contains(key), "{key}: {err}");
+                }
+            }
+            // A TOML syntax error elsewhere in the file quotes the file,
+            // which holds ${VAR}, never the value.
+            let text = "[postgres]\nurl = \"postgres://u:${PGPASSWORD}@h/db\"\nbad = = 1\n";
+            let err = Config::from_toml(text, &e).unwrap_err().to_string();
+            assert!(!err.contains(secret), "{secret:?} in {err}");
+        }
+    }
+
+    #[test]
+    fn minimal_config_gets_defaults() {
+        let (c, v) = Config::from_toml(MINIMAL, env(&[])).unwrap();
+        assert_eq!(c.postgres.table, "public.outbox");
+        assert_eq!(v.slot.as_str(), "outboxd");
+        assert_eq!(c.routing.value, ValueFormat::Envelope);
+        assert_eq!(c.kafka.max_inflight, 20_000);
+        assert_eq!(c.shutdown.drain_timeout.0, Duration::from_secs(30));
+        assert_eq!(v.listen.port(), 9187);
+    }
+
+    #[test]
+    fn progress_topic_takes_either_spelling_but_not_two_different_ones() {
+        let parse = |extra: &str| Config::from_toml(&format!("{MINIMAL}{extra}"), env(&[]));
+        let (c, _) = parse("").unwrap();
+        assert_eq!(c.kafka.progress_topic(), "outboxd.progress");
+        assert!(c.kafka.keeps_slot_register());
+        let (c, _) = parse("progress_topic = \"p.new\"\n").unwrap();
+        assert_eq!(c.kafka.progress_topic(), "p.new");
+        let (c, _) = parse("[kafka.exactly_once]\nprogress_topic = \"p.old\"\n").unwrap();
+        assert_eq!(c.kafka.progress_topic(), "p.old");
+        let e = parse("progress_topic = \"p.new\"\n[kafka.exactly_once]\nprogress_topic = \"p.old\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("kafka.progress_topic") && e.contains("older spelling"),
+            "{e}"
+        );
+        let e = parse("progress_topic = \"bad topic\"\n").unwrap_err().to_string();
+        assert!(e.contains("kafka.progress_topic"), "{e}");
+        // Exactly-once keeps the register whatever slot_register says.
+        let (c, _) = parse("slot_register = false\n").unwrap();
+        assert!(!c.kafka.keeps_slot_register());
+        let (c, _) = parse("slot_register = false\ndelivery = \"exactly-once\"\n").unwrap();
+        assert!(c.kafka.keeps_slot_register());
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_values_name_the_field() {
+        let err = |extra: &str| {
+            Config::from_toml(&format!("{MINIMAL}{extra}"), env(&[]))
+                .unwrap_err()
+                .to_string()
+        };
+        let e = err("[routing]\nvalu = \"payload\"\n");
+        assert!(e.contains("routing") && e.contains("valu"), "{e}");
+        let e = err("[routing]\nvalue = \"xml\"\n");
+        assert!(e.contains("routing.value"), "{e}");
+        let e = err("[shutdown]\ndrain_timeout = \"soon\"\n");
+        assert!(
+            e.contains("shutdown.drain_timeout") && e.contains("duration"),
+            "{e}"
+        );
+        let e = Config::from_toml(
+            &MINIMAL
+                .replace("outbox", "x")
+                .replace("[kafka]", "slot = \"Bad-Slot\"\n[kafka]"),
+            env(&[]),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("postgres.slot"), "{e}");
+        let e = Config::from_toml(&MINIMAL.replace("u@h", "u@h?sslmode=nope"), env(&[]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("postgres.url") && e.contains("sslmode"), "{e}");
+        let e = err("[kafka.options]\n\"enable.idempotence\" = \"false\"\n");
+        assert!(
+            e.contains("duplicate key") || e.contains("enable.idempotence"),
+            "{e}"
+        );
+        let e = err("[http]\nlisten = \"nowhere\"\n");
+        assert!(e.contains("http.listen"), "{e}");
+        let e = err("[routing]\ntopic = \"{nope}.events\"\n");
+        assert!(e.contains("routing.topic"), "{e}");
+    }
+
+    #[test]
+    fn shipped_examples_parse() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("config");
+        for file in ["outboxd.toml", "minimal.toml"] {
+            let text = std::fs::read_to_string(root.join(file)).unwrap();
+            let e = env(&[("PGPASSWORD", "secret"), ("KAFKA_PASSWORD", "k")]);
+            if let Err(err) = Config::from_toml(&text, e) {
+                panic!("config/{file}: {err}");
+            }
+        }
+    }
+
+    #[test]
+    fn no_debug_output_shows_a_secret() {
+        let text = "[postgres]\nurl = \"postgres://app:url-secret%40x@db:5432/app\"\n\
+                    [kafka]\nbrokers = \"k:9092\"\n[kafka.options]\n\"sasl.password\" = \"${KAFKA_PASSWORD}\"\n\
+                    \"ssl.key.password\" = \"key-secret\"\n";
+        let (config, validated) = Config::from_toml(text, env(&[("KAFKA_PASSWORD", "sasl-secret")])).unwrap();
+        let shown = format!(
+            "{config:?} {validated:?} {:?} {:?}",
+            config.postgres, config.kafka
+        );
+        for secret in ["url-secret", "sasl-secret", "key-secret"] {
+            assert!(!shown.contains(secret), "{secret} in {shown}");
+        }
+        assert!(
+            shown.contains("sasl.password") && shown.contains("db:5432"),
+            "{shown}"
+        );
+        let with_password = "[postgres]\nurl = \"postgres://app@db/app\"\npassword = \"pw-secret\"\n[kafka]\nbrokers = \"k:9092\"\n";
+        let (config, validated) = Config::from_toml(with_password, |_| None).unwrap();
+        assert!(!format!("{config:?} {validated:?}").contains("pw-secret"));
+    }
+}

@@ -1,0 +1,9 @@
+//! The Kafka side: the producer, topics and delivery reports ([`sink`]),
+//! records and dead letters built from outbox rows ([`records`]),
+//! CloudEvents values ([`cloudevents`]), and table rows handed to the
+//! producer by polling mode and replay ([`enqueue`]).
+
+pub mod cloudevents;
+pub mod enqueue;
+pub mod records;
+pub mod sink;

@@ -1,0 +1,973 @@
+//! From outbox row to Kafka record (seed 000's relay, made exact).
+//!
+//! * topic: a template over `{aggregate_type}` and `{type}`; the default
+//!   `{aggregate_type}.events` lowercases the aggregate type (`Order` →
+//!   `order.events`);
+//! * key: `aggregate_id`, so one aggregate's events share a partition and
+//!   keep their order;
+//! * value: the envelope `{"eventId","type","occurredAt","aggregateType",
+//!   "aggregateId","data"}`, or the stored payload JSON byte for byte;
+//! * headers: `id`, `type`, `aggregateType`, `aggregateId`, then one header
+//!   per key of the row's `headers` object (strings raw, other values as
+//!   JSON text; keys that collide with the four above are skipped);
+//! * timestamp: `created_at`, when Kafka can take it: after the Unix epoch
+//!   and at most [`MAX_AHEAD_OF_COMMIT_MS`] after the transaction's commit.
+//!   Otherwise the commit time (see [`kafka_timestamp`]).
+//!
+//! A row that can never become a valid record (an illegal topic name, an
+//! empty key, headers that are not an object) is a [`RecordError`]; the
+//! relay never drops it silently.
+
+use chrono::SecondsFormat;
+
+use crate::config::ValueFormat;
+use crate::kafka::cloudevents::{self, SourceTemplate};
+use crate::source::outbox::{CreatedAt, OutboxRow, UnreadableRow};
+
+/// Kafka's limit on topic name length.
+const MAX_TOPIC_LEN: usize = 249;
+
+/// Header names outboxd sets on every record.
+pub mod header {
+    pub const ID: &str = "id";
+    pub const TYPE: &str = "type";
+    pub const AGGREGATE_TYPE: &str = "aggregateType";
+    pub const AGGREGATE_ID: &str = "aggregateId";
+    /// On records `outboxd replay` published: when the replay started.
+    pub const REPLAYED: &str = "replayed";
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Part {
+    Literal(String),
+    AggregateType,
+    EventType,
+}
+
+/// A parsed `routing.topic` template.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TopicTemplate {
+    parts: Vec<Part>,
+    lowercase_aggregate_type: bool,
+    /// `routing.allowed_aggregate_types`: exact names, or prefixes ending
+    /// in `*`. `None` allows any aggregate type.
+    allowed: Option<Vec<String>>,
+}
+
+fn topic_char(c: char) -> bool {
+    c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')
+}
+
+impl TopicTemplate {
+    /// Parses a template such as `{aggregate_type}.events`.
+    pub fn parse(template: &str, lowercase_aggregate_type: bool) -> Result<Self, String> {
+        let mut parts = Vec::new();
+        let mut rest = template;
+        while !rest.is_empty() {
+            match rest.find('{') {
+                Some(0) => {
+                    let end = rest
+                        .find('}')
+                        .ok_or_else(|| format!("unclosed {{ in {template:?}"))?;
+                    parts.push(match &rest[1..end] {
+                        "aggregate_type" => Part::AggregateType,
+                        "type" => Part::EventType,
+                        other => {
+                            return Err(format!(
+                                "unknown placeholder {{{other}}} in {template:?}; use {{aggregate_type}} or {{type}}"
+                            ))
+                        }
+                    });
+                    rest = &rest[end + 1..];
+                }
+                found => {
+                    let end = found.unwrap_or(rest.len());
+                    let lit = &rest[..end];
+                    if let Some(bad) = lit.chars().find(|&c| !topic_char(c)) {
+                        return Err(format!(
+                            "{bad:?} cannot appear in a topic name; use letters, digits, '.', '_' and '-'"
+                        ));
+                    }
+                    parts.push(Part::Literal(lit.to_owned()));
+                    rest = &rest[end..];
+                }
+            }
+        }
+        if parts.is_empty() {
+            return Err("the topic template is empty".into());
+        }
+        Ok(TopicTemplate {
+            parts,
+            allowed: None,
+            lowercase_aggregate_type,
+        })
+    }
+
+    /// The topic for a row; checked against Kafka's naming rules.
+    /// Only these aggregate types may become topics: exact names, or
+    /// prefixes ending in `*` (`Order*`).
+    pub fn allowing(mut self, allowed: Vec<String>) -> Self {
+        self.allowed = Some(allowed);
+        self
+    }
+
+    fn allows(&self, aggregate_type: &str) -> bool {
+        self.allowed.as_ref().is_none_or(|list| {
+            list.iter().any(|a| match a.strip_suffix('*') {
+                Some(prefix) => aggregate_type.starts_with(prefix),
+                None => a == aggregate_type,
+            })
+        })
+    }
+
+    pub fn render(&self, aggregate_type: &str, event_type: &str) -> Result<String, RecordError> {
+        if !self.allows(aggregate_type) {
+            return Err(RecordError::AggregateTypeNotAllowed(aggregate_type.to_owned()));
+        }
+        let mut topic = String::with_capacity(32);
+        for p in &self.parts {
+            match p {
+                Part::Literal(l) => topic.push_str(l),
+                Part::AggregateType if self.lowercase_aggregate_type => {
+                    topic.extend(aggregate_type.chars().flat_map(char::to_lowercase))
+                }
+                Part::AggregateType => topic.push_str(aggregate_type),
+                Part::EventType => topic.push_str(event_type),
+            }
+        }
+        validate_topic(&topic)?;
+        Ok(topic)
+    }
+}
+
+/// Kafka's rules for topic names.
+pub fn validate_topic(topic: &str) -> Result<(), RecordError> {
+    let reason = if topic.is_empty() {
+        Some("it is empty")
+    } else if topic.len() > MAX_TOPIC_LEN {
+        Some("it is longer than 249 characters")
+    } else if topic == "." || topic == ".." {
+        Some("\".\" and \"..\" are reserved")
+    } else if !topic.chars().all(topic_char) {
+        Some("only letters, digits, '.', '_' and '-' are allowed")
+    } else {
+        None
+    };
+    match reason {
+        Some(reason) => Err(RecordError::IllegalTopic {
+            topic: topic.to_owned(),
+            reason,
+        }),
+        None => Ok(()),
+    }
+}
+
+/// A row that cannot become a Kafka record.
+#[derive(Clone, Debug, thiserror::Error, PartialEq, Eq)]
+pub enum RecordError {
+    #[error("topic name {topic:?} is illegal: {reason}")]
+    IllegalTopic { topic: String, reason: &'static str },
+    #[error("aggregate_id is empty; the Kafka key must identify the aggregate")]
+    EmptyKey,
+    #[error("headers must be a JSON object, found {0}")]
+    HeadersNotObject(String),
+    #[error("headers cannot be made Kafka headers: {0}")]
+    HeadersUnreadable(String),
+    #[error("created_at {0} cannot be written as an RFC 3339 time (years 0001 to 9999) in the envelope's occurredAt")]
+    Timestamp(String),
+    #[error("aggregate_type {0:?} is not in routing.allowed_aggregate_types, so no topic is made for it")]
+    AggregateTypeNotAllowed(String),
+    #[error("a CloudEvent needs {0}")]
+    CloudEvent(&'static str),
+}
+
+impl RecordError {
+    /// A short, bounded label for metrics.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            RecordError::IllegalTopic { .. } => "illegal_topic",
+            RecordError::EmptyKey => "empty_key",
+            RecordError::HeadersNotObject(_) | RecordError::HeadersUnreadable(_) => "bad_headers",
+            RecordError::Timestamp(_) => "bad_timestamp",
+            RecordError::AggregateTypeNotAllowed(_) => "aggregate_type_not_allowed",
+            RecordError::CloudEvent(_) => "bad_cloudevent",
+        }
+    }
+}
+
+/// A record ready to produce.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KafkaRecord {
+    pub topic: String,
+    pub key: String,
+    pub value: Vec<u8>,
+    pub headers: Vec<(String, Vec<u8>)>,
+    pub timestamp_ms: i64,
+}
+
+impl KafkaRecord {
+    /// Bytes of key, value and headers: what it costs in a batch.
+    pub fn size(&self) -> usize {
+        self.key.len() + self.value.len() + self.headers.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>()
+    }
+
+    /// The value of header `name` as text (empty when it is missing).
+    pub fn header_text(&self, name: &str) -> String {
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
+            .unwrap_or_default()
+    }
+}
+
+/// How far past its transaction's commit `created_at` may lie and still be
+/// the record's timestamp. A later `created_at` was set by the writer, not
+/// by the clock, and Kafka 4 refuses timestamps more than an hour ahead of
+/// the broker's clock (`log.message.timestamp.after.max.ms`).
+pub const MAX_AHEAD_OF_COMMIT_MS: i64 = 5 * 60 * 1000;
+
+/// The Kafka record timestamp (CreateTime) for a row committed at
+/// `commit_ms`: `created_at` when it lies after the Unix epoch and at most
+/// [`MAX_AHEAD_OF_COMMIT_MS`] after the commit; otherwise the commit time.
+/// Kafka takes neither negative timestamps nor far-future ones (and to
+/// librdkafka a timestamp of 0 means "now"), and a
+/// `created_at` out there (a date before 1970, year 20000, `infinity`) is
+/// still an event that happened when it committed.
+pub fn kafka_timestamp(created_at: &CreatedAt, commit_ms: i64) -> i64 {
+    match created_at {
+        CreatedAt::At(t) => {
+            let ms = t.timestamp_millis();
+            if (1..=commit_ms.saturating_add(MAX_AHEAD_OF_COMMIT_MS)).contains(&ms) {
+                ms
+            } else {
+                commit_ms
+            }
+        }
+        CreatedAt::Unrepresentable(_) => commit_ms,
+    }
+}
+
+/// How record values are built: `routing.value`, and for CloudEvents the
+/// `source` template.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RecordValue {
+    pub format: ValueFormat,
+    pub source: SourceTemplate,
+}
+
+impl RecordValue {
+    pub fn new(format: ValueFormat, source: SourceTemplate) -> Self {
+        RecordValue { format, source }
+    }
+
+    /// `format`, with the default CloudEvents source.
+    pub fn of(format: ValueFormat) -> Self {
+        let source = SourceTemplate::parse(crate::kafka::cloudevents::DEFAULT_SOURCE);
+        RecordValue {
+            format,
+            source: source.unwrap_or_else(|e| unreachable!("the default source parses: {e}")),
+        }
+    }
+}
+
+/// Builds the record for a row whose transaction committed at `commit_ms`
+/// (milliseconds since the Unix epoch).
+pub fn build_record(
+    row: &OutboxRow,
+    topic: &TopicTemplate,
+    value: &RecordValue,
+    commit_ms: i64,
+) -> Result<KafkaRecord, RecordError> {
+    if row.aggregate_id.is_empty() {
+        return Err(RecordError::EmptyKey);
+    }
+    let topic = topic.render(&row.aggregate_type, &row.event_type)?;
+    let user_headers = user_headers(&row.headers)?;
+    let id = row.id.to_string();
+    let mut headers = Vec::with_capacity(4 + user_headers.len());
+    headers.push((header::ID.to_owned(), id.clone().into_bytes()));
+    headers.push((header::TYPE.to_owned(), row.event_type.as_bytes().to_vec()));
+    headers.push((
+        header::AGGREGATE_TYPE.to_owned(),
+        row.aggregate_type.as_bytes().to_vec(),
+    ));
+    headers.push((
+        header::AGGREGATE_ID.to_owned(),
+        row.aggregate_id.as_bytes().to_vec(),
+    ));
+    let cloudevent = matches!(
+        value.format,
+        ValueFormat::CloudEvents | ValueFormat::CloudEventsBinary
+    );
+    for (k, v) in user_headers {
+        if [
+            header::ID,
+            header::TYPE,
+            header::AGGREGATE_TYPE,
+            header::AGGREGATE_ID,
+        ]
+        .contains(&k.as_str())
+            || (cloudevent && cloudevents::is_reserved_header(&k))
+        {
+            continue;
+        }
+        headers.push((k, v));
+    }
+    let value = match value.format {
+        ValueFormat::Payload => row.payload.as_bytes().to_vec(),
+        ValueFormat::Envelope => {
+            let at = row
+                .created_at
+                .rfc3339()
+                .ok_or_else(|| RecordError::Timestamp(row.created_at.to_string()))?;
+            envelope(row, &id, at)
+        }
+        ValueFormat::CloudEvents | ValueFormat::CloudEventsBinary => {
+            if row.event_type.is_empty() {
+                return Err(RecordError::CloudEvent("a type: the row's type is empty"));
+            }
+            let source = value.source.render(row).ok_or(RecordError::CloudEvent(
+                "a source: routing.cloudevents_source renders empty for this row",
+            ))?;
+            let attributes = cloudevents::Attributes::of(row, &id, &source, &headers);
+            if value.format == ValueFormat::CloudEvents {
+                let v = attributes.structured(&row.payload);
+                headers.push((
+                    cloudevents::CONTENT_TYPE.to_owned(),
+                    cloudevents::STRUCTURED_CONTENT_TYPE.as_bytes().to_vec(),
+                ));
+                v
+            } else {
+                let ce = attributes.binary_headers();
+                headers.extend(ce);
+                row.payload.as_bytes().to_vec()
+            }
+        }
+    };
+    Ok(KafkaRecord {
+        topic,
+        key: row.aggregate_id.clone(),
+        value,
+        headers,
+        timestamp_ms: kafka_timestamp(&row.created_at, commit_ms),
+    })
+}
+
+/// The row's `headers` object as Kafka headers, in key order: strings
+/// raw, other values as compact JSON text. A value that holds a number no
+/// float can hold (jsonb keeps `1e400` exactly) or is nested too deep to
+/// read as a value is passed on as PostgreSQL wrote it, not refused.
+fn user_headers(text: &str) -> Result<Vec<(String, Vec<u8>)>, RecordError> {
+    use serde_json::value::RawValue;
+    if !text.trim_start().starts_with('{') {
+        let kind = serde_json::from_str::<serde_json::Value>(text).map_or("invalid JSON", |v| json_kind(&v));
+        return Err(RecordError::HeadersNotObject(kind.into()));
+    }
+    let map: std::collections::BTreeMap<String, &RawValue> =
+        serde_json::from_str(text).map_err(|e| RecordError::HeadersUnreadable(e.to_string()))?;
+    map.into_iter()
+        .map(|(k, v)| {
+            let raw = v.get();
+            let bytes = if raw.starts_with('"') {
+                serde_json::from_str::<String>(raw)
+                    .map_err(|e| RecordError::HeadersUnreadable(e.to_string()))?
+                    .into_bytes()
+            } else {
+                serde_json::from_str::<serde_json::Value>(raw)
+                    .map_or_else(|_| raw.as_bytes().to_vec(), |v| v.to_string().into_bytes())
+            };
+            Ok((k, bytes))
+        })
+        .collect()
+}
+
+/// Header names on dead-letter records.
+pub mod dlq_header {
+    /// A short, bounded reason (`illegal_topic`, `too_large`, …).
+    pub const REASON: &str = "dlq.reason";
+    /// The full error text.
+    pub const ERROR: &str = "dlq.error";
+    /// WAL position of the row's INSERT.
+    pub const SOURCE_LSN: &str = "dlq.source.lsn";
+    /// The topic the record was meant for, when it had one.
+    pub const TOPIC: &str = "dlq.topic";
+    /// Set when the payload was left out because it is too large.
+    pub const PAYLOAD_OMITTED: &str = "dlq.payload.omitted";
+}
+
+/// Why a row is dead-lettered, and where it came from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Poison {
+    pub reason: &'static str,
+    pub error: String,
+    pub lsn: crate::Lsn,
+    pub intended_topic: Option<String>,
+    /// Leave the payload out of the dead letter (it is what is too large).
+    pub omit_payload: bool,
+}
+
+fn dlq_headers(p: &Poison, mut headers: Vec<(String, Vec<u8>)>) -> Vec<(String, Vec<u8>)> {
+    headers.push((dlq_header::REASON.to_owned(), p.reason.as_bytes().to_vec()));
+    headers.push((dlq_header::ERROR.to_owned(), p.error.as_bytes().to_vec()));
+    headers.push((dlq_header::SOURCE_LSN.to_owned(), p.lsn.to_string().into_bytes()));
+    if let Some(t) = &p.intended_topic {
+        headers.push((dlq_header::TOPIC.to_owned(), t.as_bytes().to_vec()));
+    }
+    if p.omit_payload {
+        headers.push((dlq_header::PAYLOAD_OMITTED.to_owned(), b"too large".to_vec()));
+    }
+    headers
+}
+
+/// A dead letter for a row: the original row as JSON (id, aggregate type
+/// and id, type, createdAt, headers and payload, the last two as stored),
+/// with the `dlq.*` headers. The payload is replaced by its size when it is
+/// itself the problem; the row stays in the outbox table.
+pub fn dead_letter_for_row(row: &OutboxRow, poison: &Poison, topic: &str) -> KafkaRecord {
+    let mut out = Vec::with_capacity(row.payload.len() + row.headers.len() + 256);
+    out.extend_from_slice(b"{\"id\":\"");
+    out.extend_from_slice(row.id.to_string().as_bytes());
+    out.extend_from_slice(b"\",\"aggregateType\":");
+    push_json_string(&mut out, &row.aggregate_type);
+    out.extend_from_slice(b",\"aggregateId\":");
+    push_json_string(&mut out, &row.aggregate_id);
+    out.extend_from_slice(b",\"type\":");
+    push_json_string(&mut out, &row.event_type);
+    out.extend_from_slice(b",\"createdAt\":");
+    match row.created_at.rfc3339() {
+        Some(t) => {
+            out.push(b'"');
+            push_rfc3339_micros(&mut out, t);
+            out.push(b'"');
+        }
+        None => push_json_string(&mut out, &row.created_at.to_string()),
+    }
+    out.extend_from_slice(b",\"headers\":");
+    out.extend_from_slice(row.headers.as_bytes());
+    if poison.omit_payload {
+        out.extend_from_slice(format!(",\"payloadBytes\":{}}}", row.payload.len()).as_bytes());
+    } else {
+        out.extend_from_slice(b",\"payload\":");
+        out.extend_from_slice(row.payload.as_bytes());
+        out.push(b'}');
+    }
+    let ids = vec![
+        (header::ID.to_owned(), row.id.to_string().into_bytes()),
+        (header::TYPE.to_owned(), row.event_type.as_bytes().to_vec()),
+        (
+            header::AGGREGATE_TYPE.to_owned(),
+            row.aggregate_type.as_bytes().to_vec(),
+        ),
+        (
+            header::AGGREGATE_ID.to_owned(),
+            row.aggregate_id.as_bytes().to_vec(),
+        ),
+    ];
+    dead_letter(topic, row.aggregate_id.clone(), out, dlq_headers(poison, ids))
+}
+
+/// A dead letter for a row that could not be read as an event: its id and
+/// every column as text (`{"id", "columns": {...}}`), with the `dlq.*`
+/// headers. The key is the row's aggregate_id text, as an event's would be.
+pub fn dead_letter_for_unreadable(row: &UnreadableRow, poison: &Poison, topic: &str) -> KafkaRecord {
+    let mut out = Vec::with_capacity(row.columns_json.len() + 64);
+    out.extend_from_slice(b"{\"id\":");
+    push_json_string(&mut out, &row.id);
+    out.extend_from_slice(b",\"columns\":");
+    out.extend_from_slice(row.columns_json.as_bytes());
+    out.push(b'}');
+    let ids = vec![(header::ID.to_owned(), row.id.as_bytes().to_vec())];
+    dead_letter(topic, row.aggregate_id.clone(), out, dlq_headers(poison, ids))
+}
+
+/// A dead letter for a record the broker refused: the record as it was
+/// (key, value, headers), plus the `dlq.*` headers.
+pub fn dead_letter_for_record(rec: KafkaRecord, poison: &Poison, topic: &str) -> KafkaRecord {
+    let value = if poison.omit_payload {
+        Vec::new()
+    } else {
+        rec.value
+    };
+    dead_letter(topic, rec.key, value, dlq_headers(poison, rec.headers))
+}
+
+/// Headers of a dead letter that its stub keeps, when they are short.
+const STUB_KEEPS: [&str; 5] = [
+    header::ID,
+    dlq_header::REASON,
+    dlq_header::SOURCE_LSN,
+    dlq_header::TOPIC,
+    header::TYPE,
+];
+
+/// Longest key, header value or error text a stub carries.
+const STUB_FIELD_MAX: usize = 1024;
+
+/// What is left of a dead letter that Kafka refused too (its key, headers
+/// or value are too large for the dead-letter topic): the row's id, the
+/// reason, where it came from, and the sizes of what was left out. Small
+/// enough for any topic, so a poison row is still accounted for; the row
+/// itself stays in the outbox table.
+pub fn dead_letter_stub(rec: &KafkaRecord, refused: &str) -> KafkaRecord {
+    let short = |v: &[u8]| v.len() <= STUB_FIELD_MAX;
+    let mut headers: Vec<(String, Vec<u8>)> = rec
+        .headers
+        .iter()
+        .filter(|(k, v)| STUB_KEEPS.contains(&k.as_str()) && short(v))
+        .cloned()
+        .collect();
+    let earlier = rec.header_text(dlq_header::ERROR);
+    let mut error = format!("{earlier}; the dead letter itself was refused: {refused}");
+    if error.len() > STUB_FIELD_MAX {
+        let mut end = STUB_FIELD_MAX;
+        while !error.is_char_boundary(end) {
+            end -= 1;
+        }
+        error.truncate(end);
+    }
+    headers.push((dlq_header::ERROR.to_owned(), error.into_bytes()));
+    headers.push((
+        dlq_header::PAYLOAD_OMITTED.to_owned(),
+        b"dead letter too large".to_vec(),
+    ));
+    let header_bytes: usize = rec.headers.iter().map(|(k, v)| k.len() + v.len()).sum();
+    let id = rec.header_text(header::ID);
+    let mut value = Vec::with_capacity(128);
+    value.extend_from_slice(b"{\"id\":");
+    push_json_string(&mut value, &id);
+    value.extend_from_slice(
+        format!(
+            ",\"keyBytes\":{},\"valueBytes\":{},\"headerBytes\":{header_bytes}}}",
+            rec.key.len(),
+            rec.value.len()
+        )
+        .as_bytes(),
+    );
+    let key = if short(rec.key.as_bytes()) {
+        rec.key.clone()
+    } else {
+        String::new()
+    };
+    dead_letter(&rec.topic, key, value, headers)
+}
+
+/// A record for the dead-letter topic. Dead letters carry the time they
+/// were written: the row's own time may be what Kafka refused, and the
+/// dead-letter topic's limits are its own.
+fn dead_letter(topic: &str, key: String, value: Vec<u8>, headers: Vec<(String, Vec<u8>)>) -> KafkaRecord {
+    KafkaRecord {
+        topic: topic.to_owned(),
+        key,
+        value,
+        headers,
+        timestamp_ms: chrono::Utc::now().timestamp_millis(),
+    }
+}
+
+/// `2026-11-30T01:02:03.000000Z`, as `to_rfc3339_opts(Micros, true)` writes
+/// it, without chrono's format-string machinery (once per event).
+fn push_rfc3339_micros(out: &mut Vec<u8>, t: &chrono::DateTime<chrono::Utc>) {
+    use chrono::{Datelike, Timelike};
+    use std::io::Write;
+    let year = t.year();
+    if !(0..=9999).contains(&year) {
+        out.extend_from_slice(t.to_rfc3339_opts(SecondsFormat::Micros, true).as_bytes());
+        return;
+    }
+    let _ = write!(
+        out,
+        "{year:04}-{:02}-{:02}T{:02}:{:02}:{:02}.{:06}Z",
+        t.month(),
+        t.day(),
+        t.hour(),
+        t.minute(),
+        t.second(),
+        t.nanosecond() / 1000 % 1_000_000
+    );
+}
+
+fn json_kind(v: &serde_json::Value) -> &'static str {
+    match v {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
+    }
+}
+
+fn push_json_string(out: &mut Vec<u8>, s: &str) {
+    // Writing a &str to a Vec cannot fail.
+    let _ = serde_json::to_writer(&mut *out, s);
+}
+
+/// The seed relay's envelope, with the payload embedded without re-encoding.
+fn envelope(row: &OutboxRow, id: &str, occurred_at: &chrono::DateTime<chrono::Utc>) -> Vec<u8> {
+    let mut out = Vec::with_capacity(row.payload.len() + 192);
+    out.extend_from_slice(b"{\"eventId\":\"");
+    out.extend_from_slice(id.as_bytes());
+    out.extend_from_slice(b"\",\"type\":");
+    push_json_string(&mut out, &row.event_type);
+    out.extend_from_slice(b",\"occurredAt\":\"");
+    push_rfc3339_micros(&mut out, occurred_at);
+    out.extend_from_slice(b"\",\"aggregateType\":");
+    push_json_string(&mut out, &row.aggregate_type);
+    out.extend_from_slice(b",\"aggregateId\":");
+    push_json_string(&mut out, &row.aggregate_id);
+    out.extend_from_slice(b",\"data\":");
+    out.extend_from_slice(row.payload.as_bytes());
+    out.push(b'}');
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chrono::TimeZone;
+    use uuid::Uuid;
+
+    fn row() -> OutboxRow {
+        OutboxRow {
+            id: Uuid::parse_str("0190a5a4-8c1e-7000-8000-000000000001").unwrap(),
+            aggregate_type: "Order".into(),
+            aggregate_id: "1001".into(),
+            event_type: "ordering.order-placed.v1".into(),
+            payload: r#"{"total": 12.5, "name": "김 \"q\""}"#.into(),
+            headers: r#"{"correlationId": "c-1", "attempt": 2, "id": "spoof"}"#.into(),
+            created_at: CreatedAt::At(chrono::Utc.with_ymd_and_hms(2026, 11, 30, 1, 2, 3).unwrap()),
+        }
+    }
+
+    /// A commit a second after the row's created_at.
+    const COMMIT_MS: i64 = 1_796_000_524_000;
+
+    fn default_topic() -> TopicTemplate {
+        TopicTemplate::parse("{aggregate_type}.events", true).unwrap()
+    }
+
+    #[test]
+    fn envelope_record() {
+        let r = build_record(
+            &row(),
+            &default_topic(),
+            &RecordValue::of(ValueFormat::Envelope),
+            COMMIT_MS,
+        )
+        .unwrap();
+        assert_eq!(r.topic, "order.events");
+        assert_eq!(r.key, "1001");
+        assert_eq!(r.timestamp_ms, 1_796_000_523_000);
+        let v: serde_json::Value = serde_json::from_slice(&r.value).unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!({
+                "eventId": "0190a5a4-8c1e-7000-8000-000000000001",
+                "type": "ordering.order-placed.v1",
+                "occurredAt": "2026-11-30T01:02:03.000000Z",
+                "aggregateType": "Order",
+                "aggregateId": "1001",
+                "data": {"total": 12.5, "name": "김 \"q\""},
+            })
+        );
+        let h: Vec<(&str, &[u8])> = r
+            .headers
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_slice()))
+            .collect();
+        assert_eq!(
+            h,
+            vec![
+                ("id", b"0190a5a4-8c1e-7000-8000-000000000001".as_slice()),
+                ("type", b"ordering.order-placed.v1".as_slice()),
+                ("aggregateType", b"Order".as_slice()),
+                ("aggregateId", b"1001".as_slice()),
+                ("attempt", b"2".as_slice()),
+                ("correlationId", b"c-1".as_slice()),
+            ]
+        );
+    }
+
+    #[test]
+    fn occurred_at_matches_chrono() {
+        for secs in [0i64, 1_796_000_523, 4_102_444_799, 951_782_400] {
+            for nanos in [0u32, 1_000, 123_456_000, 999_999_000] {
+                let t = chrono::DateTime::from_timestamp(secs, nanos).unwrap();
+                let mut out = Vec::new();
+                push_rfc3339_micros(&mut out, &t);
+                assert_eq!(
+                    String::from_utf8(out).unwrap(),
+                    t.to_rfc3339_opts(SecondsFormat::Micros, true)
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn payload_record_is_byte_for_byte() {
+        let r = build_record(
+            &row(),
+            &default_topic(),
+            &RecordValue::of(ValueFormat::Payload),
+            COMMIT_MS,
+        )
+        .unwrap();
+        assert_eq!(r.value, row().payload.as_bytes());
+    }
+
+    fn poison() -> Poison {
+        Poison {
+            reason: "illegal_topic",
+            error: "bad".into(),
+            lsn: crate::Lsn(0x10),
+            intended_topic: None,
+            omit_payload: false,
+        }
+    }
+
+    #[test]
+    fn dead_letters_carry_the_row_and_the_reason() {
+        let poison = poison();
+        let d = dead_letter_for_row(&row(), &poison, "outboxd.dead-letter");
+        assert_eq!(d.topic, "outboxd.dead-letter");
+        let v: serde_json::Value = serde_json::from_slice(&d.value).unwrap();
+        assert_eq!(v["payload"]["total"], 12.5);
+        assert_eq!(v["headers"]["correlationId"], "c-1");
+        assert_eq!(v["aggregateType"], "Order");
+        let h: std::collections::HashMap<_, _> = d.headers.iter().cloned().collect();
+        assert_eq!(h["dlq.reason"], b"illegal_topic");
+        assert_eq!(h["dlq.source.lsn"], b"0/10");
+        assert_eq!(h["id"], b"0190a5a4-8c1e-7000-8000-000000000001");
+        let big = Poison {
+            omit_payload: true,
+            ..poison
+        };
+        let v: serde_json::Value =
+            serde_json::from_slice(&dead_letter_for_row(&row(), &big, "d").value).unwrap();
+        assert!(v.get("payload").is_none() && v["payloadBytes"].as_u64().unwrap() > 0);
+    }
+
+    #[test]
+    fn templates() {
+        let t = TopicTemplate::parse("app.{aggregate_type}.{type}", false).unwrap();
+        assert_eq!(t.render("Order", "placed").unwrap(), "app.Order.placed");
+        assert!(TopicTemplate::parse("{nope}", true)
+            .unwrap_err()
+            .contains("unknown placeholder"));
+        assert!(TopicTemplate::parse("a b", true).is_err());
+        assert!(TopicTemplate::parse("{aggregate_type", true).is_err());
+        assert!(TopicTemplate::parse("", true).is_err());
+    }
+
+    #[test]
+    fn poison_rows_are_errors() {
+        let mut r = row();
+        r.aggregate_type = "Bad Type!".into();
+        let e = build_record(
+            &r,
+            &default_topic(),
+            &RecordValue::of(ValueFormat::Envelope),
+            COMMIT_MS,
+        )
+        .unwrap_err();
+        assert!(matches!(e, RecordError::IllegalTopic { .. }), "{e}");
+        assert_eq!(e.reason(), "illegal_topic");
+        let mut r = row();
+        r.aggregate_id = String::new();
+        assert_eq!(
+            build_record(
+                &r,
+                &default_topic(),
+                &RecordValue::of(ValueFormat::Envelope),
+                COMMIT_MS
+            ),
+            Err(RecordError::EmptyKey)
+        );
+        let mut r = row();
+        r.headers = "[1]".into();
+        assert_eq!(
+            build_record(
+                &r,
+                &default_topic(),
+                &RecordValue::of(ValueFormat::Envelope),
+                COMMIT_MS
+            ),
+            Err(RecordError::HeadersNotObject("an array".into()))
+        );
+        assert!(validate_topic(&"a".repeat(250)).is_err());
+        assert!(validate_topic("..").is_err());
+    }
+
+    #[test]
+    fn header_values_keep_what_jsonb_holds() {
+        let text = format!(
+            r#"{{"big": 1{}, "n": {{"a": [1, 2.5]}}, "s": "x\"y", "t": true}}"#,
+            "0".repeat(400)
+        );
+        let h = user_headers(&text).unwrap();
+        let text: Vec<(&str, String)> = h
+            .iter()
+            .map(|(k, v)| (k.as_str(), String::from_utf8(v.clone()).unwrap()))
+            .collect();
+        assert_eq!(text[0].0, "big");
+        assert!(
+            text[0].1.starts_with("1000") && text[0].1.len() == 401,
+            "as PostgreSQL wrote it"
+        );
+        assert_eq!(text[1], ("n", r#"{"a":[1,2.5]}"#.to_owned()));
+        assert_eq!(text[2], ("s", "x\"y".to_owned()));
+        assert_eq!(text[3], ("t", "true".to_owned()));
+        let deep = format!("{}1{}", r#"{"a": "#.repeat(200), "}".repeat(200));
+        // Nested deeper than serde_json reads into a value: passed on as
+        // written (the raw read keeps no stack).
+        let h = user_headers(&deep).unwrap();
+        assert_eq!(h[0].0, "a");
+        assert_eq!(h[0].1, &deep.as_bytes()[6..deep.len() - 1]);
+        assert_eq!(
+            user_headers("null").unwrap_err(),
+            RecordError::HeadersNotObject("null".into())
+        );
+    }
+
+    #[test]
+    fn a_dead_letter_stub_is_small_and_names_the_row() {
+        let mut r = row();
+        r.aggregate_id = "k".repeat(5000);
+        r.payload = format!("\"{}\"", "x".repeat(2_000_000));
+        let poison = Poison {
+            reason: "illegal_topic",
+            error: "topic name is illegal".into(),
+            lsn: crate::Lsn(42),
+            intended_topic: None,
+            omit_payload: false,
+        };
+        let full = dead_letter_for_row(&r, &poison, "dlq");
+        let stub = dead_letter_stub(&full, "Message size too large");
+        let size = stub.key.len()
+            + stub.value.len()
+            + stub.headers.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>();
+        assert!(size < 4096, "{size} bytes");
+        assert_eq!(stub.key, "", "a key too long to keep");
+        let header = |name: &str| {
+            stub.headers
+                .iter()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
+        };
+        assert_eq!(header("id"), Some(r.id.to_string()));
+        assert_eq!(header("dlq.reason").as_deref(), Some("illegal_topic"));
+        assert!(header("dlq.error")
+            .unwrap()
+            .contains("the dead letter itself was refused"));
+        let value: serde_json::Value = serde_json::from_slice(&stub.value).unwrap();
+        assert_eq!(value["keyBytes"], 5000);
+        assert!(value["valueBytes"].as_u64().unwrap() > 2_000_000);
+    }
+
+    #[test]
+    fn kafka_timestamp_is_created_at_only_where_kafka_takes_it() {
+        let at = |y, mo, d| CreatedAt::At(chrono::Utc.with_ymd_and_hms(y, mo, d, 0, 0, 0).unwrap());
+        let commit = COMMIT_MS;
+        assert_eq!(kafka_timestamp(&row().created_at, commit), 1_796_000_523_000);
+        // Before the epoch, far ahead of the commit, beyond year 9999, infinity.
+        assert_eq!(kafka_timestamp(&at(1960, 1, 1), commit), commit);
+        assert_eq!(kafka_timestamp(&at(2026, 12, 2), commit), commit);
+        assert_eq!(kafka_timestamp(&at(20000, 1, 1), commit), commit);
+        assert_eq!(kafka_timestamp(&CreatedAt::parse("infinity"), commit), commit);
+        assert_eq!(
+            kafka_timestamp(&CreatedAt::parse("0044-03-15 00:00:00+00 BC"), commit),
+            commit
+        );
+        // A little ahead of the commit (clock skew between writers) is kept.
+        let ahead = commit + MAX_AHEAD_OF_COMMIT_MS;
+        let t = CreatedAt::At(chrono::DateTime::from_timestamp_millis(ahead).unwrap());
+        assert_eq!(kafka_timestamp(&t, commit), ahead);
+        assert_eq!(
+            kafka_timestamp(&at(1970, 1, 1), commit),
+            commit,
+            "0 is \"now\" to librdkafka"
+        );
+        let first = CreatedAt::At(chrono::DateTime::from_timestamp_millis(1).unwrap());
+        assert_eq!(kafka_timestamp(&first, commit), 1);
+    }
+
+    #[test]
+    fn the_envelope_refuses_what_rfc3339_cannot_write_and_payload_mode_publishes_it() {
+        for text in [
+            "infinity",
+            "-infinity",
+            "0044-03-15 00:00:00+00 BC",
+            "20000-01-01 00:00:00+00",
+        ] {
+            let mut r = row();
+            r.created_at = CreatedAt::parse(text);
+            let e = build_record(
+                &r,
+                &default_topic(),
+                &RecordValue::of(ValueFormat::Envelope),
+                COMMIT_MS,
+            )
+            .unwrap_err();
+            assert_eq!(e.reason(), "bad_timestamp", "{text}");
+            assert!(e.to_string().contains(text), "{e}");
+            let rec = build_record(
+                &r,
+                &default_topic(),
+                &RecordValue::of(ValueFormat::Payload),
+                COMMIT_MS,
+            )
+            .unwrap();
+            assert_eq!(rec.timestamp_ms, COMMIT_MS, "{text}");
+            let dl = dead_letter_for_row(&r, &poison(), "dlq");
+            let v: serde_json::Value = serde_json::from_slice(&dl.value).unwrap();
+            assert_eq!(v["createdAt"], text, "the dead letter keeps PostgreSQL's text");
+        }
+    }
+
+    #[test]
+    fn every_reason_is_a_known_metric_label() {
+        use crate::metrics::DEAD_LETTER_REASONS;
+        let errors = [
+            RecordError::IllegalTopic {
+                topic: "x".into(),
+                reason: "r",
+            },
+            RecordError::EmptyKey,
+            RecordError::HeadersNotObject("array".into()),
+            RecordError::Timestamp("infinity".into()),
+        ];
+        for e in errors {
+            assert!(DEAD_LETTER_REASONS.contains(&e.reason()), "{}", e.reason());
+        }
+        for code in [
+            rdkafka::types::RDKafkaErrorCode::MessageSizeTooLarge,
+            rdkafka::types::RDKafkaErrorCode::InvalidTimestamp,
+            rdkafka::types::RDKafkaErrorCode::InvalidRecord,
+        ] {
+            let e = rdkafka::error::KafkaError::MessageProduction(code);
+            let crate::kafka::sink::Refusal::Record { reason, .. } = crate::kafka::sink::Refusal::of(&e)
+            else {
+                panic!("{code:?} is a record refusal");
+            };
+            assert!(DEAD_LETTER_REASONS.contains(&reason), "{reason}");
+        }
+        assert!(DEAD_LETTER_REASONS.contains(&"unreadable"));
+    }
+
+    #[test]
+    fn only_allowed_aggregate_types_become_topics() {
+        let t = default_topic().allowing(vec!["Order".into(), "Pay*".into()]);
+        assert_eq!(t.render("Order", "x").unwrap(), "order.events");
+        assert_eq!(t.render("Payment", "x").unwrap(), "payment.events");
+        for bad in ["order", "Orders", "Spam", "", "Pa"] {
+            let e = t.render(bad, "x").unwrap_err();
+            assert_eq!(e.reason(), "aggregate_type_not_allowed", "{bad:?}");
+            assert!(crate::metrics::DEAD_LETTER_REASONS.contains(&e.reason()));
+        }
+        assert!(
+            default_topic().render("Anything", "x").is_ok(),
+            "no list: any type"
+        );
+    }
+}

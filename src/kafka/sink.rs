@@ -1,0 +1,871 @@
+//! The Kafka side: an idempotent producer, topic creation, broker checks.
+//!
+//! Records are enqueued with `send_result`, which never waits for the
+//! broker: it returns a delivery future at once. The relay keeps those
+//! futures and retires them as acknowledgements arrive, in any order.
+//! When librdkafka's queue is full, `send` says so and the caller first
+//! waits for an acknowledgement (backpressure), instead of blocking a thread.
+//!
+//! After a failed session the relay drops the whole sink and builds a new
+//! one: dropping the producer purges what it still queued (so nothing stale
+//! lands after the replay from the slot), and the new producer starts with
+//! a fresh idempotent identity (an old one may be fenced for good).
+//!
+//! Defaults that protect ordering and durability, applied before the
+//! user's `kafka.options` (which may tune, but not turn off, idempotence):
+//! `enable.idempotence=true`, `acks=all`. With idempotence librdkafka
+//! retries without reordering a partition's messages.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::config::ClientConfig;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
+
+use crate::config::KafkaConfig;
+use crate::kafka::records::KafkaRecord;
+
+/// Kafka could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum KafkaSinkError {
+    #[error("invalid Kafka client settings: {0}; check kafka.brokers and kafka.options")]
+    Config(String),
+    #[error("cannot reach the Kafka brokers {brokers}: {source}; check kafka.brokers and the network")]
+    Unreachable { brokers: String, source: KafkaError },
+    #[error("topic {topic:?} does not exist and kafka.create_topics is false: create it (for example kafka-topics.sh --create --topic {topic} --partitions N --replication-factor N) or set kafka.create_topics = true")]
+    TopicMissing { topic: String },
+    #[error("cannot create topic {topic:?}: {reason}")]
+    TopicCreate {
+        topic: String,
+        reason: String,
+        /// The cluster was busy or unreachable; a later try may succeed.
+        transient: bool,
+    },
+    #[error("topic {topic:?} was created but is not yet visible in the cluster metadata")]
+    TopicNotVisible { topic: String },
+    #[error("Kafka refused record for topic {topic:?}: {source}")]
+    Produce { topic: String, source: KafkaError },
+    #[error("Kafka did not acknowledge a record for topic {topic:?}: {source}")]
+    Delivery { topic: String, source: KafkaError },
+    #[error("the Kafka producer shut down with records in flight")]
+    Canceled,
+    #[error("Kafka reported a record of partition {partition} delivered without an offset, so it may never have been stored (librdkafka's implicit acknowledgement: a later request of the partition succeeded while this one waited for a retry); the session restarts and sends it again from the slot")]
+    NotStored { partition: i32 },
+    #[error("another producer with transactional.id {id:?} took over ({source}): another outboxd on the same slot (or a stale one) now publishes; this one stops streaming. If two outboxd on different slots share kafka.exactly_once.transactional_id, give each its own")]
+    Fenced { id: String, source: KafkaError },
+    #[error("Kafka transaction {op} failed: {source}; aborting it and replaying from the progress record")]
+    Transaction { op: &'static str, source: KafkaError },
+    #[error("Kafka denied outboxd the transactional.id {id:?} ({source}): grant its principal WRITE and DESCRIBE on that TransactionalId (and IDEMPOTENT_WRITE on the cluster for older brokers), then restart")]
+    TransactionDenied { id: String, source: KafkaError },
+}
+
+impl KafkaSinkError {
+    /// Whether a restart (reconnect and replay from the slot) may help.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            KafkaSinkError::Unreachable { .. }
+            | KafkaSinkError::Canceled
+            | KafkaSinkError::NotStored { .. } => true,
+            KafkaSinkError::Delivery { source, .. } | KafkaSinkError::Produce { source, .. } => {
+                Refusal::of(source) == Refusal::Transient
+            }
+            KafkaSinkError::TopicNotVisible { .. } => true,
+            KafkaSinkError::TopicCreate { transient, .. } => *transient,
+            // Fenced: the next session finds out whether another outboxd
+            // leads (then this one waits as a standby) or takes over.
+            KafkaSinkError::Fenced { .. } | KafkaSinkError::Transaction { .. } => true,
+            KafkaSinkError::Config(_)
+            | KafkaSinkError::TopicMissing { .. }
+            | KafkaSinkError::TransactionDenied { .. } => false,
+        }
+    }
+
+    /// A short, bounded label for metrics.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            KafkaSinkError::Config(_) => "config",
+            KafkaSinkError::Unreachable { .. } => "unreachable",
+            KafkaSinkError::TopicMissing { .. } => "topic_missing",
+            KafkaSinkError::TopicCreate { .. } | KafkaSinkError::TopicNotVisible { .. } => "topic_create",
+            KafkaSinkError::Produce { .. } => "produce",
+            KafkaSinkError::Delivery { .. } => "delivery",
+            KafkaSinkError::Canceled => "canceled",
+            KafkaSinkError::NotStored { .. } => "not_stored",
+            KafkaSinkError::Fenced { .. } => "fenced",
+            KafkaSinkError::Transaction { .. } => "transaction",
+            KafkaSinkError::TransactionDenied { .. } => "denied",
+        }
+    }
+}
+
+/// A delivery report, read so that an acknowledgement without an offset
+/// is never taken for a stored record.
+///
+/// librdkafka's idempotent producer acknowledges messages *implicitly*
+/// (`rd_kafka_dr_implicit_ack`) when a later Produce request of their
+/// partition succeeds while theirs waits for a retry: the broker accepted
+/// a later sequence, so librdkafka infers that the earlier ones were
+/// stored. Apache Kafka accepts a later sequence when it holds no producer
+/// state for the partition (a new partition, expired producer state), and
+/// then the earlier records were never written. Such reports carry no
+/// offset. A record that Kafka stored always has one (`acks=all`), so a
+/// report without an offset is not proof of durability: every producer
+/// path of outboxd treats it as a failed delivery, which replays (a
+/// duplicate at worst, never a loss).
+#[derive(Debug)]
+pub enum Report {
+    /// Stored at this partition and offset.
+    Stored(rdkafka::producer::future_producer::Delivery),
+    /// Refused or failed; librdkafka hands the message back.
+    Failed(KafkaError, rdkafka::message::OwnedMessage),
+    /// Reported delivered without an offset: not proven stored.
+    Unproven { partition: i32 },
+    /// The producer went away before it reported.
+    Canceled,
+}
+
+impl Report {
+    /// Reads a delivery future's outcome.
+    pub fn of(
+        result: Result<
+            rdkafka::producer::future_producer::OwnedDeliveryResult,
+            futures::channel::oneshot::Canceled,
+        >,
+    ) -> Report {
+        match result {
+            Ok(Ok(d)) if d.offset >= 0 => Report::Stored(d),
+            Ok(Ok(d)) => Report::Unproven {
+                partition: d.partition,
+            },
+            Ok(Err((e, msg))) => Report::Failed(e, msg),
+            Err(_) => Report::Canceled,
+        }
+    }
+
+    /// The report as a result: stored, or the error that says why not.
+    pub fn into_result(self) -> Result<rdkafka::producer::future_producer::Delivery, KafkaSinkError> {
+        match self {
+            Report::Stored(d) => Ok(d),
+            Report::Failed(source, msg) => Err(KafkaSinkError::Delivery {
+                topic: rdkafka::message::Message::topic(&msg).to_owned(),
+                source,
+            }),
+            Report::Unproven { partition } => Err(KafkaSinkError::NotStored { partition }),
+            Report::Canceled => Err(KafkaSinkError::Canceled),
+        }
+    }
+}
+
+/// What a Kafka error about a record means for the relay.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// A later try may succeed: the network, a leader change, a timeout, a
+    /// partition short of in-sync replicas.
+    Transient,
+    /// Kafka refuses the record, or the batch it travelled in, for good.
+    Record {
+        /// A bounded label for metrics and the dead letter's `dlq.reason`.
+        reason: &'static str,
+        /// The payload is what is too large: leave it out of the dead letter.
+        omit_payload: bool,
+    },
+    /// outboxd may not write there: an operator must grant access. Never a
+    /// reason to dead-letter a valid event.
+    Denied,
+}
+
+impl Refusal {
+    pub fn of(e: &KafkaError) -> Refusal {
+        let Some(code) = e.rdkafka_error_code() else {
+            return Refusal::Transient;
+        };
+        match code {
+            RDKafkaErrorCode::MessageSizeTooLarge
+            | RDKafkaErrorCode::MessageBatchTooLarge
+            | RDKafkaErrorCode::InvalidMessageSize => Refusal::Record {
+                reason: "too_large",
+                omit_payload: true,
+            },
+            RDKafkaErrorCode::InvalidTimestamp => Refusal::Record {
+                reason: "bad_timestamp",
+                omit_payload: false,
+            },
+            RDKafkaErrorCode::InvalidTopic
+            | RDKafkaErrorCode::InvalidRecord
+            | RDKafkaErrorCode::InvalidMessage => Refusal::Record {
+                reason: "refused",
+                omit_payload: false,
+            },
+            RDKafkaErrorCode::TopicAuthorizationFailed
+            | RDKafkaErrorCode::ClusterAuthorizationFailed
+            | RDKafkaErrorCode::TransactionalIdAuthorizationFailed => Refusal::Denied,
+            _ => Refusal::Transient,
+        }
+    }
+}
+
+/// librdkafka's complaint about a setting, naming the key but never its
+/// value: librdkafka quotes values, and `kafka.options` holds passwords.
+fn describe_config_error(e: &KafkaError, cfg: &KafkaConfig) -> String {
+    let mut text = match e {
+        KafkaError::ClientConfig(_, description, key, _) => format!("{description} (key {key:?})"),
+        other => other.to_string(),
+    };
+    let mut values: Vec<&str> = cfg
+        .options
+        .values()
+        .map(String::as_str)
+        .filter(|v| v.len() > 1)
+        .collect();
+    values.sort_by_key(|v| std::cmp::Reverse(v.len()));
+    for v in values {
+        text = text.replace(v, "<redacted>");
+    }
+    text
+}
+
+/// The librdkafka settings for a config.
+pub fn client_config(cfg: &KafkaConfig) -> ClientConfig {
+    let mut c = ClientConfig::new();
+    c.set("bootstrap.servers", &cfg.brokers)
+        .set("client.id", "outboxd")
+        .set("enable.idempotence", "true")
+        .set("acks", "all")
+        .set("linger.ms", "5")
+        .set(
+            "queue.buffering.max.messages",
+            (cfg.max_inflight * 2).max(100_000).to_string(),
+        )
+        .set("message.timeout.ms", "120000");
+    for (k, v) in &cfg.options {
+        c.set(k, v);
+    }
+    c
+}
+
+/// The producer's settings: [`client_config`] and what only the producer
+/// needs. `kafka.options` still win.
+fn producer_config(cfg: &KafkaConfig, kind: &SinkKind) -> ClientConfig {
+    let mut client = client_config(cfg);
+    // librdkafka learns the cluster's brokers from the bootstrap
+    // connection and then retires it, failing a metadata request still in
+    // flight on it; with sparse connections the retry waits out a
+    // connection-suppression window (about 50 ms at the default reconnect
+    // backoff). The producer talks to every partition leader anyway: let
+    // it connect to each broker as soon as it learns of it, which takes
+    // the first event's metadata from ~55 ms to ~5 ms.
+    if !cfg.options.contains_key("enable.sparse.connections") {
+        client.set("enable.sparse.connections", "false");
+    }
+    if kind.one_per_batch {
+        client.set("batch.num.messages", "1");
+    }
+    if let (Some(lease), None, false) = (
+        kind.fenced_by_lease,
+        &kind.transactional_id,
+        cfg.options.contains_key("message.timeout.ms"),
+    ) {
+        client.set("message.timeout.ms", lease.as_millis().max(1).to_string());
+    }
+    if let Some(id) = &kind.transactional_id {
+        client.set("transactional.id", id);
+        // librdkafka wants message.timeout.ms <= transaction.timeout.ms:
+        // a record may not outlive the transaction it is in.
+        if !cfg.options.contains_key("message.timeout.ms") {
+            let txn_timeout = cfg
+                .options
+                .get("transaction.timeout.ms")
+                .map_or(DEFAULT_TRANSACTION_TIMEOUT_MS.to_owned(), String::clone);
+            client.set("message.timeout.ms", txn_timeout);
+        }
+    }
+    client
+}
+
+/// librdkafka's default `transaction.timeout.ms`: how long the broker lets
+/// a transaction of a vanished outboxd hold `read_committed` consumers
+/// back, unless a restart's `init_transactions` aborts it sooner.
+const DEFAULT_TRANSACTION_TIMEOUT_MS: &str = "60000";
+
+/// What a failed transactional call of producer `id` means.
+fn transaction_error(id: &str, op: &'static str, source: KafkaError) -> KafkaSinkError {
+    let id = id.to_owned();
+    match source.rdkafka_error_code() {
+        Some(
+            RDKafkaErrorCode::Fenced
+            | RDKafkaErrorCode::ProducerFenced
+            | RDKafkaErrorCode::InvalidProducerEpoch,
+        ) => KafkaSinkError::Fenced { id, source },
+        Some(
+            RDKafkaErrorCode::TransactionalIdAuthorizationFailed
+            | RDKafkaErrorCode::ClusterAuthorizationFailed,
+        ) => KafkaSinkError::TransactionDenied { id, source },
+        _ => KafkaSinkError::Transaction { op, source },
+    }
+}
+
+/// What kind of producer a sink has.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SinkKind {
+    /// One record per batch (`batch.num.messages = 1`), so that a batch
+    /// Kafka refuses is exactly the record it refuses. The relay uses it,
+    /// briefly, after a refusal.
+    pub one_per_batch: bool,
+    /// A transactional producer with this `transactional.id`: records go
+    /// into Kafka transactions ([`KafkaSink::begin_if_needed`],
+    /// [`KafkaSink::commit_transaction`]).
+    pub transactional_id: Option<String>,
+    /// A leader-elected producer's `message.timeout.ms` (its lease,
+    /// `postgres.leader_timeout`), unless `kafka.options` sets one: what a
+    /// stopped leader had queued times out before it wakes up to a lost
+    /// lease (see `crate::relay::leader`). Transactional producers are fenced by
+    /// their `transactional.id` instead.
+    pub fenced_by_lease: Option<Duration>,
+}
+
+/// Result of enqueueing a record.
+#[allow(missing_debug_implementations)]
+pub enum SendOutcome {
+    /// Enqueued; the future resolves on acknowledgement or failure.
+    Sent(DeliveryFuture),
+    /// librdkafka's queue is full: wait for an acknowledgement, then retry.
+    QueueFull,
+}
+
+/// Asks the cluster for metadata, off the async threads. It has a client
+/// of its own, so it never keeps a replaced producer alive.
+#[derive(Clone)]
+pub struct BrokerProbe {
+    client: std::sync::Arc<AdminClient<DefaultClientContext>>,
+    timeout: Duration,
+    brokers: String,
+}
+
+impl std::fmt::Debug for BrokerProbe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BrokerProbe")
+            .field("brokers", &self.brokers)
+            .finish()
+    }
+}
+
+impl BrokerProbe {
+    /// Cluster metadata, for one topic or all.
+    async fn metadata(&self, topic: Option<&str>) -> Result<rdkafka::metadata::Metadata, KafkaSinkError> {
+        let client = self.client.clone();
+        let timeout = self.timeout;
+        let topic = topic.map(str::to_owned);
+        tokio::task::spawn_blocking(move || client.inner().fetch_metadata(topic.as_deref(), timeout))
+            .await
+            .map_err(|_| KafkaSinkError::Canceled)?
+            .map_err(|source| KafkaSinkError::Unreachable {
+                brokers: self.brokers.clone(),
+                source,
+            })
+    }
+
+    /// Succeeds with the number of brokers when the cluster answers.
+    pub async fn check(&self) -> Result<usize, KafkaSinkError> {
+        Ok(self.metadata(None).await?.brokers().len())
+    }
+}
+
+/// Producer plus admin client, and the topics known to exist.
+pub struct KafkaSink {
+    producer: FutureProducer,
+    admin: AdminClient<DefaultClientContext>,
+    probe: BrokerProbe,
+    /// Topics proven served in this session (every partition answered).
+    known_topics: HashSet<String>,
+    /// Topics the session's warm-up found in the metadata: they need no
+    /// creation, but still the readiness check before their first record.
+    existing_topics: HashSet<String>,
+    create_topics: bool,
+    partitions: i32,
+    replication_factor: i32,
+    topic_config: Vec<(String, String)>,
+    timeout: Duration,
+    /// The session's warm-up: topics already served when it began.
+    warm_up: Option<tokio::task::JoinHandle<Vec<String>>>,
+    /// `Some` for a transactional producer: the current producer's id.
+    transactional_id: Option<String>,
+    /// A Kafka transaction is open (begun, not yet committed or aborted).
+    in_transaction: bool,
+    /// Transactional sinks have two producers, used in turn (see
+    /// [`KafkaSink::start_commit`]): the one not current, and its id.
+    spare: Option<(FutureProducer, String)>,
+}
+
+impl std::fmt::Debug for KafkaSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaSink")
+            .field("brokers", &self.probe.brokers)
+            .finish()
+    }
+}
+
+impl KafkaSink {
+    pub fn new(cfg: &KafkaConfig, timeout: Duration) -> Result<Self, KafkaSinkError> {
+        Self::build(cfg, timeout, &SinkKind::default())
+    }
+
+    pub fn build(cfg: &KafkaConfig, timeout: Duration, kind: &SinkKind) -> Result<Self, KafkaSinkError> {
+        let bad_config = |e| KafkaSinkError::Config(describe_config_error(&e, cfg));
+        // Two transactional producers, `<id>-0` and `<id>-1`, take turns.
+        let ids = kind
+            .transactional_id
+            .as_ref()
+            .map(|base| [format!("{base}-0"), format!("{base}-1")]);
+        let with_id = |id: Option<&String>| SinkKind {
+            one_per_batch: kind.one_per_batch,
+            transactional_id: id.cloned(),
+            fenced_by_lease: kind.fenced_by_lease,
+        };
+        let first = ids.as_ref().map(|[a, _]| a);
+        let producer: FutureProducer = producer_config(cfg, &with_id(first))
+            .create()
+            .map_err(bad_config)?;
+        let spare = match &ids {
+            Some([_, b]) => Some((
+                producer_config(cfg, &with_id(Some(b)))
+                    .create()
+                    .map_err(bad_config)?,
+                b.clone(),
+            )),
+            None => None,
+        };
+        let admin: AdminClient<DefaultClientContext> = client_config(cfg).create().map_err(bad_config)?;
+        let probe_client: AdminClient<DefaultClientContext> =
+            client_config(cfg).create().map_err(bad_config)?;
+        Ok(KafkaSink {
+            probe: BrokerProbe {
+                client: std::sync::Arc::new(probe_client),
+                timeout,
+                brokers: cfg.brokers.clone(),
+            },
+            producer,
+            admin,
+            known_topics: HashSet::new(),
+            existing_topics: HashSet::new(),
+            create_topics: cfg.create_topics,
+            partitions: cfg.topic_partitions,
+            replication_factor: cfg.topic_replication_factor,
+            topic_config: cfg.topic_config.clone().into_iter().collect(),
+            timeout,
+            warm_up: None,
+            transactional_id: first.cloned(),
+            in_transaction: false,
+            spare,
+        })
+    }
+
+    /// What a failed transactional call means.
+    fn transaction_error(&self, op: &'static str, source: KafkaError) -> KafkaSinkError {
+        transaction_error(self.transactional_id.as_deref().unwrap_or_default(), op, source)
+    }
+
+    /// Registers the transactional producer with its coordinator. This
+    /// fences every earlier producer with the same `transactional.id` and
+    /// completes (commits or aborts) whatever transaction it left, so that
+    /// a `read_committed` read afterwards sees all it committed.
+    pub async fn init_transactions(&self, timeout: Duration) -> Result<(), KafkaSinkError> {
+        let init = |producer: &FutureProducer, id: &str| {
+            let (producer, id) = (producer.clone(), id.to_owned());
+            tokio::task::spawn_blocking(move || {
+                producer
+                    .init_transactions(timeout)
+                    .map_err(|e| transaction_error(&id, "init", e))
+            })
+        };
+        let current = init(
+            &self.producer,
+            self.transactional_id.as_deref().unwrap_or_default(),
+        );
+        let spare = self.spare.as_ref().map(|(p, id)| init(p, id));
+        current.await.map_err(|_| KafkaSinkError::Canceled)??;
+        if let Some(spare) = spare {
+            spare.await.map_err(|_| KafkaSinkError::Canceled)??;
+        }
+        Ok(())
+    }
+
+    /// The producer's fatal error, if it has one: after it, every send and
+    /// delivery fails with a purge, so this is what to report. A fenced
+    /// transactional producer ends here.
+    pub fn fatal_error(&self) -> Option<KafkaSinkError> {
+        let current = (
+            &self.producer,
+            self.transactional_id.as_deref().unwrap_or_default(),
+        );
+        let spare = self.spare.as_ref().map(|(p, id)| (p, id.as_str()));
+        [Some(current), spare]
+            .into_iter()
+            .flatten()
+            .find_map(|(producer, id)| {
+                let (code, reason) = producer.client().fatal_error()?;
+                tracing::debug!(%code, reason, id, "the producer has a fatal error");
+                Some(transaction_error(
+                    id,
+                    "produce",
+                    KafkaError::MessageProduction(code),
+                ))
+            })
+    }
+
+    /// Whether a Kafka transaction is open.
+    pub fn in_transaction(&self) -> bool {
+        self.in_transaction
+    }
+
+    /// Opens a Kafka transaction if the producer is transactional and none
+    /// is open. Local to the client: no request is sent.
+    fn begin_if_needed(&mut self) -> Result<(), KafkaSinkError> {
+        if self.transactional_id.is_none() || self.in_transaction {
+            return Ok(());
+        }
+        self.producer
+            .begin_transaction()
+            .map_err(|e| self.transaction_error("begin", e))?;
+        self.in_transaction = true;
+        Ok(())
+    }
+
+    /// Records and events librdkafka still holds (`rd_kafka_outq_len`).
+    pub fn in_flight(&self) -> i32 {
+        self.producer.in_flight_count()
+    }
+
+    /// Starts committing the open Kafka transaction in the background; the
+    /// handle yields the outcome. Call it once every record's delivery has
+    /// been reported: librdkafka's commit first flushes, and a flush with
+    /// records outstanding sleeps in 100 ms steps.
+    ///
+    /// The other producer becomes current at once, so the next transaction
+    /// can fill while this one commits: a producer's next transaction would
+    /// otherwise wait for its coordinator to finish the last one (librdkafka
+    /// retries AddPartitionsToTxn every 20 ms meanwhile). The caller keeps
+    /// their order: one commit at a time, and no record of the next
+    /// transaction before every record of this one is acknowledged.
+    pub fn start_commit(&mut self, timeout: Duration) -> tokio::task::JoinHandle<Result<(), KafkaSinkError>> {
+        let producer = self.producer.clone();
+        let id = self.transactional_id.clone().unwrap_or_default();
+        self.in_transaction = false;
+        if let Some((spare, spare_id)) = self.spare.take() {
+            let previous = std::mem::replace(&mut self.producer, spare);
+            self.transactional_id = Some(spare_id);
+            self.spare = Some((previous, id.clone()));
+        }
+        tokio::task::spawn_blocking(move || {
+            producer
+                .commit_transaction(timeout)
+                .map_err(|e| transaction_error(&id, "commit", e))
+        })
+    }
+
+    /// Aborts the open Kafka transaction, if any: its records are never
+    /// shown to `read_committed` consumers.
+    pub async fn abort_transaction(&mut self, timeout: Duration) -> Result<(), KafkaSinkError> {
+        if !self.in_transaction {
+            return Ok(());
+        }
+        self.in_transaction = false;
+        let producer = self.producer.clone();
+        tokio::task::spawn_blocking(move || producer.abort_transaction(timeout))
+            .await
+            .map_err(|_| KafkaSinkError::Canceled)?
+            .map_err(|e| self.transaction_error("abort", e))
+    }
+
+    /// A cheap handle that asks the cluster for metadata.
+    pub fn probe(&self) -> BrokerProbe {
+        self.probe.clone()
+    }
+
+    /// Asks the cluster for metadata; returns the number of brokers.
+    pub async fn check_brokers(&self) -> Result<usize, KafkaSinkError> {
+        self.probe.check().await
+    }
+
+    async fn topic_exists(&self, topic: &str) -> Result<bool, KafkaSinkError> {
+        let md = self.probe.metadata(Some(topic)).await?;
+        Ok(md
+            .topics()
+            .iter()
+            .any(|t| t.name() == topic && t.error().is_none() && !t.partitions().is_empty()))
+    }
+
+    /// Whether every partition of `topic` has a leader that serves it (it
+    /// answers ListOffsets). Asked through the producer's own client, so
+    /// that the producer's metadata is current before its first record.
+    async fn topic_ready(&self, topic: &str) -> bool {
+        let producer = self.producer.clone();
+        let (topic, timeout) = (topic.to_owned(), self.timeout);
+        tokio::task::spawn_blocking(move || {
+            let client = producer.client();
+            let Ok(md) = client.fetch_metadata(Some(&topic), timeout) else {
+                return false;
+            };
+            let Some(t) = md.topics().iter().find(|t| t.name() == topic) else {
+                return false;
+            };
+            let served = |p: &rdkafka::metadata::MetadataPartition| {
+                p.leader() >= 0
+                    && p.error().is_none()
+                    && client.fetch_watermarks(&topic, p.id(), timeout).is_ok()
+            };
+            t.error().is_none() && !t.partitions().is_empty() && t.partitions().iter().all(served)
+        })
+        .await
+        .unwrap_or(false)
+    }
+
+    /// Makes sure `topic` exists, creating it when allowed, and that every
+    /// partition is served. Cached per session.
+    pub async fn ensure_topic(&mut self, topic: &str) -> Result<(), KafkaSinkError> {
+        self.ensure_topic_with(topic, self.partitions, &[]).await
+    }
+
+    /// Makes sure the exactly-once progress topic exists: one partition,
+    /// compacted (one record per slot is all it must keep).
+    pub async fn ensure_progress_topic(&mut self, topic: &str) -> Result<(), KafkaSinkError> {
+        self.ensure_topic_with(topic, 1, &[("cleanup.policy", "compact")])
+            .await
+    }
+
+    async fn ensure_topic_with(
+        &mut self,
+        topic: &str,
+        partitions: i32,
+        overrides: &[(&str, &str)],
+    ) -> Result<(), KafkaSinkError> {
+        self.absorb_warm_up().await;
+        if self.known_topics.contains(topic) {
+            return Ok(());
+        }
+        let started = tokio::time::Instant::now();
+        if !self.existing_topics.contains(topic) && !self.topic_exists(topic).await? {
+            if !self.create_topics {
+                return Err(KafkaSinkError::TopicMissing {
+                    topic: topic.to_owned(),
+                });
+            }
+            let mut settings: Vec<(&str, &str)> = self
+                .topic_config
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+                .filter(|(k, _)| !overrides.iter().any(|(o, _)| o == k))
+                .collect();
+            settings.extend_from_slice(overrides);
+            let new = settings.iter().fold(
+                NewTopic::new(
+                    topic,
+                    partitions,
+                    TopicReplication::Fixed(self.replication_factor),
+                ),
+                |t, (k, v)| t.set(k, v),
+            );
+            let opts = AdminOptions::new().operation_timeout(Some(self.timeout));
+            let results =
+                self.admin
+                    .create_topics([&new], &opts)
+                    .await
+                    .map_err(|e| KafkaSinkError::TopicCreate {
+                        topic: topic.to_owned(),
+                        reason: format!("{e}; retrying"),
+                        transient: true,
+                    })?;
+            for r in results {
+                match r {
+                    Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+                    Err((_, code)) => return Err(self.topic_create_error(topic, code)),
+                }
+            }
+            tracing::info!(topic, partitions, "created topic");
+        }
+        // No record goes to a topic before every partition is served, once
+        // per session (so for each new producer), whoever created it. A
+        // broker creates a new topic's partitions one after another;
+        // records produced into that window were lost on Kafka 4.4 with
+        // librdkafka 2.12 (the quick start lost the first order on a fresh
+        // broker). Where librdkafka then acknowledges implicitly (no
+        // offset), the relay replays (`Report::Unproven`); a record the
+        // broker took for a duplicate comes back with an offset, and only
+        // this wait keeps it from happening. Partitions added to a topic
+        // later are found by librdkafka's metadata refresh; their first
+        // records are covered by the offset check.
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        while !self.topic_ready(topic).await {
+            if tokio::time::Instant::now() > deadline {
+                return Err(KafkaSinkError::TopicNotVisible {
+                    topic: topic.to_owned(),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        self.known_topics.insert(topic.to_owned());
+        tracing::debug!(topic, took = ?started.elapsed(), "topic ready");
+        Ok(())
+    }
+
+    /// What a refused topic creation means, and what the operator can do.
+    fn topic_create_error(&self, topic: &str, code: RDKafkaErrorCode) -> KafkaSinkError {
+        let (hint, transient) = match code {
+            RDKafkaErrorCode::InvalidReplicationFactor => (
+                format!(
+                    "kafka.topic_replication_factor = {} is more than the cluster has brokers; lower it, or use -1 for the broker default",
+                    self.replication_factor
+                ),
+                false,
+            ),
+            RDKafkaErrorCode::InvalidPartitions => (
+                "check kafka.topic_partitions".to_owned(),
+                false,
+            ),
+            RDKafkaErrorCode::InvalidConfig | RDKafkaErrorCode::PolicyViolation => (
+                "the cluster refused the topic's settings: check kafka.topic_partitions, kafka.topic_replication_factor and [kafka.topic_config]".to_owned(),
+                false,
+            ),
+            RDKafkaErrorCode::TopicAuthorizationFailed | RDKafkaErrorCode::ClusterAuthorizationFailed => (
+                "grant outboxd's principal CREATE on the topic (or the cluster), or create the topic yourself and set kafka.create_topics = false".to_owned(),
+                false,
+            ),
+            RDKafkaErrorCode::InvalidTopic => (
+                "the name is not a legal Kafka topic name".to_owned(),
+                false,
+            ),
+            _ => ("retrying".to_owned(), true),
+        };
+        KafkaSinkError::TopicCreate {
+            topic: topic.to_owned(),
+            reason: format!("{code}; {hint}"),
+            transient,
+        }
+    }
+
+    /// Forgets which topics exist, so the next session checks (and, if
+    /// allowed, creates) them again: a broker may have lost them.
+    pub fn forget_topics(&mut self) {
+        self.known_topics.clear();
+        self.existing_topics.clear();
+        self.warm_up();
+    }
+
+    /// Asks for the whole cluster's metadata through the producer's own
+    /// client, in the background: while PostgreSQL connects, the producer
+    /// reaches its brokers, and every topic that already exists with a
+    /// leader for each partition needs no check before its first record.
+    /// (Topics outboxd creates still wait for [`KafkaSink::ensure_topic`]'s
+    /// readiness check.)
+    fn warm_up(&mut self) {
+        let producer = self.producer.clone();
+        let timeout = self.timeout;
+        self.warm_up = Some(tokio::task::spawn_blocking(move || {
+            let Ok(md) = producer.client().fetch_metadata(None, timeout) else {
+                return Vec::new();
+            };
+            md.topics()
+                .iter()
+                .filter(|t| {
+                    t.error().is_none()
+                        && !t.partitions().is_empty()
+                        && t.partitions()
+                            .iter()
+                            .all(|p| p.leader() >= 0 && p.error().is_none())
+                })
+                .map(|t| t.name().to_owned())
+                .collect()
+        }));
+    }
+
+    /// Takes in the warm-up's topics, waiting for it if it is still on its
+    /// way: it is the metadata request a topic check would make anyway.
+    async fn absorb_warm_up(&mut self) {
+        let Some(handle) = self.warm_up.take() else {
+            return;
+        };
+        if let Ok(topics) = handle.await {
+            tracing::debug!(topics = topics.len(), "topics already served");
+            self.existing_topics.extend(topics);
+        }
+    }
+
+    /// Enqueues a record without waiting for the broker; with a
+    /// transactional producer, inside the open Kafka transaction (opening
+    /// one if needed).
+    pub fn send(&mut self, rec: &KafkaRecord) -> Result<SendOutcome, KafkaSinkError> {
+        self.begin_if_needed()?;
+        let mut headers = OwnedHeaders::new_with_capacity(rec.headers.len());
+        for (k, v) in &rec.headers {
+            headers = headers.insert(Header {
+                key: k,
+                value: Some(v.as_slice()),
+            });
+        }
+        let record = FutureRecord::to(&rec.topic)
+            .key(rec.key.as_bytes())
+            .payload(rec.value.as_slice())
+            .headers(headers)
+            .timestamp(rec.timestamp_ms);
+        match self.producer.send_result(record) {
+            Ok(f) => Ok(SendOutcome::Sent(f)),
+            Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => {
+                Ok(SendOutcome::QueueFull)
+            }
+            Err((source, _)) => Err(KafkaSinkError::Produce {
+                topic: rec.topic.clone(),
+                source,
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kafka(options: &[(&str, &str)]) -> KafkaConfig {
+        let mut text = String::from("brokers = \"127.0.0.1:9092\"\n[options]\n");
+        for (k, v) in options {
+            text.push_str(&format!("\"{k}\" = \"{v}\"\n"));
+        }
+        toml::from_str(&text).expect("a [kafka] table")
+    }
+
+    #[test]
+    fn the_producer_connects_to_every_broker_it_learns_of_unless_told_otherwise() {
+        let c = producer_config(&kafka(&[]), &SinkKind::default());
+        assert_eq!(c.get("enable.sparse.connections"), Some("false"));
+        assert_eq!(c.get("batch.num.messages"), None);
+        assert_eq!(c.get("transactional.id"), None);
+        let c = producer_config(
+            &kafka(&[]),
+            &SinkKind {
+                fenced_by_lease: Some(Duration::from_secs(8)),
+                ..SinkKind::default()
+            },
+        );
+        assert_eq!(c.get("message.timeout.ms"), Some("8000"), "the leader lease");
+        let kind = SinkKind {
+            one_per_batch: true,
+            transactional_id: Some("outboxd.s".into()),
+            fenced_by_lease: Some(Duration::from_secs(8)),
+        };
+        let c = producer_config(&kafka(&[("enable.sparse.connections", "true")]), &kind);
+        assert_eq!(c.get("enable.sparse.connections"), Some("true"));
+        assert_eq!(c.get("batch.num.messages"), Some("1"));
+        assert_eq!(c.get("transactional.id"), Some("outboxd.s"));
+        assert_eq!(
+            c.get("message.timeout.ms"),
+            Some("60000"),
+            "within the transaction timeout"
+        );
+        let c = producer_config(&kafka(&[("transaction.timeout.ms", "90000")]), &kind);
+        assert_eq!(c.get("message.timeout.ms"), Some("90000"));
+        // The metadata and admin clients keep librdkafka's default.
+        assert_eq!(client_config(&kafka(&[])).get("enable.sparse.connections"), None);
+    }
+}

@@ -1,0 +1,444 @@
+//! Slot and publication management on an ordinary SQL connection.
+//!
+//! The publication must deliver every INSERT on the outbox table with every
+//! column (`publication`). When it is missing outboxd creates it (`FOR
+//! TABLE … WITH (publish = 'insert')`, unless `postgres.create_publication`
+//! is false). When it exists but is wrong, outboxd does not alter it behind
+//! the operator's back: it stops and prints the exact SQL to run.
+//!
+//! The slot is created on the replication connection (only there can a
+//! logical slot be created without holding a snapshot), after checking here
+//! whether it exists and belongs to this database and plugin.
+
+use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
+use tokio_postgres::{Client, NoTls, Socket};
+
+use crate::config::conninfo::PgConnectConfig;
+use crate::config::ident::{SlotName, TableName};
+use crate::lsn::Lsn;
+use crate::postgres::connection::ReplicationConnection;
+use crate::postgres::error::PgError;
+use crate::postgres::publication::{self, Verified};
+use crate::postgres::tls;
+
+/// Setting up the publication or slot failed.
+#[derive(Debug, thiserror::Error)]
+pub enum AdminError {
+    #[error("cannot connect to PostgreSQL at {target}: {}", describe(.source))]
+    Connect {
+        target: String,
+        source: tokio_postgres::Error,
+    },
+    #[error(transparent)]
+    Tls(#[from] tls::TlsConfigError),
+    #[error("PostgreSQL query failed: {}", describe(.0))]
+    Query(#[from] tokio_postgres::Error),
+    #[error(transparent)]
+    Replication(#[from] PgError),
+    #[error(
+        "outbox table {table} does not exist: run `outboxd migrate` or apply migrations/0001_outbox.sql"
+    )]
+    NoTable { table: String },
+    #[error("publication {publication} exists but does not include {table}; run: ALTER PUBLICATION {publication_sql} ADD TABLE {table_sql};")]
+    TableNotPublished {
+        publication: String,
+        table: String,
+        publication_sql: String,
+        table_sql: String,
+    },
+    #[error("publication {publication} does not publish INSERTs; run: ALTER PUBLICATION {publication_sql} SET (publish = '{publish}');")]
+    InsertsNotPublished {
+        publication: String,
+        publication_sql: String,
+        /// What it publishes now, with `insert` added.
+        publish: String,
+    },
+    #[error("publication {publication} does not exist and postgres.create_publication is false; run: CREATE PUBLICATION {publication_sql} FOR TABLE {table_sql} WITH (publish = 'insert', publish_via_partition_root = true);")]
+    NoPublication {
+        publication: String,
+        publication_sql: String,
+        table_sql: String,
+    },
+    #[error("publication {publication} has {what}; outbox rows would be lost. Run: {fix}")]
+    PublicationFilters {
+        publication: String,
+        what: String,
+        fix: String,
+    },
+    #[error("outbox table {table} was renamed or replaced (it is now {now:?}); rename it back, or set postgres.table to the table the application writes and restart")]
+    TableReplaced { table: String, now: String },
+    #[error("outbox table {table} has no column {column:?}: it must follow migrations/0001_outbox.sql")]
+    NoColumn { table: String, column: &'static str },
+    #[error("replication slot {slot} exists but {problem}; drop it with SELECT pg_drop_replication_slot('{slot}') or configure another slot name")]
+    ForeignSlot { slot: String, problem: String },
+    #[error("outbox table {table} is partitioned, and publication {publication} does not publish via the partition root: pgoutput would describe each row as its partition, and outboxd would never see it as an outbox row. Run: {fix}")]
+    PartitionsNotViaRoot {
+        publication: String,
+        table: String,
+        fix: String,
+    },
+    #[error("publication {publication} describes the rows of {table} as another table's (an ancestor partitioned table published with publish_via_partition_root{}), so outboxd would never see them as outbox rows: set postgres.table to the table the publication names, or publish {table} itself", if *.partition { "" } else { ", or a table it inherits from" })]
+    PublishedAsAncestor {
+        publication: String,
+        table: String,
+        partition: bool,
+    },
+    #[error("this database is set up for the table-less outbox ({functions}), but {because}: every event written with outbox_emit would be lost. Set postgres.messages = true (on PostgreSQL 14 or later), or drop the function if nothing uses it. Changing postgres.messages or postgres.message_prefix applies to the WAL the slot has not yet confirmed: stop the writers of outbox_emit and wait for outboxd to confirm past their last event before turning messages off")]
+    EmitNotReceived {
+        functions: String,
+        because: &'static str,
+    },
+    #[error("{function} writes logical decoding messages with another prefix than postgres.message_prefix = {prefix:?}: its events would be skipped as someone else's. Set postgres.message_prefix to the prefix it writes (the shipped outbox_emit writes \"outbox\")")]
+    EmitPrefix { function: String, prefix: String },
+    #[error("any role may call pg_logical_emit_message (PUBLIC has EXECUTE on it), so any role that can connect could write an outbox event for outboxd to publish. As a superuser, run: {revoke} and grant EXECUTE on it only to the owner of outbox_emit (migration 0008 does both when a superuser applies it). Where no role may change it (a managed service), and nothing uses the table-less outbox: DROP FUNCTION outbox_emit and set postgres.messages = false")]
+    EmitOpen { revoke: String },
+}
+
+pub use outbox_sdk::error::describe;
+
+/// Connects an ordinary client with the same settings (and TLS rules) as
+/// the replication connection. The connection task runs in the background.
+pub async fn connect(cfg: &PgConnectConfig) -> Result<Client, AdminError> {
+    let pg = cfg.to_tokio_postgres();
+    match tls::client_config(cfg)? {
+        Some(tls_cfg) => {
+            let tls = tokio_postgres_rustls::MakeRustlsConnect::new((*tls_cfg).clone());
+            connect_with(&pg, tls, cfg).await
+        }
+        None => connect_with(&pg, NoTls, cfg).await,
+    }
+}
+
+async fn connect_with<T>(
+    pg: &tokio_postgres::Config,
+    tls: T,
+    cfg: &PgConnectConfig,
+) -> Result<Client, AdminError>
+where
+    T: MakeTlsConnect<Socket> + Send + 'static,
+    T::Stream: Send + 'static,
+    T::TlsConnect: Send,
+    <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
+{
+    let (client, conn) = pg.connect(tls).await.map_err(|source| AdminError::Connect {
+        target: cfg.target(),
+        source,
+    })?;
+    tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            tracing::debug!(error = %e, "admin connection closed");
+        }
+    });
+    Ok(client)
+}
+
+/// Whether the outbox table exists.
+pub async fn table_exists(client: &Client, table: &TableName) -> Result<bool, AdminError> {
+    let row = client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_tables WHERE schemaname = $1 AND tablename = $2)",
+            &[&table.schema, &table.name],
+        )
+        .await?;
+    Ok(row.get(0))
+}
+
+/// Creates the publication if it is missing (`FOR TABLE … WITH (publish =
+/// 'insert')`), then proves that it delivers every outbox INSERT (see
+/// [`publication::inspect`]). An existing publication is never altered.
+pub async fn ensure_publication(
+    client: &Client,
+    subject: &publication::Subject,
+) -> Result<Verified, AdminError> {
+    let (publication, table) = (&subject.publication, &subject.table);
+    if !table_exists(client, table).await? {
+        return Err(AdminError::NoTable {
+            table: table.to_string(),
+        });
+    }
+    let exists = client
+        .query_opt(
+            "SELECT 1 FROM pg_catalog.pg_publication WHERE pubname = $1",
+            &[&publication.as_str()],
+        )
+        .await?
+        .is_some();
+    if !exists {
+        // Via the partition root (PostgreSQL 13+), so that the rows of a
+        // partitioned outbox arrive as the outbox's, whichever partition
+        // holds them (a table that is not partitioned is unaffected).
+        let via_root = if publication::server_version(client).await? >= 130_000 {
+            ", publish_via_partition_root = true"
+        } else {
+            ""
+        };
+        let sql = format!(
+            "CREATE PUBLICATION {} FOR TABLE {} WITH (publish = 'insert'{via_root})",
+            publication.quoted(),
+            table.quoted()
+        );
+        match client.batch_execute(&sql).await {
+            Ok(()) => tracing::info!(publication = publication.as_str(), "created publication"),
+            // Another process created it first: inspect what it made.
+            Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::DUPLICATE_OBJECT) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    publication::inspect(client, subject).await
+}
+
+/// A row of `pg_replication_slots`. Columns newer than PostgreSQL 13 are
+/// `None` on servers that do not have them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SlotInfo {
+    pub plugin: Option<String>,
+    pub slot_type: String,
+    pub database: Option<String>,
+    pub active: bool,
+    pub active_pid: Option<i32>,
+    pub restart_lsn: Option<Lsn>,
+    pub confirmed_flush_lsn: Option<Lsn>,
+    /// `reserved`, `extended`, `unreserved` or `lost`.
+    pub wal_status: Option<String>,
+    /// PostgreSQL 16+: invalidated by a recovery conflict (on a standby).
+    pub conflicting: Option<bool>,
+    /// PostgreSQL 17+: `wal_removed`, `rows_removed`,
+    /// `wal_level_insufficient`; 18 adds `idle_timeout`.
+    pub invalidation_reason: Option<String>,
+    /// PostgreSQL 17+: a failover slot, kept on standbys that sync slots.
+    pub failover: Option<bool>,
+    /// PostgreSQL 17+: a standby's copy of a primary's failover slot.
+    pub synced: Option<bool>,
+    pub temporary: bool,
+    /// The oldest transaction whose catalog changes the slot may still
+    /// decode with: every transaction before it had ended at a position
+    /// the slot has confirmed.
+    pub catalog_xmin: Option<u32>,
+}
+
+impl SlotInfo {
+    /// Why the slot can no longer stream, if it cannot: PostgreSQL 17+
+    /// names the reason; older servers show `wal_status = 'lost'` (WAL
+    /// removed) or, on 16, `conflicting` (rows removed on a standby).
+    pub fn invalidated(&self) -> Option<String> {
+        if let Some(reason) = &self.invalidation_reason {
+            return Some(reason.clone());
+        }
+        if self.conflicting == Some(true) {
+            return Some("rows_removed".to_owned());
+        }
+        (self.wal_status.as_deref() == Some("lost")).then(|| "wal_removed".to_owned())
+    }
+}
+
+/// What an invalidation reason of `pg_replication_slots` means, for the
+/// operator.
+pub fn explain_invalidation(reason: &str) -> &'static str {
+    match reason {
+        "wal_removed" => "PostgreSQL removed WAL it still needed (max_slot_wal_keep_size was exceeded)",
+        "rows_removed" => "catalog rows it still needed were removed (a recovery conflict, as after a promotion without hot_standby_feedback)",
+        "wal_level_insufficient" => "wal_level was lowered below logical",
+        "idle_timeout" => "it stayed inactive longer than idle_replication_slot_timeout",
+        _ => "PostgreSQL invalidated it",
+    }
+}
+
+fn lsn_col(row: &tokio_postgres::Row, idx: usize) -> Option<Lsn> {
+    row.get::<_, Option<String>>(idx).and_then(|s| s.parse().ok())
+}
+
+/// Reads the slot's row, if it exists. Columns that only newer servers have
+/// are read through `to_jsonb`, so the query runs on every version.
+pub async fn slot_info(client: &Client, slot: &SlotName) -> Result<Option<SlotInfo>, AdminError> {
+    let row = client
+        .query_opt(
+            "SELECT plugin::text, slot_type, database::text, active, active_pid,
+                    restart_lsn::text, confirmed_flush_lsn::text, wal_status,
+                    (to_jsonb(s) ->> 'conflicting')::boolean,
+                    to_jsonb(s) ->> 'invalidation_reason',
+                    (to_jsonb(s) ->> 'failover')::boolean,
+                    (to_jsonb(s) ->> 'synced')::boolean,
+                    temporary, catalog_xmin::text
+               FROM pg_catalog.pg_replication_slots s WHERE slot_name = $1",
+            &[&slot.as_str()],
+        )
+        .await?;
+    Ok(row.map(|r| SlotInfo {
+        plugin: r.get(0),
+        slot_type: r.get(1),
+        database: r.get(2),
+        active: r.get(3),
+        active_pid: r.get(4),
+        restart_lsn: lsn_col(&r, 5),
+        confirmed_flush_lsn: lsn_col(&r, 6),
+        wal_status: r.get(7),
+        conflicting: r.get(8),
+        invalidation_reason: r.get(9),
+        failover: r.get(10),
+        synced: r.get(11),
+        temporary: r.get(12),
+        catalog_xmin: r.get::<_, Option<String>>(13).and_then(|x| x.parse().ok()),
+    }))
+}
+
+/// What [`ensure_slot`] found or did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SlotState {
+    /// The slot was created; streaming starts at its consistent point.
+    Created { consistent_point: Lsn },
+    /// The slot exists and fits.
+    Existing(SlotInfo),
+}
+
+/// Checks that an existing slot is a pgoutput slot of this database.
+fn check_fits(info: &SlotInfo, slot: &SlotName, dbname: &str) -> Result<(), AdminError> {
+    let problem = if info.slot_type != "logical" {
+        Some(format!("is a {} slot, not a logical one", info.slot_type))
+    } else if info.plugin.as_deref() != Some("pgoutput") {
+        Some(format!(
+            "uses plugin {:?}, not pgoutput",
+            info.plugin.as_deref().unwrap_or("")
+        ))
+    } else if info.database.as_deref() != Some(dbname) {
+        Some(format!(
+            "belongs to database {:?}, not {dbname:?}",
+            info.database.as_deref().unwrap_or("")
+        ))
+    } else {
+        None
+    };
+    match problem {
+        Some(problem) => Err(AdminError::ForeignSlot {
+            slot: slot.as_str().to_owned(),
+            problem,
+        }),
+        None => Ok(()),
+    }
+}
+
+/// How long altering the slot may wait for another process to release it.
+const ALTER_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Creates the logical slot if it is missing; refuses a slot that belongs
+/// to another database or plugin. With `failover` set (only on PostgreSQL
+/// 17+) a new slot is a failover slot, and an existing one is altered to
+/// match; `None` leaves it alone.
+pub async fn ensure_slot(
+    client: &Client,
+    repl: &mut ReplicationConnection,
+    slot: &SlotName,
+    dbname: &str,
+    failover: Option<bool>,
+) -> Result<SlotState, AdminError> {
+    if let Some(mut info) = slot_info(client, slot).await? {
+        check_fits(&info, slot, dbname)?;
+        if let (Some(want), Some(have)) = (failover, info.failover) {
+            // A slot another process holds is left alone: ALTER would wait
+            // for it, and starting it fails next anyway (and is retried);
+            // a later session alters it once it is free.
+            if want != have && info.invalidated().is_none() && !info.active {
+                match tokio::time::timeout(ALTER_WAIT, repl.alter_slot_failover(slot, want)).await {
+                    Ok(Ok(())) => {
+                        tracing::info!(slot = slot.as_str(), failover = want, "altered the slot's failover setting");
+                        info.failover = Some(want);
+                    }
+                    // Not fatal: the failover check reports a slot left as it was.
+                    Ok(Err(e)) => tracing::warn!(
+                        slot = slot.as_str(),
+                        failover = want,
+                        error = %e,
+                        "cannot alter the slot's failover setting (postgres.failover_slot); going on with it as it is"
+                    ),
+                    // Taken by another process meanwhile: this connection is
+                    // still waiting, so the session starts over.
+                    Err(_) => {
+                        return Err(AdminError::Replication(PgError::Io(std::io::Error::new(
+                            std::io::ErrorKind::TimedOut,
+                            format!(
+                                "ALTER_REPLICATION_SLOT waited {ALTER_WAIT:?} for slot {}, which another process holds; retrying",
+                                slot.as_str()
+                            ),
+                        ))))
+                    }
+                }
+            }
+        }
+        return Ok(SlotState::Existing(info));
+    }
+    match repl.create_logical_slot(slot, failover == Some(true)).await {
+        Ok(consistent_point) => Ok(SlotState::Created { consistent_point }),
+        // Created concurrently by another process: use it.
+        Err(e) if e.sqlstate() == Some("42710") => match slot_info(client, slot).await? {
+            Some(info) => {
+                check_fits(&info, slot, dbname)?;
+                Ok(SlotState::Existing(info))
+            }
+            None => Err(e.into()),
+        },
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Ends the walsender that holds `slot` when it serves an outboxd with
+/// this `application_name` (the caller holds the leader lock, so that one
+/// lost it), and waits up to 5 s for the slot to be released. A walsender
+/// of anything else (a pg_recvlogical, say) is left alone: starting
+/// replication then fails with "slot is active" and is retried.
+pub async fn end_stale_walsender(
+    client: &Client,
+    slot: &SlotName,
+    application_name: &str,
+) -> Result<(), AdminError> {
+    let ended = client
+        .query_opt(
+            "SELECT s.active_pid, pg_catalog.pg_terminate_backend(s.active_pid)
+               FROM pg_catalog.pg_replication_slots s
+               JOIN pg_catalog.pg_stat_activity a ON a.pid = s.active_pid
+              WHERE s.slot_name = $1 AND s.active AND a.application_name = $2
+                AND a.usename = current_user",
+            &[&slot.as_str(), &application_name],
+        )
+        .await?;
+    let Some(row) = ended else {
+        return Ok(());
+    };
+    let pid: i32 = row.get(0);
+    tracing::warn!(
+        slot = slot.as_str(),
+        pid,
+        "ended the walsender of an outboxd that lost the leader lock (stopped or cut off)"
+    );
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+    while tokio::time::Instant::now() < deadline {
+        if !slot_info(client, slot).await?.is_some_and(|i| i.active) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    Ok(())
+}
+
+/// Where the server's WAL ends now (`pg_current_wal_insert_lsn()`).
+pub async fn wal_insert_lsn(client: &Client) -> Result<Lsn, AdminError> {
+    let s: String = client
+        .query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
+        .await?
+        .get(0);
+    Ok(s.parse().unwrap_or(Lsn::ZERO))
+}
+
+/// The server's `wal_sender_timeout` (`None` when 0, that is disabled): a
+/// walsender that hears nothing from outboxd for this long ends the session.
+pub async fn wal_sender_timeout(client: &Client) -> Result<Option<std::time::Duration>, AdminError> {
+    let row = client
+        .query_one(
+            "SELECT setting::bigint FROM pg_settings WHERE name = 'wal_sender_timeout'",
+            &[],
+        )
+        .await?;
+    let ms: i64 = row.get(0);
+    Ok(u64::try_from(ms)
+        .ok()
+        .filter(|ms| *ms > 0)
+        .map(std::time::Duration::from_millis))
+}

@@ -1,0 +1,254 @@
+//! How a sent record becomes durable in Kafka, and so when its PostgreSQL
+//! transaction may be confirmed: the seam between the streaming loop and
+//! the delivery mode (`kafka.delivery`).
+//!
+//! The loop reports what happens (a PostgreSQL transaction begins, a record
+//! is sent, Kafka acknowledges it, a commit is read) and asks two
+//! questions: may intake go on, and is a Kafka commit due. Each mode
+//! answers for itself:
+//!
+//! * **At-least-once**: an acknowledgement makes its event durable at
+//!   once; the [`AckTracker`] retires transactions as their events are
+//!   acknowledged. No commit is ever due.
+//! * **Exactly-once** ([`crate::relay::exactly_once`]): acknowledgements only say
+//!   that a record reached the open Kafka transaction. Events count as
+//!   acknowledged in the tracker when that transaction commits, so the slot
+//!   never passes what a `read_committed` consumer cannot see.
+//!
+//!   A Kafka commit takes a few round trips. So a closing transaction
+//!   commits in the background on one producer while the next one fills
+//!   on the other ([`crate::kafka::sink::KafkaSink::start_commit`]). Between the
+//!   closing and the commit's start (until every record of the closing
+//!   transaction is acknowledged, and the previous commit is done), the
+//!   stream is read ahead: its events are held ([`ExactlyOnce::held`],
+//!   bounded by `kafka.max_inflight` rows) and handled in order once the
+//!   commit has started. They never join the transaction being committed,
+//!   and no record of theirs is sent before every record of it is
+//!   acknowledged, so each partition keeps commit order.
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use tokio::task::JoinHandle;
+
+use crate::kafka::sink::KafkaSinkError;
+use crate::lsn::Lsn;
+use crate::relay::exactly_once::{Group, LastCommit, Transactions};
+use crate::relay::progress::{AckTracker, TxnId};
+use crate::source::stream::StreamEvent;
+
+/// The session's delivery mode.
+#[derive(Debug)]
+pub(super) enum Durability {
+    AtLeastOnce,
+    ExactlyOnce(Box<ExactlyOnce>),
+}
+
+/// Exactly-once state of a session: the open Kafka transaction, the
+/// commit under way, and the events read ahead meanwhile.
+#[derive(Debug)]
+pub(super) struct ExactlyOnce {
+    pub(super) t: Transactions,
+    /// Stream events read while closing, handled after the commit.
+    pub(super) held: VecDeque<StreamEvent>,
+    /// Outbox rows among them (the bound).
+    pub(super) held_rows: usize,
+    /// The commit running in the background, and the PostgreSQL
+    /// transactions it holds.
+    pub(super) committing: Option<JoinHandle<Result<(), KafkaSinkError>>>,
+    pub(super) committing_group: Group,
+    /// When closing began (the progress record was sent), and when the
+    /// commit request went out.
+    pub(super) closing_since: Option<Instant>,
+    /// The committing transaction's closing time, and its commit's start.
+    pub(super) committing_since: Option<Instant>,
+    pub(super) commit_started: Option<Instant>,
+}
+
+impl ExactlyOnce {
+    /// Whether the open Kafka transaction should close now: at a
+    /// PostgreSQL commit, past a bound. Past `max_wait` only, it goes on
+    /// filling while the previous commit is under way: closing would only
+    /// hold the stream back until that commit is done. Under load the
+    /// transactions so grow to what one commit's time brings in.
+    fn should_close(&self, now: Instant) -> bool {
+        let g = &self.t.group;
+        g.due(&self.t.limits, now) && (self.committing.is_none() || g.over_size(&self.t.limits))
+    }
+
+    pub(super) fn new(t: Transactions) -> Self {
+        ExactlyOnce {
+            t,
+            held: VecDeque::new(),
+            held_rows: 0,
+            committing: None,
+            committing_group: Group::default(),
+            closing_since: None,
+            committing_since: None,
+            commit_started: None,
+        }
+    }
+}
+
+impl Durability {
+    /// Whether the PostgreSQL transaction committing at `final_lsn` is to
+    /// be published: not when the progress record says it is in Kafka.
+    pub(super) fn admit(&self, final_lsn: Lsn) -> bool {
+        match self {
+            Durability::AtLeastOnce => true,
+            Durability::ExactlyOnce(e) => e.t.admit(final_lsn),
+        }
+    }
+
+    /// A published PostgreSQL transaction began.
+    pub(super) fn begin(&mut self) {
+        if let Durability::ExactlyOnce(e) = self {
+            e.t.group.begin();
+        }
+    }
+
+    /// A record of `txn`, `bytes` long, was handed to the producer.
+    pub(super) fn sent(&mut self, txn: TxnId, bytes: usize) {
+        if let Durability::ExactlyOnce(e) = self {
+            e.t.group.sent(txn, bytes, Instant::now());
+        }
+    }
+
+    /// Kafka acknowledged a record of `txn`; returns how many events that
+    /// made durable.
+    pub(super) fn acked(&mut self, tracker: &mut AckTracker, txn: TxnId) -> u64 {
+        match self {
+            Durability::AtLeastOnce => {
+                tracker.acked(txn);
+                1
+            }
+            // Durable at the Kafka commit, not before.
+            Durability::ExactlyOnce(_) => 0,
+        }
+    }
+
+    /// A published PostgreSQL transaction's commit was read.
+    pub(super) fn committed(&mut self, last: LastCommit) {
+        if let Durability::ExactlyOnce(e) = self {
+            e.t.group.commit(last);
+            if e.should_close(Instant::now()) {
+                e.t.closing = true;
+            }
+        }
+    }
+
+    /// Whether stream events are handled now (`false`: held until the
+    /// Kafka commit under way is done).
+    pub(super) fn accepting(&self) -> bool {
+        match self {
+            Durability::AtLeastOnce => true,
+            Durability::ExactlyOnce(e) => !e.t.closing,
+        }
+    }
+
+    /// Holds a stream event read while a commit is under way.
+    pub(super) fn hold(&mut self, ev: StreamEvent) {
+        if let Durability::ExactlyOnce(e) = self {
+            if matches!(ev, StreamEvent::Insert { .. } | StreamEvent::Unreadable { .. }) {
+                e.held_rows += 1;
+            }
+            e.held.push_back(ev);
+        }
+    }
+
+    /// The next held event, once commits allow.
+    pub(super) fn release(&mut self) -> Option<StreamEvent> {
+        match self {
+            Durability::ExactlyOnce(e) if !e.t.closing => {
+                let ev = e.held.pop_front()?;
+                if matches!(ev, StreamEvent::Insert { .. } | StreamEvent::Unreadable { .. }) {
+                    e.held_rows -= 1;
+                }
+                Some(ev)
+            }
+            _ => None,
+        }
+    }
+
+    /// Rows read ahead and not yet handled (they count against
+    /// `kafka.max_inflight`).
+    pub(super) fn held_rows(&self) -> usize {
+        match self {
+            Durability::AtLeastOnce => 0,
+            Durability::ExactlyOnce(e) => e.held_rows,
+        }
+    }
+
+    /// Events are held, and may be handled now.
+    pub(super) fn releasable(&self) -> bool {
+        match self {
+            Durability::ExactlyOnce(e) => !e.t.closing && !e.held.is_empty(),
+            Durability::AtLeastOnce => false,
+        }
+    }
+
+    /// How long the oldest Kafka transaction still open (committing or
+    /// filling) has been open.
+    pub(super) fn oldest_transaction_age(&self) -> Option<std::time::Duration> {
+        match self {
+            Durability::ExactlyOnce(e) => e.committing_group.age().max(e.t.group.age()),
+            Durability::AtLeastOnce => None,
+        }
+    }
+
+    /// The background commit, if one is under way.
+    pub(super) fn commit_handle(&mut self) -> Option<&mut JoinHandle<Result<(), KafkaSinkError>>> {
+        match self {
+            Durability::ExactlyOnce(e) => e.committing.as_mut(),
+            Durability::AtLeastOnce => None,
+        }
+    }
+
+    /// When the open Kafka transaction's `max_wait` runs out, for the
+    /// loop's timer; `None` if nothing waits for one.
+    pub(super) fn deadline(&self) -> Option<tokio::time::Instant> {
+        match self {
+            Durability::AtLeastOnce => None,
+            // Closing, half a PostgreSQL transaction in, or waiting for the
+            // commit under way (whose end wakes the loop anyway).
+            Durability::ExactlyOnce(e)
+                if e.t.closing || e.t.group.mid_transaction() || e.committing.is_some() =>
+            {
+                None
+            }
+            Durability::ExactlyOnce(e) => {
+                e.t.group
+                    .deadline(&e.t.limits)
+                    .map(tokio::time::Instant::from_std)
+            }
+        }
+    }
+
+    /// Whether a Kafka commit is due now.
+    pub(super) fn commit_due(&mut self) -> bool {
+        match self {
+            Durability::AtLeastOnce => false,
+            Durability::ExactlyOnce(e) => {
+                if !e.t.closing && e.should_close(Instant::now()) {
+                    e.t.closing = true;
+                }
+                e.t.closing
+            }
+        }
+    }
+
+    /// Nothing sent is waiting for a Kafka commit.
+    pub(super) fn settled(&self) -> bool {
+        match self {
+            Durability::AtLeastOnce => true,
+            Durability::ExactlyOnce(e) => e.t.group.is_empty() && e.held.is_empty() && e.committing.is_none(),
+        }
+    }
+
+    pub(super) fn exactly_once(&mut self) -> Option<&mut ExactlyOnce> {
+        match self {
+            Durability::AtLeastOnce => None,
+            Durability::ExactlyOnce(e) => Some(e),
+        }
+    }
+}

@@ -1,0 +1,551 @@
+//! Polling mode (`mode = "polling"`): seed 000's relay, for databases where
+//! logical replication is not available.
+//!
+//! # One poller, in write order
+//!
+//! Polling instances elect a leader as CDC sessions do ([`crate::relay::leader`],
+//! keyed by the table): one polls, the others wait as hot standbys. Two
+//! pollers would take different slices of one aggregate and publish them
+//! through different producers, in any order.
+//!
+//! Rows are published in `created_at` order, which migration 0008 makes the
+//! insert time (`clock_timestamp()`), then by `ctid` within a timestamp. A
+//! writer that waits for another one (a row lock on the aggregate, a
+//! version check) inserts after that one committed, so each aggregate's
+//! events keep the order they were written in.
+//!
+//! A transaction still in flight may hold rows with an earlier `created_at`
+//! than rows already visible; publishing those first would pass it over.
+//! So each round reads only rows older than a **watermark**: the poller
+//! samples, every round, the server clock and the next transaction id
+//! (`pg_current_snapshot()`), and the watermark is the time of the latest
+//! sample whose next id lies at or below the oldest transaction still
+//! running. Every running transaction got its id after that sample, and
+//! inserted after it, so none can still add a row below the watermark. A
+//! long write transaction holds the watermark (and publishing) back until
+//! it ends; `outboxd_oldest_unpublished_seconds` shows it. Rows written with
+//! an explicit `created_at` are ordered by that value instead, and may be
+//! passed over.
+//!
+//! # A round, in one transaction
+//!
+//! 1. `SELECT … WHERE published_at IS NULL AND created_at < watermark ORDER
+//!    BY created_at, ctid LIMIT n FOR UPDATE`;
+//! 2. every row becomes a record exactly as in CDC mode and is enqueued at
+//!    once;
+//! 3. acknowledgements are taken in row order; the round stops at its first
+//!    failure, so no later event of an aggregate is marked ahead of an
+//!    earlier one (the seed's rule). An acknowledgement without an offset is
+//!    a failure ([`crate::kafka::sink::Report`]);
+//! 4. `UPDATE … SET published_at = now()` for the acknowledged prefix, and
+//!    commit. The rest is picked up again next round.
+//!
+//! # Rows Kafka refuses
+//!
+//! Kafka refuses whole batches, so a refused row may only have shared a
+//! batch with the culprit. The round stops there; the next round sends its
+//! rows one at a time, each waiting for its answer, up to that row, so a
+//! refusal is the row's own. Such a row follows `routing.on_poison` as in
+//! CDC mode: its dead letter (marked published once acknowledged), or a
+//! stop that names it. Rows that can never become a record are set aside
+//! the same way.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use tokio::sync::watch;
+use tokio_postgres::Client;
+use uuid::Uuid;
+
+use crate::config::{Config, Validated};
+use crate::kafka::enqueue::{enqueue_row, set_aside, EnqueueError, Enqueued};
+use crate::kafka::records::build_record;
+use crate::kafka::sink::{KafkaSink, KafkaSinkError, Refusal, Report, SinkKind};
+use crate::metrics::Metrics;
+use crate::ops::health::Health;
+use crate::postgres::admin::{self, AdminError};
+use crate::relay::leader::LeaderElection;
+use crate::source::outbox::{OutboxRow, TABLE_COLUMNS};
+
+/// Why polling stopped or a round failed.
+#[derive(Debug, thiserror::Error)]
+pub enum PollingError {
+    #[error(transparent)]
+    Admin(#[from] AdminError),
+    #[error(transparent)]
+    Kafka(#[from] KafkaSinkError),
+    #[error(transparent)]
+    Poison(EnqueueError),
+    #[error("Kafka refused the batch holding outbox row {id} ({source}); sending the rows from there one at a time, to set aside only the row Kafka refuses")]
+    BatchRefused {
+        id: Uuid,
+        source: rdkafka::error::KafkaError,
+    },
+}
+
+impl From<EnqueueError> for PollingError {
+    fn from(e: EnqueueError) -> Self {
+        match e {
+            EnqueueError::Kafka(k) => PollingError::Kafka(k),
+            poison @ EnqueueError::Poison { .. } => PollingError::Poison(poison),
+        }
+    }
+}
+
+impl PollingError {
+    fn is_transient(&self) -> bool {
+        match self {
+            PollingError::Admin(AdminError::Connect { .. } | AdminError::Query(_)) => true,
+            PollingError::Admin(_) => false,
+            PollingError::Kafka(e) => e.is_transient(),
+            PollingError::Poison(_) => false,
+            PollingError::BatchRefused { .. } => true,
+        }
+    }
+}
+
+impl From<tokio_postgres::Error> for PollingError {
+    fn from(e: tokio_postgres::Error) -> Self {
+        PollingError::Admin(AdminError::Query(e))
+    }
+}
+
+/// The samples behind the watermark: (server time, next transaction id).
+#[derive(Debug, Default)]
+struct Watermark {
+    samples: VecDeque<(DateTime<Utc>, i64)>,
+}
+
+/// Samples kept while a long transaction holds the watermark back.
+const MAX_SAMPLES: usize = 4096;
+
+impl Watermark {
+    /// Takes in a sample (`now`, the snapshot's `xmax`) and the oldest
+    /// running transaction id (`xmin`); returns the watermark, if any
+    /// sample qualifies yet.
+    fn observe(&mut self, now: DateTime<Utc>, xmax: i64, xmin: i64) -> Option<DateTime<Utc>> {
+        self.samples.push_back((now, xmax));
+        // The latest sample at or below xmin is the watermark; older ones
+        // are no longer needed (xmin only grows).
+        let latest = self.samples.iter().rposition(|(_, next)| *next <= xmin);
+        if let Some(i) = latest {
+            self.samples.drain(..i);
+        }
+        if self.samples.len() > MAX_SAMPLES {
+            // Thin out the newest half: a coarser history only lowers the
+            // watermark, never raises it past a running transaction.
+            let keep_from = self.samples.len() / 2;
+            let newest = self.samples.pop_back();
+            self.samples.truncate(keep_from);
+            self.samples.extend(newest);
+        }
+        latest.map(|_| self.samples[0].0)
+    }
+}
+
+/// The polling relay.
+pub struct PollingRelay {
+    config: Config,
+    validated: Validated,
+    sink: KafkaSink,
+    metrics: Arc<Metrics>,
+    health: Arc<Health>,
+    election: LeaderElection,
+    watermark: Watermark,
+    /// After Kafka refused a batch: send one row at a time, waiting for
+    /// each, up to and including this row.
+    isolate_until: Option<Uuid>,
+}
+
+impl std::fmt::Debug for PollingRelay {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PollingRelay")
+            .field("table", &self.validated.table)
+            .finish()
+    }
+}
+
+/// How one round ended.
+struct Round {
+    selected: usize,
+    published: usize,
+}
+
+/// A row enqueued in a round: its id and row, and what was enqueued.
+struct Pending {
+    row: OutboxRow,
+    enqueued: Enqueued,
+}
+
+impl PollingRelay {
+    pub fn new(
+        config: Config,
+        validated: Validated,
+        metrics: Arc<Metrics>,
+        health: Arc<Health>,
+    ) -> Result<Self, PollingError> {
+        let sink = Self::new_sink(&config)?;
+        let election = LeaderElection::new(
+            validated.pg.clone(),
+            LeaderElection::polling_key(&validated.table.to_string()),
+            config.postgres.leader_timeout.0,
+        );
+        Ok(PollingRelay {
+            config,
+            validated,
+            sink,
+            metrics,
+            health,
+            election,
+            watermark: Watermark::default(),
+            isolate_until: None,
+        })
+    }
+
+    fn new_sink(config: &Config) -> Result<KafkaSink, KafkaSinkError> {
+        let kind = SinkKind {
+            fenced_by_lease: Some(config.postgres.leader_timeout.0),
+            ..SinkKind::default()
+        };
+        KafkaSink::build(&config.kafka, config.kafka.admin_timeout.0, &kind)
+    }
+
+    /// Polls until shutdown or a definite error.
+    pub async fn run(&mut self, mut shutdown: watch::Receiver<bool>) -> Result<(), PollingError> {
+        let mut client: Option<Client> = None;
+        let mut backoff = Duration::from_millis(500);
+        let mut announced_standby = false;
+        loop {
+            if *shutdown.borrow() {
+                return Ok(());
+            }
+            if !self.election.still_held() {
+                // Whatever the last leader left half done is read again.
+                client = None;
+                match self.election.try_lead().await {
+                    Ok(true) => {
+                        if announced_standby {
+                            tracing::info!(table = %self.validated.table, "the polling leader is gone; taking over");
+                        }
+                        announced_standby = false;
+                        self.health.set_standby(false);
+                    }
+                    Ok(false) => {
+                        if !announced_standby {
+                            tracing::info!(table = %self.validated.table, "another outboxd polls this table; waiting as a hot standby");
+                            announced_standby = true;
+                        }
+                        self.health.set_standby(true);
+                        self.health.set_streaming(None);
+                        self.wait(&mut shutdown, Duration::from_secs(1)).await;
+                        continue;
+                    }
+                    Err(e) => {
+                        self.health.set_streaming(None);
+                        tracing::warn!(error = %e, retry_in = ?backoff, "cannot take the polling leader lock; retrying");
+                        self.wait(&mut shutdown, backoff).await;
+                        backoff = (backoff * 2).min(self.config.postgres.reconnect_backoff_max.0);
+                        continue;
+                    }
+                }
+            }
+            if client.as_ref().is_none_or(Client::is_closed) {
+                match self.connect().await {
+                    Ok(c) => client = Some(c),
+                    Err(e) => {
+                        self.health.set_streaming(None);
+                        tracing::warn!(error = %e, retry_in = ?backoff, "cannot connect; retrying");
+                        self.wait(&mut shutdown, backoff).await;
+                        backoff = (backoff * 2).min(self.config.postgres.reconnect_backoff_max.0);
+                        continue;
+                    }
+                }
+            }
+            let Some(c) = client.as_mut() else { continue };
+            self.health.set_streaming(Some(0));
+            match self.round(c).await {
+                Ok(round) => {
+                    backoff = Duration::from_millis(500);
+                    self.report(c, round.published).await;
+                    if round.selected < self.config.polling.batch_size {
+                        self.wait(&mut shutdown, self.config.polling.interval.0).await;
+                    }
+                }
+                Err(e) if e.is_transient() => {
+                    self.metrics.reconnects.inc();
+                    if let PollingError::BatchRefused { .. } = &e {
+                        tracing::warn!(error = %e, "polling round stopped");
+                        continue;
+                    }
+                    tracing::warn!(error = %e, retry_in = ?backoff, "polling round failed; retrying");
+                    self.health.set_streaming(None);
+                    client = None;
+                    self.sink = Self::new_sink(&self.config)?;
+                    self.wait(&mut shutdown, backoff).await;
+                    backoff = (backoff * 2).min(self.config.postgres.reconnect_backoff_max.0);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// The polling connection: a round's transaction that the leader
+    /// leaves open (stopped, cut off) is ended by PostgreSQL within the
+    /// lease, so its row locks never hold the next leader up.
+    async fn connect(&self) -> Result<Client, AdminError> {
+        let client = admin::connect(&self.validated.pg).await?;
+        let lease = self.config.postgres.leader_timeout.0.as_millis().max(1);
+        client
+            .batch_execute(&format!("SET idle_in_transaction_session_timeout = {lease}"))
+            .await?;
+        Ok(client)
+    }
+
+    async fn wait(&self, shutdown: &mut watch::Receiver<bool>, d: Duration) {
+        self.health.beat();
+        tokio::select! {
+            _ = tokio::time::sleep(d) => {}
+            _ = shutdown.changed() => {}
+        }
+    }
+
+    async fn report(&self, client: &Client, published: usize) {
+        self.metrics.events_published.inc_by(published as u64);
+        if published > 0 {
+            self.metrics.transactions.inc();
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64());
+            self.metrics.last_ack_timestamp_seconds.set(now);
+            self.health.acked_at(std::time::Instant::now());
+        }
+        if let Ok(age) = outbox_sdk::retention::oldest_unpublished_age(client, &self.validated.table).await {
+            self.metrics
+                .oldest_unpublished_seconds
+                .set(age.map_or(0.0, |d| d.as_secs_f64()));
+        }
+        self.health.set_inflight(0, None);
+        self.health.status_sent(0, 0, 0);
+    }
+
+    async fn round(&mut self, client: &mut Client) -> Result<Round, PollingError> {
+        let table = self.validated.table.quoted().to_string();
+        let tx = client.transaction().await?;
+        // created_at::text follows DateStyle; a role or database default
+        // such as 'SQL, DMY' must not change what outboxd reads.
+        tx.batch_execute("SET LOCAL DateStyle = 'ISO'; SET LOCAL TimeZone = 'UTC'")
+            .await?;
+        let sample = tx
+            .query_one(
+                "SELECT clock_timestamp(), pg_snapshot_xmin(s)::text::bigint, pg_snapshot_xmax(s)::text::bigint
+                   FROM pg_current_snapshot() s",
+                &[],
+            )
+            .await?;
+        let Some(watermark) = self
+            .watermark
+            .observe(sample.get(0), sample.get(2), sample.get(1))
+        else {
+            tracing::debug!("a transaction older than outboxd's first sample still runs: waiting for it before publishing, so that none of its rows is passed over");
+            tx.commit().await?;
+            return Ok(Round {
+                selected: 0,
+                published: 0,
+            });
+        };
+        let rows = tx
+            .query(
+                &format!(
+                    // o.created_at, not the text output column of the same
+                    // name: only the table column uses the partial index.
+                    "SELECT {TABLE_COLUMNS}
+                       FROM {table} o WHERE o.published_at IS NULL AND o.created_at < $2
+                      ORDER BY o.created_at, o.ctid LIMIT $1 FOR UPDATE"
+                ),
+                &[&(self.config.polling.batch_size as i64), &watermark],
+            )
+            .await?;
+        let selected = rows.len();
+        let mut published: Vec<Uuid> = Vec::with_capacity(selected);
+        let mut pending: Vec<Pending> = Vec::with_capacity(selected);
+        let mut failure: Option<PollingError> = None;
+        for r in &rows {
+            let row = OutboxRow::from_table(r);
+            // One at a time up to the row Kafka refused in a batch, so that
+            // a refusal now is the row's own.
+            let alone = self.isolate_until.is_some();
+            let enqueued = match self.enqueue(&row).await {
+                Ok(e) => e,
+                Err(e) => {
+                    failure = Some(e.into());
+                    break;
+                }
+            };
+            pending.push(Pending { row, enqueued });
+            if alone {
+                if let Err(e) = self.settle(&mut pending, &mut published, true).await {
+                    failure = Some(e);
+                    break;
+                }
+                if pending.is_empty() && self.isolate_until == published.last().copied() {
+                    tracing::info!("past the row Kafka refused; sending in batches again");
+                    self.isolate_until = None;
+                }
+            }
+        }
+        if failure.is_none() {
+            if let Err(e) = self.settle(&mut pending, &mut published, false).await {
+                failure = Some(e);
+            }
+        } else {
+            // Wait for what was sent; none of it is marked after a failure.
+            for p in pending.drain(..) {
+                let _ = p.enqueued.into_future().await;
+            }
+        }
+        if !published.is_empty() {
+            tx.execute(
+                &format!("UPDATE {table} SET published_at = now() WHERE id = ANY($1)"),
+                &[&published],
+            )
+            .await?;
+        }
+        tx.commit().await?;
+        if self.isolate_until.is_some() && failure.is_none() {
+            // The refused row was not selected again (published meanwhile,
+            // or deleted): nothing is left to isolate.
+            self.isolate_until = None;
+        }
+        if let Some(e) = failure {
+            self.metrics.error(match &e {
+                PollingError::Kafka(k) => k.reason(),
+                PollingError::BatchRefused { .. } => "batch_refused",
+                PollingError::Poison(_) => "poison",
+                PollingError::Admin(_) => "postgres_stream",
+            });
+            return Err(e);
+        }
+        Ok(Round {
+            selected,
+            published: published.len(),
+        })
+    }
+
+    /// The record of `row`, or its dead letter.
+    async fn enqueue(&mut self, row: &OutboxRow) -> Result<Enqueued, EnqueueError> {
+        // No commit time here: a created_at Kafka cannot take gets the
+        // time of publishing.
+        let now_ms = chrono::Utc::now().timestamp_millis();
+        let record = build_record(row, &self.validated.topic, &self.validated.value, now_ms);
+        let enqueued = enqueue_row(&mut self.sink, &self.config.routing, row, record).await?;
+        if let Enqueued::DeadLetter(_, reason) = &enqueued {
+            self.metrics.dead_letters.with_label_values(&[reason]).inc();
+        }
+        Ok(enqueued)
+    }
+
+    /// Takes the acknowledgements of `pending` in row order, adding each
+    /// acknowledged row to `published`; stops at the first failure. `alone`:
+    /// the rows were sent one at a time, so a refusal is the row's own and
+    /// follows `routing.on_poison`.
+    async fn settle(
+        &mut self,
+        pending: &mut Vec<Pending>,
+        published: &mut Vec<Uuid>,
+        alone: bool,
+    ) -> Result<(), PollingError> {
+        let mut failure = None;
+        for Pending { row, enqueued } in pending.drain(..) {
+            let dead = matches!(enqueued, Enqueued::DeadLetter(..));
+            let report = Report::of(enqueued.into_future().await);
+            if failure.is_some() {
+                continue;
+            }
+            let (source, msg) = match report {
+                Report::Stored(_) => {
+                    published.push(row.id);
+                    continue;
+                }
+                Report::Failed(source, msg) => (source, msg),
+                other => {
+                    failure = other.into_result().err().map(PollingError::Kafka);
+                    continue;
+                }
+            };
+            match Refusal::of(&source) {
+                Refusal::Record { reason, .. } if alone && !dead => {
+                    tracing::warn!(id = %row.id, error = %source, "Kafka refused an outbox row on its own");
+                    let dl = set_aside(
+                        &mut self.sink,
+                        &self.config.routing,
+                        &row,
+                        reason,
+                        format!("Kafka refused it: {source}"),
+                    )
+                    .await?;
+                    self.metrics.dead_letters.with_label_values(&[reason]).inc();
+                    match Report::of(dl.into_future().await) {
+                        Report::Stored(_) => published.push(row.id),
+                        Report::Failed(e, _) if Refusal::of(&e) != Refusal::Transient => {
+                            failure = Some(PollingError::Poison(EnqueueError::Poison {
+                                id: row.id,
+                                error: format!("Kafka refused it ({source}), and its dead letter too ({e})"),
+                            }));
+                        }
+                        other => failure = other.into_result().err().map(PollingError::Kafka),
+                    }
+                }
+                Refusal::Record { .. } if !dead => {
+                    self.isolate_until = Some(row.id);
+                    failure = Some(PollingError::BatchRefused { id: row.id, source });
+                }
+                _ => {
+                    failure = Some(PollingError::Kafka(KafkaSinkError::Delivery {
+                        topic: rdkafka::message::Message::topic(&msg).to_owned(),
+                        source,
+                    }));
+                }
+            }
+        }
+        failure.map_or(Ok(()), Err)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(s: i64) -> DateTime<Utc> {
+        DateTime::from_timestamp(s, 0).unwrap_or_default()
+    }
+
+    #[test]
+    fn the_watermark_never_passes_a_running_transaction() {
+        let mut w = Watermark::default();
+        // A transaction (id 100) runs from before the first sample.
+        assert_eq!(w.observe(at(10), 105, 100), None);
+        assert_eq!(w.observe(at(11), 107, 100), None, "it still runs");
+        // It ended; the oldest running is now 106 (got its id after the
+        // sample at 10, whose next id was 105).
+        assert_eq!(w.observe(at(12), 109, 106), Some(at(10)));
+        // Nothing runs: the newest sample is the watermark.
+        assert_eq!(w.observe(at(13), 110, 110), Some(at(13)));
+        assert_eq!(w.samples.len(), 1);
+    }
+
+    #[test]
+    fn a_long_transaction_keeps_the_history_bounded() {
+        let mut w = Watermark::default();
+        assert_eq!(w.observe(at(0), 10, 10), Some(at(0)));
+        for i in 1..10_000 {
+            // Transaction 10 runs throughout.
+            assert_eq!(w.observe(at(i), 10 + i, 10), Some(at(0)));
+            assert!(w.samples.len() <= MAX_SAMPLES + 1);
+        }
+        // It ends: a later sample qualifies, never one past the running one.
+        let mark = w.observe(at(10_000), 10_010, 5_000).unwrap();
+        assert!(mark <= at(4_990), "{mark}");
+    }
+}

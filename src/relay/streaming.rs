@@ -1,0 +1,526 @@
+//! The streaming loop of one session: intake, acknowledgements, status
+//! updates, and the shutdown drain.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use futures::StreamExt;
+use tokio::sync::watch;
+use tokio::time::{Instant, MissedTickBehavior};
+
+use super::commit::commit_outcome;
+use super::resume::Passage;
+use super::session::{now_micros, DeadLetterJob, Sent, Session, EAGER_CONFIRM, HEAR_OUT};
+use super::{Relay, RelayError};
+use crate::kafka::records::{build_record, dead_letter_stub, KafkaRecord, Poison};
+use crate::kafka::sink::{KafkaSinkError, Refusal, SendOutcome};
+use crate::lsn::Lsn;
+use crate::ops::otel::PendingSpan;
+use crate::postgres::error::PgError;
+use crate::postgres::publication::{self, GuardState};
+use crate::relay::exactly_once::{LastCommit, RowPos};
+use crate::relay::progress::TxnId;
+use crate::source::outbox::OutboxRow;
+use crate::source::stream::{OutboxStream, StreamEvent};
+
+impl Relay {
+    pub(super) async fn stream_loop(
+        &mut self,
+        stream: &mut OutboxStream,
+        s: &mut Session,
+        shutdown: &mut watch::Receiver<bool>,
+    ) -> Result<(), RelayError> {
+        let mut status = tokio::time::interval(s.status_every);
+        status.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let mut lease = self.election.lease();
+        let max_inflight = self.config.kafka.max_inflight;
+        if *shutdown.borrow_and_update() {
+            return Ok(());
+        }
+        loop {
+            // Backpressure counts records librdkafka holds (its memory),
+            // not events waiting for a Kafka commit: a PostgreSQL
+            // transaction larger than max_inflight must still be read to
+            // its commit.
+            // Fencing: nothing is read (so nothing sent) unless the leader
+            // lease is fresh; a leader that was stopped finds it stale
+            // before anything else (see crate::relay::leader).
+            let leading = self.election.still_held();
+            // A failed delivery waits for the rest of its transaction's
+            // reports (see `Session::pending_failure`).
+            if let Some((since, _)) = &s.pending_failure {
+                if s.deliveries.is_empty() || since.elapsed() >= HEAR_OUT {
+                    if let Some((_, e)) = s.pending_failure.take() {
+                        return Err(e);
+                    }
+                }
+            }
+            let intake = s.pending_failure.is_none()
+                && leading
+                && s.deliveries.len() + s.durability.held_rows() < max_inflight
+                && self.end_isolation(s).await?;
+            let commit_at = s.durability.deadline();
+            tokio::select! {
+                biased;
+                _ = shutdown.changed() => return Ok(()),
+                Some(done) = s.deliveries.next(), if !s.deliveries.is_empty() => {
+                    s.delivered(&self.metrics, done)?;
+                }
+                // Exactly-once: the background Kafka commit is done.
+                outcome = commit_outcome(s.durability.commit_handle()) => {
+                    self.commit_finished(s, outcome)?;
+                }
+                _ = status.tick() => {
+                    // When idle, ask for a keepalive: its WAL end lets the
+                    // slot follow writes to other tables (rule 5).
+                    let idle = s.tracker.is_idle();
+                    s.send_status(stream, idle).await?;
+                    self.report(stream, s);
+                    self.refused.forget_through(s.confirmable());
+                }
+                changed = s.guard.changed() => {
+                    let state = s.guard.borrow_and_update().clone();
+                    match (changed, state) {
+                        (Err(_), state) => return Err(RelayError::GuardFailed(format!("the guard ended at {}", state.verified()))),
+                        (_, GuardState::Changed { verified, reason }) => {
+                            return Err(RelayError::PublicationChanged { verified, reason })
+                        }
+                        (_, GuardState::Failed { reason, .. }) => return Err(RelayError::GuardFailed(reason)),
+                        (_, GuardState::Restart { reason, .. }) => return Err(RelayError::Resubscribe(reason)),
+                        (_, GuardState::Verified(_)) => {}
+                    }
+                }
+                // The lease was renewed, or lost.
+                _ = lease.changed() => {
+                    if lease.borrow_and_update().lost() {
+                        return Err(RelayError::LeadershipLost);
+                    }
+                }
+                // The open Kafka transaction's max_wait ran out: the check
+                // after the select commits it.
+                _ = tokio::time::sleep_until(commit_at.unwrap_or_else(Instant::now)), if commit_at.is_some() => {}
+                event = stream.next_event(), if intake => {
+                    match event? {
+                        Some(ev) if s.durability.accepting() => self.handle_event(stream, s, ev).await?,
+                        // Read ahead while a Kafka commit is under way.
+                        Some(ev) => {
+                            if matches!(ev, StreamEvent::Keepalive { reply_requested: true, .. }) {
+                                s.send_status(stream, false).await?;
+                            }
+                            s.durability.hold(ev);
+                        }
+                        None => return Err(RelayError::StreamEnded),
+                    }
+                }
+            }
+            // Nothing more goes into a Kafka transaction that failed.
+            let failing = s.pending_failure.is_some();
+            if !s.dead_letters.is_empty() && !failing {
+                self.flush_dead_letters(stream, s).await?;
+            }
+            if !failing && s.durability.commit_due() {
+                self.advance_commit(stream, s).await?;
+            }
+            if !failing && s.durability.releasable() && leading {
+                self.release_held(stream, s).await?;
+            }
+            // Confirm soon after acknowledgements move the flush position,
+            // not only on the timer, but at most every EAGER_CONFIRM.
+            if s.confirmable() > s.reported_flush && s.last_status.elapsed() >= EAGER_CONFIRM {
+                s.send_status(stream, false).await?;
+            }
+        }
+    }
+
+    pub(super) async fn handle_event(
+        &mut self,
+        stream: &mut OutboxStream,
+        s: &mut Session,
+        ev: StreamEvent,
+    ) -> Result<(), RelayError> {
+        if let Some(w) = &s.waypoint {
+            match w.pass(&ev) {
+                Passage::Before => {}
+                Passage::Met => {
+                    tracing::info!(source = w.source, commit_lsn = %w.commit.commit_lsn, "the stream met the transaction Kafka holds: this is the WAL history outboxd streamed");
+                    s.waypoint = None;
+                }
+                Passage::Rewound(detail) => return Err(self.rewound(detail)),
+            }
+        }
+        match ev {
+            StreamEvent::Begin {
+                commit_time,
+                final_lsn,
+                ..
+            } => {
+                if s.open.is_some() {
+                    return Err(RelayError::OutOfOrder("Begin inside a transaction"));
+                }
+                s.open = Some(s.tracker.begin(now_micros()));
+                s.open_commit = final_lsn;
+                s.row_index = 0;
+                s.open_commit_ms = commit_time.unix_micros().div_euclid(1000);
+                s.skipping = !s.durability.admit(final_lsn);
+                if !s.skipping {
+                    s.durability.begin();
+                }
+            }
+            StreamEvent::Insert { .. } | StreamEvent::Unreadable { .. } if s.skipping => {}
+            StreamEvent::Insert { row, lsn } => {
+                let txn = s
+                    .open
+                    .ok_or(RelayError::OutOfOrder("INSERT outside a transaction"))?;
+                let pos = s.next_pos();
+                self.publish(stream, s, txn, &row, lsn, pos).await?;
+            }
+            StreamEvent::Unreadable { row, lsn } => {
+                let txn = s
+                    .open
+                    .ok_or(RelayError::OutOfOrder("INSERT outside a transaction"))?;
+                let pos = s.next_pos();
+                s.unreadable_row(txn, &row, lsn, pos)?;
+            }
+            StreamEvent::Commit {
+                end_lsn,
+                commit_lsn,
+                commit_time,
+            } => {
+                let txn = s
+                    .open
+                    .take()
+                    .ok_or(RelayError::OutOfOrder("Commit without Begin"))?;
+                let commit = LastCommit {
+                    commit_lsn,
+                    end_lsn,
+                    commit_time: commit_time.unix_micros(),
+                };
+                if std::mem::take(&mut s.skipping) {
+                    s.skipped += 1;
+                } else {
+                    s.durability.committed(commit);
+                }
+                s.tracker.commit(txn, commit);
+                s.observe_retired(&self.metrics);
+                s.received = s.received.max(end_lsn);
+            }
+            StreamEvent::Keepalive {
+                wal_end,
+                reply_requested,
+            } => {
+                s.received = s.received.max(wal_end);
+                if s.open.is_none() {
+                    s.tracker.idle_advance(wal_end);
+                }
+                if reply_requested {
+                    s.send_status(stream, false).await?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) async fn publish(
+        &mut self,
+        stream: &mut OutboxStream,
+        s: &mut Session,
+        txn: TxnId,
+        row: &OutboxRow,
+        lsn: Lsn,
+        pos: RowPos,
+    ) -> Result<(), RelayError> {
+        // Kafka refused this record inside an earlier Kafka transaction,
+        // which was aborted: it is set aside in this one.
+        if let Some(r) = self.refused.get(pos) {
+            let poison = Poison {
+                reason: r.reason,
+                error: r.error.clone(),
+                lsn,
+                intended_topic: Some(r.topic.clone()),
+                omit_payload: r.omit_payload,
+            };
+            return s.poison_row(txn, row, pos, poison);
+        }
+        let record = match build_record(
+            row,
+            &self.validated.topic,
+            &self.validated.value,
+            s.open_commit_ms,
+        ) {
+            Ok(r) => r,
+            Err(e) => {
+                let poison = Poison {
+                    reason: e.reason(),
+                    error: e.to_string(),
+                    lsn,
+                    intended_topic: None,
+                    omit_payload: false,
+                };
+                return s.poison_row(txn, row, pos, poison);
+            }
+        };
+        self.ensure_topic(stream, s.beat(), &record.topic).await??;
+        let span = self
+            .otel
+            .as_ref()
+            .and_then(|t| t.pending(&record, s.open_commit_ms));
+        match self
+            .send(stream, s, txn, lsn, pos, &record, Sent::Event, true, span)
+            .await
+        {
+            // Refused before it was sent (librdkafka's own checks, such as
+            // message.max.bytes): this record alone is the cause.
+            Err(RelayError::Kafka(KafkaSinkError::Produce { source, topic })) => match Refusal::of(&source) {
+                Refusal::Record { reason, omit_payload } => {
+                    let poison = Poison {
+                        reason,
+                        error: source.to_string(),
+                        lsn,
+                        intended_topic: Some(topic),
+                        omit_payload,
+                    };
+                    s.poison_row(txn, row, pos, poison)
+                }
+                Refusal::Denied => Err(RelayError::KafkaDenied { topic, source }),
+                Refusal::Transient => Err(KafkaSinkError::Produce { source, topic }.into()),
+            },
+            other => other,
+        }
+    }
+
+    /// Makes sure `topic` exists and is served, keeping the session alive
+    /// while that waits (creation, the readiness check).
+    pub(super) async fn ensure_topic(
+        &mut self,
+        stream: &mut OutboxStream,
+        (received, flushed, every): (Lsn, Lsn, Duration),
+        topic: &str,
+    ) -> Result<Result<(), KafkaSinkError>, PgError> {
+        stream
+            .keep_alive_while(received, flushed, every, self.sink.ensure_topic(topic))
+            .await
+    }
+
+    /// Enqueues one record, waiting for acknowledgements while the queue
+    /// is full; `count` says whether the tracker gains an event for it,
+    /// and `span` is recorded when Kafka answers (see [`crate::ops::otel`]).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) async fn send(
+        &mut self,
+        stream: &mut OutboxStream,
+        s: &mut Session,
+        txn: TxnId,
+        lsn: Lsn,
+        pos: RowPos,
+        record: &KafkaRecord,
+        sent: Sent,
+        count: bool,
+        mut span: Option<Box<PendingSpan>>,
+    ) -> Result<(), RelayError> {
+        loop {
+            // No record goes to Kafka without a fresh leader lease.
+            if !self.election.still_held() {
+                return Err(RelayError::LeadershipLost);
+            }
+            match self.sink.send(record)? {
+                SendOutcome::Sent(fut) => {
+                    if count {
+                        s.tracker.sent(txn);
+                        s.durability.sent(txn, record.size());
+                    }
+                    let span = span.take();
+                    s.deliveries.push(Box::pin(async move {
+                        let result = fut.await;
+                        if let Some(span) = span {
+                            span.finish(match &result {
+                                Ok(Ok(d)) => Ok((d.partition, d.offset)),
+                                Ok(Err((e, _))) => Err(e.to_string()),
+                                Err(_) => Err("the delivery was canceled".to_owned()),
+                            });
+                        }
+                        (txn, lsn, pos, sent, result)
+                    }));
+                    return Ok(());
+                }
+                SendOutcome::QueueFull => match stream
+                    .keep_alive_while(s.received, s.reported_flush, s.status_every, s.deliveries.next())
+                    .await?
+                {
+                    Some(done) => s.delivered(&self.metrics, done)?,
+                    None => tokio::time::sleep(Duration::from_millis(1)).await,
+                },
+            }
+        }
+    }
+
+    /// Sends the dead letters queued by the last step. A transient failure
+    /// ends the session like any other (the replay sets the row aside
+    /// again); any other failure stops outboxd: a poison row is never dropped.
+    pub(super) async fn flush_dead_letters(
+        &mut self,
+        stream: &mut OutboxStream,
+        s: &mut Session,
+    ) -> Result<(), RelayError> {
+        let definite = |e: RelayError| match e {
+            RelayError::Kafka(k) if !k.is_transient() => RelayError::DeadLetterFailed(k.to_string()),
+            other => other,
+        };
+        while let Some(mut job) = s.dead_letters.pop_front() {
+            // Kafka refused this dead letter in an aborted transaction.
+            if let Some(r) = self.refused.get(job.pos).filter(|r| r.stub && !job.stub) {
+                job.record = dead_letter_stub(&job.record, &r.error);
+                job.stub = true;
+            }
+            self.ensure_topic(stream, s.beat(), &job.record.topic)
+                .await?
+                .map_err(|e| definite(e.into()))?;
+            let sent = Sent::DeadLetter {
+                reason: job.reason,
+                stub: job.stub,
+            };
+            match self
+                .send(
+                    stream,
+                    s,
+                    job.txn,
+                    job.lsn,
+                    job.pos,
+                    &job.record,
+                    sent,
+                    !job.counted,
+                    None,
+                )
+                .await
+            {
+                // librdkafka refused it before sending (message.max.bytes):
+                // its stub goes instead.
+                Err(RelayError::Kafka(KafkaSinkError::Produce { source, .. }))
+                    if !job.stub && matches!(Refusal::of(&source), Refusal::Record { .. }) =>
+                {
+                    tracing::warn!(lsn = %job.lsn, error = %source, "Kafka refused a dead letter; sending its stub (id, reason, sizes) instead");
+                    s.dead_letters.push_front(DeadLetterJob {
+                        record: dead_letter_stub(&job.record, &source.to_string()),
+                        stub: true,
+                        ..job
+                    });
+                }
+                other => other.map_err(definite)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Publishes the session's progress to the metrics and the health
+    /// state: once per status tick, never per event.
+    pub(super) fn report(&self, stream: &OutboxStream, s: &mut Session) {
+        let gauge = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        let m = &self.metrics;
+        m.events_published.inc_by(std::mem::take(&mut s.acked));
+        m.transactions.inc_by(std::mem::take(&mut s.retired));
+        m.skipped_transactions.inc_by(std::mem::take(&mut s.skipped));
+        let flushed = s.confirmable();
+        // The server's WAL end: the stream reports the decoded position,
+        // the poller pg_current_wal_lsn(); the WAL end only grows.
+        let wal_end = stream
+            .server_wal_end()
+            .max(s.received)
+            .max(Lsn(self.health.server_wal_end()));
+        let lag = wal_end.bytes_since(flushed);
+        let inflight = s.tracker.inflight() as u64;
+        m.received_lsn.set(gauge(s.received.0));
+        m.confirmed_lsn.set(gauge(flushed.0));
+        m.replication_lag_bytes.set(gauge(lag));
+        m.inflight_events.set(gauge(inflight));
+        if let Some(at) = s.last_ack {
+            let unix = SystemTime::now()
+                .checked_sub(at.elapsed())
+                .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+                .map_or(0.0, |d| d.as_secs_f64());
+            m.last_ack_timestamp_seconds.set(unix);
+            self.health.acked_at(at);
+        }
+        let oldest = s
+            .tracker
+            .oldest_opened_at()
+            .filter(|_| inflight > 0)
+            .and_then(|opened| {
+                let age = u64::try_from(now_micros().saturating_sub(opened)).unwrap_or(0);
+                std::time::Instant::now().checked_sub(Duration::from_micros(age))
+            });
+        self.health.set_inflight(inflight, oldest);
+        self.health.status_sent(s.received.0, flushed.0, lag);
+        if let Some(register) = &mut s.register {
+            // The last retired commit lies at or before `flushed` only when
+            // nothing (the guard) holds the confirmed position back.
+            let last_commit = s.tracker.last_commit().filter(|_| flushed == s.tracker.flushed());
+            register.tick(flushed, last_commit);
+        }
+        m.ready.set(i64::from(self.health.not_ready_reasons().is_empty()));
+    }
+
+    /// After shutdown was asked for: wait (bounded) for acknowledgements,
+    /// then confirm what they cover.
+    pub(super) async fn drain(&mut self, stream: &mut OutboxStream, s: &mut Session) {
+        let deadline = Instant::now() + self.config.shutdown.drain_timeout.0;
+        self.finish_kafka_transaction(stream, s, deadline).await;
+        while !s.deliveries.is_empty() || !s.dead_letters.is_empty() {
+            if let Err(e) = self.flush_dead_letters(stream, s).await {
+                tracing::error!(error = %e, "dead letter failed during shutdown; the row will be handled again after restart");
+                break;
+            }
+            let (received, flushed, every) = s.beat();
+            let next = stream.keep_alive_while(received, flushed, every, async {
+                tokio::time::timeout_at(deadline, s.deliveries.next()).await
+            });
+            let next = match next.await {
+                Ok(next) => next,
+                Err(e) => {
+                    tracing::warn!(error = %e, "the replication connection failed during shutdown; unacknowledged events will be re-sent after restart");
+                    break;
+                }
+            };
+            match next {
+                Ok(Some(done)) => {
+                    if let Err(e) = s.delivered(&self.metrics, done) {
+                        tracing::error!(error = %e, "delivery failed during shutdown; the event will be re-sent after restart");
+                        break;
+                    }
+                }
+                Ok(None) => {}
+                Err(_) => {
+                    tracing::warn!(
+                        unacknowledged = s.tracker.inflight(),
+                        "drain timeout: these events will be re-sent after restart"
+                    );
+                    break;
+                }
+            }
+        }
+        // The guard proves WAL one round behind: give it the moment it
+        // needs to cover what was acknowledged, so a clean stop replays
+        // nothing.
+        let proof_deadline = deadline.min(Instant::now() + 4 * publication::GUARD_INTERVAL);
+        while s.confirmable() < s.tracker.flushed() && matches!(*s.guard.borrow(), GuardState::Verified(_)) {
+            // Stop waiting at the deadline, or when the guard has ended.
+            if !matches!(
+                tokio::time::timeout_at(proof_deadline, s.guard.changed()).await,
+                Ok(Ok(()))
+            ) {
+                break;
+            }
+        }
+        if let Err(e) = s.send_status(stream, false).await {
+            tracing::warn!(error = %e, "could not send the final status update");
+        }
+        self.report(stream, s);
+        let confirmed = s.confirmable();
+        let last_commit = s
+            .tracker
+            .last_commit()
+            .filter(|_| confirmed == s.tracker.flushed());
+        if let Some(register) = &mut s.register {
+            let end = deadline.max(Instant::now() + self.config.kafka.admin_timeout.0);
+            register.final_write(confirmed, last_commit, end).await;
+        }
+        tracing::info!(confirmed = %s.confirmable(), "stopped streaming");
+    }
+}
