@@ -20,7 +20,7 @@
 //!   replay, retention, progress.
 //! * [`config`]: the configuration file, one module per section: types and
 //!   validation only.
-//! * [`lsn`], [`metrics`]: the ground floor.
+//! * [`lsn`], [`metrics`], [`shell`]: the ground floor.
 //!
 //! An event travels: [`postgres::connection`] streams WAL from a logical
 //! slot, [`postgres::pgoutput`] decodes it, [`source::stream`] reduces it to
@@ -36,6 +36,7 @@ pub mod metrics;
 pub mod ops;
 pub mod postgres;
 pub mod relay;
+pub mod shell;
 pub mod source;
 
 pub use lsn::Lsn;

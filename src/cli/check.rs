@@ -174,9 +174,12 @@ async fn resumption_problem(
         ));
     }
     let version = crate::postgres::publication::server_version(&client).await.ok()?;
-    let verified = crate::postgres::publication::inspect(&client, &config.publication_subject(v, version))
-        .await
-        .ok()?;
+    let verified = crate::postgres::publication::inspect(
+        &client,
+        &crate::postgres::publication::Subject::new(config, v, version),
+    )
+    .await
+    .ok()?;
     match publication_proof(&verified, info.catalog_xmin, record) {
         PublicationProof::Unproven { .. } if config.kafka.keeps_slot_register() && record.is_some() => Some(format!(
             "the publication may have changed since the slot's position {} (its catalog rows are newer than the slot's catalog_xmin, and the slot register holds another fingerprint or none): `run` refuses to stream. Re-publish the window with `{}`, then run `outboxd progress --accept-publication`",
@@ -371,7 +374,7 @@ async fn postgres_checks(config: &Config, v: &Validated) -> Vec<CheckLine> {
     let version = crate::postgres::publication::server_version(&client)
         .await
         .unwrap_or(0);
-    let subject = config.publication_subject(v, version);
+    let subject = crate::postgres::publication::Subject::new(config, v, version);
     out.push(
         match crate::postgres::publication::inspect(&client, &subject).await {
             Ok(_) => line(

@@ -38,7 +38,11 @@ pub async fn accept_publication(
     }
     let client = admin::connect(&v.pg).await?;
     let version = publication::server_version(&client).await?;
-    let verified = publication::inspect(&client, &config.publication_subject(v, version)).await?;
+    let verified = publication::inspect(
+        &client,
+        &crate::postgres::publication::Subject::new(config, v, version),
+    )
+    .await?;
     let slot = admin::slot_info(&client, &v.slot)
         .await?
         .ok_or_else(|| CommandError::NoSlot(v.slot.as_str().to_owned()))?;

@@ -28,6 +28,16 @@ use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
 
+/// How long a server may stay silent at the TCP level before the socket
+/// probes it, and how long unacknowledged data may wait: a primary whose
+/// host died is noticed in about 20 s, not after minutes of
+/// retransmissions. (A server that is alive but busy still answers the
+/// probes, so this never ends a session that decodes a large transaction.)
+pub const TCP_KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
+pub const TCP_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(3);
+pub const TCP_KEEPALIVE_RETRIES: u32 = 3;
+pub const TCP_USER_TIMEOUT: Duration = Duration::from_secs(20);
+
 /// Where the server listens.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum PgHost {
@@ -413,9 +423,9 @@ impl PgConnectConfig {
             .connect_timeout(self.connect_timeout)
             // As on the replication socket: a vanished host is noticed.
             .keepalives(true)
-            .keepalives_idle(crate::postgres::connection::TCP_KEEPALIVE_IDLE)
-            .keepalives_interval(std::time::Duration::from_secs(3))
-            .keepalives_retries(3)
+            .keepalives_idle(TCP_KEEPALIVE_IDLE)
+            .keepalives_interval(TCP_KEEPALIVE_INTERVAL)
+            .keepalives_retries(TCP_KEEPALIVE_RETRIES)
             .target_session_attrs(match self.target_session_attrs {
                 TargetSessionAttrs::Any => tokio_postgres::config::TargetSessionAttrs::Any,
                 TargetSessionAttrs::ReadWrite => tokio_postgres::config::TargetSessionAttrs::ReadWrite,

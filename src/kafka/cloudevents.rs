@@ -24,6 +24,8 @@
 //! …) stay; a row header that would collide with a CloudEvents header is
 //! left out, so a row cannot forge an attribute.
 
+use crate::config::routing::SourcePart;
+pub use crate::config::routing::{SourceTemplate, DEFAULT_SOURCE};
 use crate::source::outbox::OutboxRow;
 
 /// The CloudEvents version written.
@@ -40,72 +42,7 @@ pub const HEADER_PREFIX: &str = "ce_";
 /// Row headers passed on as the distributed tracing extension.
 const TRACING: [&str; 2] = ["traceparent", "tracestate"];
 
-/// The default `routing.cloudevents_source`.
-pub const DEFAULT_SOURCE: &str = "/outbox/{aggregate_type}";
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-enum Part {
-    Literal(String),
-    AggregateType,
-    AggregateId,
-    EventType,
-}
-
-/// A parsed `routing.cloudevents_source`: a URI-reference with
-/// `{aggregate_type}`, `{aggregate_id}` and `{type}`, whose values are
-/// percent-encoded into it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct SourceTemplate {
-    parts: Vec<Part>,
-}
-
 impl SourceTemplate {
-    pub fn parse(template: &str) -> Result<Self, String> {
-        let mut parts = Vec::new();
-        let mut rest = template;
-        while let Some(open) = rest.find('{') {
-            if open > 0 {
-                parts.push(Part::Literal(rest[..open].to_owned()));
-            }
-            let close = rest[open..]
-                .find('}')
-                .ok_or_else(|| format!("unclosed {{ in {template:?}"))?;
-            parts.push(match &rest[open + 1..open + close] {
-                "aggregate_type" => Part::AggregateType,
-                "aggregate_id" => Part::AggregateId,
-                "type" => Part::EventType,
-                other => {
-                    return Err(format!(
-                    "unknown placeholder {{{other}}}: use {{aggregate_type}}, {{aggregate_id}} or {{type}}"
-                ))
-                }
-            });
-            rest = &rest[open + close + 1..];
-        }
-        if !rest.is_empty() {
-            parts.push(Part::Literal(rest.to_owned()));
-        }
-        let literal: String = parts
-            .iter()
-            .filter_map(|p| match p {
-                Part::Literal(l) => Some(l.as_str()),
-                _ => None,
-            })
-            .collect();
-        if parts.is_empty() {
-            return Err("must not be empty: CloudEvents requires a source".into());
-        }
-        if let Some(c) = literal
-            .chars()
-            .find(|c| c.is_whitespace() || c.is_control() || !c.is_ascii() || "\"<>\\^`{|}".contains(*c))
-        {
-            return Err(format!(
-                "{c:?} cannot stand in a URI-reference; percent-encode it"
-            ));
-        }
-        Ok(SourceTemplate { parts })
-    }
-
     /// The source of `row`; `None` when it renders empty.
     pub fn render(&self, row: &OutboxRow) -> Option<String> {
         use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
@@ -118,13 +55,13 @@ impl SourceTemplate {
         let mut out = String::new();
         for p in &self.parts {
             let value = match p {
-                Part::Literal(l) => {
+                SourcePart::Literal(l) => {
                     out.push_str(l);
                     continue;
                 }
-                Part::AggregateType => &row.aggregate_type,
-                Part::AggregateId => &row.aggregate_id,
-                Part::EventType => &row.event_type,
+                SourcePart::AggregateType => &row.aggregate_type,
+                SourcePart::AggregateId => &row.aggregate_id,
+                SourcePart::EventType => &row.event_type,
             };
             out.extend(utf8_percent_encode(value, ENCODE));
         }

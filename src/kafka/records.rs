@@ -20,12 +20,11 @@
 
 use chrono::SecondsFormat;
 
+use crate::config::routing::TopicPart;
+pub use crate::config::routing::{topic_name_problem, RecordValue, TopicTemplate};
 use crate::config::ValueFormat;
-use crate::kafka::cloudevents::{self, SourceTemplate};
+use crate::kafka::cloudevents;
 use crate::source::outbox::{CreatedAt, OutboxRow, UnreadableRow};
-
-/// Kafka's limit on topic name length.
-const MAX_TOPIC_LEN: usize = 249;
 
 /// Header names outboxd sets on every record.
 pub mod header {
@@ -37,89 +36,7 @@ pub mod header {
     pub const REPLAYED: &str = "replayed";
 }
 
-#[derive(Clone, Debug, PartialEq, Eq)]
-enum Part {
-    Literal(String),
-    AggregateType,
-    EventType,
-}
-
-/// A parsed `routing.topic` template.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct TopicTemplate {
-    parts: Vec<Part>,
-    lowercase_aggregate_type: bool,
-    /// `routing.allowed_aggregate_types`: exact names, or prefixes ending
-    /// in `*`. `None` allows any aggregate type.
-    allowed: Option<Vec<String>>,
-}
-
-fn topic_char(c: char) -> bool {
-    c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')
-}
-
 impl TopicTemplate {
-    /// Parses a template such as `{aggregate_type}.events`.
-    pub fn parse(template: &str, lowercase_aggregate_type: bool) -> Result<Self, String> {
-        let mut parts = Vec::new();
-        let mut rest = template;
-        while !rest.is_empty() {
-            match rest.find('{') {
-                Some(0) => {
-                    let end = rest
-                        .find('}')
-                        .ok_or_else(|| format!("unclosed {{ in {template:?}"))?;
-                    parts.push(match &rest[1..end] {
-                        "aggregate_type" => Part::AggregateType,
-                        "type" => Part::EventType,
-                        other => {
-                            return Err(format!(
-                                "unknown placeholder {{{other}}} in {template:?}; use {{aggregate_type}} or {{type}}"
-                            ))
-                        }
-                    });
-                    rest = &rest[end + 1..];
-                }
-                found => {
-                    let end = found.unwrap_or(rest.len());
-                    let lit = &rest[..end];
-                    if let Some(bad) = lit.chars().find(|&c| !topic_char(c)) {
-                        return Err(format!(
-                            "{bad:?} cannot appear in a topic name; use letters, digits, '.', '_' and '-'"
-                        ));
-                    }
-                    parts.push(Part::Literal(lit.to_owned()));
-                    rest = &rest[end..];
-                }
-            }
-        }
-        if parts.is_empty() {
-            return Err("the topic template is empty".into());
-        }
-        Ok(TopicTemplate {
-            parts,
-            allowed: None,
-            lowercase_aggregate_type,
-        })
-    }
-
-    /// The topic for a row; checked against Kafka's naming rules.
-    /// Only these aggregate types may become topics: exact names, or
-    /// prefixes ending in `*` (`Order*`).
-    pub fn allowing(mut self, allowed: Vec<String>) -> Self {
-        self.allowed = Some(allowed);
-        self
-    }
-
-    fn allows(&self, aggregate_type: &str) -> bool {
-        self.allowed.as_ref().is_none_or(|list| {
-            list.iter().any(|a| match a.strip_suffix('*') {
-                Some(prefix) => aggregate_type.starts_with(prefix),
-                None => a == aggregate_type,
-            })
-        })
-    }
-
     pub fn render(&self, aggregate_type: &str, event_type: &str) -> Result<String, RecordError> {
         if !self.allows(aggregate_type) {
             return Err(RecordError::AggregateTypeNotAllowed(aggregate_type.to_owned()));
@@ -127,12 +44,12 @@ impl TopicTemplate {
         let mut topic = String::with_capacity(32);
         for p in &self.parts {
             match p {
-                Part::Literal(l) => topic.push_str(l),
-                Part::AggregateType if self.lowercase_aggregate_type => {
+                TopicPart::Literal(l) => topic.push_str(l),
+                TopicPart::AggregateType if self.lowercase_aggregate_type => {
                     topic.extend(aggregate_type.chars().flat_map(char::to_lowercase))
                 }
-                Part::AggregateType => topic.push_str(aggregate_type),
-                Part::EventType => topic.push_str(event_type),
+                TopicPart::AggregateType => topic.push_str(aggregate_type),
+                TopicPart::EventType => topic.push_str(event_type),
             }
         }
         validate_topic(&topic)?;
@@ -142,18 +59,7 @@ impl TopicTemplate {
 
 /// Kafka's rules for topic names.
 pub fn validate_topic(topic: &str) -> Result<(), RecordError> {
-    let reason = if topic.is_empty() {
-        Some("it is empty")
-    } else if topic.len() > MAX_TOPIC_LEN {
-        Some("it is longer than 249 characters")
-    } else if topic == "." || topic == ".." {
-        Some("\".\" and \"..\" are reserved")
-    } else if !topic.chars().all(topic_char) {
-        Some("only letters, digits, '.', '_' and '-' are allowed")
-    } else {
-        None
-    };
-    match reason {
+    match topic_name_problem(topic) {
         Some(reason) => Err(RecordError::IllegalTopic {
             topic: topic.to_owned(),
             reason,
@@ -245,29 +151,6 @@ pub fn kafka_timestamp(created_at: &CreatedAt, commit_ms: i64) -> i64 {
             }
         }
         CreatedAt::Unrepresentable(_) => commit_ms,
-    }
-}
-
-/// How record values are built: `routing.value`, and for CloudEvents the
-/// `source` template.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RecordValue {
-    pub format: ValueFormat,
-    pub source: SourceTemplate,
-}
-
-impl RecordValue {
-    pub fn new(format: ValueFormat, source: SourceTemplate) -> Self {
-        RecordValue { format, source }
-    }
-
-    /// `format`, with the default CloudEvents source.
-    pub fn of(format: ValueFormat) -> Self {
-        let source = SourceTemplate::parse(crate::kafka::cloudevents::DEFAULT_SOURCE);
-        RecordValue {
-            format,
-            source: source.unwrap_or_else(|e| unreachable!("the default source parses: {e}")),
-        }
     }
 }
 
@@ -940,18 +823,7 @@ mod tests {
         for e in errors {
             assert!(DEAD_LETTER_REASONS.contains(&e.reason()), "{}", e.reason());
         }
-        for code in [
-            rdkafka::types::RDKafkaErrorCode::MessageSizeTooLarge,
-            rdkafka::types::RDKafkaErrorCode::InvalidTimestamp,
-            rdkafka::types::RDKafkaErrorCode::InvalidRecord,
-        ] {
-            let e = rdkafka::error::KafkaError::MessageProduction(code);
-            let crate::kafka::sink::Refusal::Record { reason, .. } = crate::kafka::sink::Refusal::of(&e)
-            else {
-                panic!("{code:?} is a record refusal");
-            };
-            assert!(DEAD_LETTER_REASONS.contains(&reason), "{reason}");
-        }
+        // (Kafka's refusals of a record: kafka::sink's tests.)
         assert!(DEAD_LETTER_REASONS.contains(&"unreadable"));
     }
 

@@ -827,6 +827,48 @@ impl KafkaSink {
 mod tests {
     use super::*;
 
+    #[test]
+    fn every_record_refusal_is_a_known_metric_label() {
+        for code in [
+            RDKafkaErrorCode::MessageSizeTooLarge,
+            RDKafkaErrorCode::InvalidTimestamp,
+            RDKafkaErrorCode::InvalidRecord,
+        ] {
+            let e = KafkaError::MessageProduction(code);
+            let Refusal::Record { reason, .. } = Refusal::of(&e) else {
+                panic!("{code:?} is a record refusal");
+            };
+            assert!(crate::metrics::DEAD_LETTER_REASONS.contains(&reason), "{reason}");
+        }
+    }
+
+    /// A secret given to a librdkafka property that rejects it never
+    /// shows in the error; the error names the property.
+    #[test]
+    fn no_librdkafka_error_echoes_a_secret() {
+        for secret in [
+            "pa\"ss",
+            "back\\slash",
+            "new\nline",
+            "p@ss/w?rd#1",
+            "%zz%",
+            "${NESTED}",
+        ] {
+            let env = |k: &str| (k == "KAFKA_PASSWORD").then(|| secret.to_owned());
+            for key in ["sasl.password", "message.max.bytes", "sasl.mechanisms"] {
+                let text = format!(
+                    "[postgres]\nurl = \"postgres://u@h/db\"\n[kafka]\nbrokers = \"k:9092\"\n[kafka.options]\n\"{key}\" = \"${{KAFKA_PASSWORD}}\"\n"
+                );
+                let (c, _) = crate::config::Config::from_toml(&text, env).unwrap();
+                if let Err(err) = KafkaSink::new(&c.kafka, Duration::from_secs(1)) {
+                    let err = err.to_string();
+                    assert!(!err.contains(secret), "{key}={secret:?} in {err}");
+                    assert!(err.contains(key), "{key}: {err}");
+                }
+            }
+        }
+    }
+
     fn kafka(options: &[(&str, &str)]) -> KafkaConfig {
         let mut text = String::from("brokers = \"127.0.0.1:9092\"\n[options]\n");
         for (k, v) in options {

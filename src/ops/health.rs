@@ -19,16 +19,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-/// Limits that decide readiness and liveness.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Thresholds {
-    pub liveness_timeout: Duration,
-    pub status_max_age: Duration,
-    pub ack_max_age: Duration,
-    pub max_lag_bytes: Option<u64>,
-    pub max_retained_wal_bytes: Option<u64>,
-    pub require_failover_protection: bool,
-}
+pub use crate::config::Thresholds;
 
 /// The relay's state as the probes see it.
 #[derive(Debug)]

@@ -26,6 +26,8 @@
 
 use std::time::{Duration, SystemTime};
 
+pub use crate::config::OtelConfig;
+use crate::kafka::records::{header, KafkaRecord};
 use opentelemetry::trace::{
     Span, SpanContext, SpanId, SpanKind, Status, TraceContextExt, TraceFlags, TraceId, TraceState, Tracer,
     TracerProvider,
@@ -34,59 +36,9 @@ use opentelemetry::{Context, KeyValue};
 use opentelemetry_otlp::{WithExportConfig, WithHttpConfig};
 use opentelemetry_sdk::trace::{Sampler, SdkTracer, SdkTracerProvider};
 use opentelemetry_sdk::Resource;
-use serde::Deserialize;
-
-use crate::config::{HumanDuration, Secret};
-use crate::kafka::records::{header, KafkaRecord};
 
 /// The span's name.
 pub const SPAN_NAME: &str = "outboxd.publish";
-
-/// `[opentelemetry]`
-#[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct OtelConfig {
-    /// Emit and export spans. Off by default.
-    #[serde(default)]
-    pub enabled: bool,
-    /// The OTLP/HTTP traces endpoint.
-    #[serde(default = "default_endpoint")]
-    pub endpoint: String,
-    /// `service.name` of the spans.
-    #[serde(default = "default_service_name")]
-    pub service_name: String,
-    /// Extra HTTP headers for the collector (for example an API key,
-    /// `"${OTLP_TOKEN}"`); their values never show in `Debug` output.
-    #[serde(default)]
-    pub headers: std::collections::HashMap<String, Secret>,
-    /// How long one export may take.
-    #[serde(default = "default_timeout")]
-    pub timeout: HumanDuration,
-}
-
-impl Default for OtelConfig {
-    fn default() -> Self {
-        OtelConfig {
-            enabled: false,
-            endpoint: default_endpoint(),
-            service_name: default_service_name(),
-            headers: Default::default(),
-            timeout: default_timeout(),
-        }
-    }
-}
-
-fn default_endpoint() -> String {
-    "http://127.0.0.1:4318/v1/traces".into()
-}
-
-fn default_service_name() -> String {
-    "outboxd".into()
-}
-
-fn default_timeout() -> HumanDuration {
-    HumanDuration(Duration::from_secs(10))
-}
 
 /// The exporter cannot be set up.
 #[derive(Debug, thiserror::Error)]
@@ -94,27 +46,6 @@ fn default_timeout() -> HumanDuration {
 pub struct OtelError {
     endpoint: String,
     reason: String,
-}
-
-impl OtelConfig {
-    /// Checks what can be checked without a collector.
-    pub fn validate(&self) -> Result<(), String> {
-        if !self.enabled {
-            return Ok(());
-        }
-        let url =
-            url::Url::parse(&self.endpoint).map_err(|e| format!("{:?} is not a URL: {e}", self.endpoint))?;
-        if url.scheme() != "http" {
-            return Err(format!(
-                "{:?}: only http:// is supported; send to a local OpenTelemetry Collector, which forwards over TLS",
-                self.endpoint
-            ));
-        }
-        if self.service_name.is_empty() {
-            return Err("service_name must not be empty".into());
-        }
-        Ok(())
-    }
 }
 
 /// Makes `outboxd.publish` spans and owns their exporter.
@@ -301,6 +232,7 @@ impl opentelemetry_http::HttpClient for UreqClient {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::Secret;
 
     #[test]
     fn only_valid_trace_context_is_a_parent() {

@@ -127,15 +127,9 @@ fn server_error(body: &ErrorResponseBody) -> ServerError {
     e
 }
 
-/// How long a server may stay silent at the TCP level before the socket
-/// probes it, and how long unacknowledged data may wait: a primary whose
-/// host died is noticed in about 20 s, not after minutes of
-/// retransmissions. (A server that is alive but busy still answers the
-/// probes, so this never ends a session that decodes a large transaction.)
-pub const TCP_KEEPALIVE_IDLE: std::time::Duration = std::time::Duration::from_secs(10);
-const TCP_KEEPALIVE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(3);
-const TCP_KEEPALIVE_RETRIES: u32 = 3;
-const TCP_USER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(20);
+use crate::config::conninfo::{
+    TCP_KEEPALIVE_IDLE, TCP_KEEPALIVE_INTERVAL, TCP_KEEPALIVE_RETRIES, TCP_USER_TIMEOUT,
+};
 
 fn keep_alive(s: &TcpStream) -> std::io::Result<()> {
     let sock = socket2::SockRef::from(s);

@@ -113,3 +113,76 @@ impl PgError {
         }
     }
 }
+
+/// Setting up the publication or slot failed.
+#[derive(Debug, thiserror::Error)]
+pub enum AdminError {
+    #[error("cannot connect to PostgreSQL at {target}: {}", outbox_sdk::error::describe(.source))]
+    Connect {
+        target: String,
+        source: tokio_postgres::Error,
+    },
+    #[error(transparent)]
+    Tls(#[from] TlsConfigError),
+    #[error("PostgreSQL query failed: {}", outbox_sdk::error::describe(.0))]
+    Query(#[from] tokio_postgres::Error),
+    #[error(transparent)]
+    Replication(#[from] PgError),
+    #[error(
+        "outbox table {table} does not exist: run `outboxd migrate` or apply migrations/0001_outbox.sql"
+    )]
+    NoTable { table: String },
+    #[error("publication {publication} exists but does not include {table}; run: ALTER PUBLICATION {publication_sql} ADD TABLE {table_sql};")]
+    TableNotPublished {
+        publication: String,
+        table: String,
+        publication_sql: String,
+        table_sql: String,
+    },
+    #[error("publication {publication} does not publish INSERTs; run: ALTER PUBLICATION {publication_sql} SET (publish = '{publish}');")]
+    InsertsNotPublished {
+        publication: String,
+        publication_sql: String,
+        /// What it publishes now, with `insert` added.
+        publish: String,
+    },
+    #[error("publication {publication} does not exist and postgres.create_publication is false; run: CREATE PUBLICATION {publication_sql} FOR TABLE {table_sql} WITH (publish = 'insert', publish_via_partition_root = true);")]
+    NoPublication {
+        publication: String,
+        publication_sql: String,
+        table_sql: String,
+    },
+    #[error("publication {publication} has {what}; outbox rows would be lost. Run: {fix}")]
+    PublicationFilters {
+        publication: String,
+        what: String,
+        fix: String,
+    },
+    #[error("outbox table {table} was renamed or replaced (it is now {now:?}); rename it back, or set postgres.table to the table the application writes and restart")]
+    TableReplaced { table: String, now: String },
+    #[error("outbox table {table} has no column {column:?}: it must follow migrations/0001_outbox.sql")]
+    NoColumn { table: String, column: &'static str },
+    #[error("replication slot {slot} exists but {problem}; drop it with SELECT pg_drop_replication_slot('{slot}') or configure another slot name")]
+    ForeignSlot { slot: String, problem: String },
+    #[error("outbox table {table} is partitioned, and publication {publication} does not publish via the partition root: pgoutput would describe each row as its partition, and outboxd would never see it as an outbox row. Run: {fix}")]
+    PartitionsNotViaRoot {
+        publication: String,
+        table: String,
+        fix: String,
+    },
+    #[error("publication {publication} describes the rows of {table} as another table's (an ancestor partitioned table published with publish_via_partition_root{}), so outboxd would never see them as outbox rows: set postgres.table to the table the publication names, or publish {table} itself", if *.partition { "" } else { ", or a table it inherits from" })]
+    PublishedAsAncestor {
+        publication: String,
+        table: String,
+        partition: bool,
+    },
+    #[error("this database is set up for the table-less outbox ({functions}), but {because}: every event written with outbox_emit would be lost. Set postgres.messages = true (on PostgreSQL 14 or later), or drop the function if nothing uses it. Changing postgres.messages or postgres.message_prefix applies to the WAL the slot has not yet confirmed: stop the writers of outbox_emit and wait for outboxd to confirm past their last event before turning messages off")]
+    EmitNotReceived {
+        functions: String,
+        because: &'static str,
+    },
+    #[error("{function} writes logical decoding messages with another prefix than postgres.message_prefix = {prefix:?}: its events would be skipped as someone else's. Set postgres.message_prefix to the prefix it writes (the shipped outbox_emit writes \"outbox\")")]
+    EmitPrefix { function: String, prefix: String },
+    #[error("any role may call pg_logical_emit_message (PUBLIC has EXECUTE on it), so any role that can connect could write an outbox event for outboxd to publish. As a superuser, run: {revoke} and grant EXECUTE on it only to the owner of outbox_emit (migration 0008 does both when a superuser applies it). Where no role may change it (a managed service), and nothing uses the table-less outbox: DROP FUNCTION outbox_emit and set postgres.messages = false")]
+    EmitOpen { revoke: String },
+}

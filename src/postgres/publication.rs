@@ -43,7 +43,7 @@ use tokio_postgres::Client;
 
 use crate::config::ident::{PublicationName, TableName};
 use crate::lsn::Lsn;
-use crate::postgres::admin::AdminError;
+use crate::postgres::error::AdminError;
 
 pub use outbox_sdk::schema::column;
 
@@ -89,16 +89,7 @@ pub struct Verified {
     pub message_prefix: Option<String>,
 }
 
-/// `postgres.messages`: whether the session asks pgoutput for logical
-/// decoding messages (the table-less outbox).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum Messages {
-    /// When the database is set up to emit them (`outbox_emit` exists).
-    #[default]
-    Auto,
-    On,
-    Off,
-}
+pub use crate::config::postgres::Messages;
 
 /// What the session reads besides rows.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -114,7 +105,7 @@ impl Default for Receiving {
     fn default() -> Self {
         Receiving {
             messages: Messages::Auto,
-            prefix: crate::source::emitted::DEFAULT_PREFIX.to_owned(),
+            prefix: crate::config::postgres::DEFAULT_MESSAGE_PREFIX.to_owned(),
             server_sends: true,
         }
     }
@@ -320,6 +311,22 @@ pub struct Subject {
     pub publication: PublicationName,
     pub table: TableName,
     pub receiving: Receiving,
+}
+
+impl Subject {
+    /// What a session proves for `config` on a server of `server_version`
+    /// (`server_version_num`).
+    pub fn new(config: &crate::config::Config, v: &crate::config::Validated, server_version: i32) -> Self {
+        Subject {
+            publication: v.publication.clone(),
+            table: v.table.clone(),
+            receiving: Receiving {
+                messages: config.postgres.messages,
+                prefix: config.postgres.message_prefix.clone(),
+                server_sends: server_version >= 140_000,
+            },
+        }
+    }
 }
 
 /// One consistent reading (a single statement, so a single snapshot).

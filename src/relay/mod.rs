@@ -342,7 +342,7 @@ async fn prove(
 ) -> Result<Proven, AdminError> {
     let server_timeout = admin::wal_sender_timeout(client).await?;
     let server_version = publication::server_version(client).await?;
-    let subject = config.publication_subject(v, server_version);
+    let subject = crate::postgres::publication::Subject::new(config, v, server_version);
     let verified = if config.postgres.create_publication {
         admin::ensure_publication(client, &subject).await?
     } else {

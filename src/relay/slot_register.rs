@@ -163,7 +163,7 @@ const COMMIT_ORDER_MARGIN: chrono::Duration = chrono::Duration::seconds(1);
 /// The `outboxd replay` command that re-publishes what a lost slot did not
 /// deliver: every row committed after the record's confirmed LSN.
 pub fn replay_command(config: Option<&std::path::Path>, record: Option<&SlotRecord>) -> String {
-    use crate::cli::replay::shell_word;
+    use crate::shell::shell_word;
     let config = config.map_or("<config file>".to_owned(), |p| {
         shell_word(&p.display().to_string())
     });

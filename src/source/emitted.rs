@@ -38,7 +38,7 @@ use crate::source::outbox::{CreatedAt, OutboxRow, RowError, UnreadableRow};
 pub const FORMAT_VERSION: u64 = 1;
 
 /// The default `postgres.message_prefix`.
-pub const DEFAULT_PREFIX: &str = "outbox";
+pub use crate::config::postgres::DEFAULT_MESSAGE_PREFIX as DEFAULT_PREFIX;
 
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]

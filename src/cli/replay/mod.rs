@@ -45,6 +45,7 @@ use crate::kafka::enqueue::{enqueue_row, set_aside, EnqueueError, Enqueued};
 use crate::kafka::records::{build_record, header, KafkaRecord, RecordError};
 use crate::kafka::sink::{KafkaSink, KafkaSinkError, Refusal, Report};
 use crate::postgres::admin::{self, AdminError};
+use crate::shell::shell_word;
 use pace::{Progress, Throttle};
 use select::{Count, Key, Query, ReplayRow, Selection};
 
@@ -409,31 +410,5 @@ struct Settled {
 impl Settled {
     fn stopped(&self) -> bool {
         self.refused_batch.is_some() || self.failure.is_some()
-    }
-}
-
-/// `s` quoted for a POSIX shell when it needs to be.
-pub fn shell_word(s: &str) -> String {
-    if !s.is_empty()
-        && s.chars()
-            .all(|c| c.is_ascii_alphanumeric() || "-_./:=+,@%".contains(c))
-    {
-        s.to_owned()
-    } else {
-        format!("'{}'", s.replace('\'', "'\\''"))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn shell_words_quote_what_a_shell_would_split() {
-        assert_eq!(shell_word("/etc/outboxd.toml"), "/etc/outboxd.toml");
-        assert_eq!(shell_word("2026-12-01T10:00:00Z"), "2026-12-01T10:00:00Z");
-        assert_eq!(shell_word("my config.toml"), "'my config.toml'");
-        assert_eq!(shell_word("it's"), "'it'\\''s'");
-        assert_eq!(shell_word(""), "''");
     }
 }

@@ -1,0 +1,280 @@
+//! `[routing]`: how rows become Kafka records.
+
+use serde::Deserialize;
+
+use super::yes;
+
+fn default_cloudevents_source() -> String {
+    DEFAULT_SOURCE.to_owned()
+}
+
+/// How a record's value is built.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum ValueFormat {
+    /// `{"eventId","type","occurredAt","aggregateType","aggregateId","data"}`.
+    #[default]
+    Envelope,
+    /// The payload JSON as stored.
+    Payload,
+    /// A CloudEvent 1.0 in structured mode (see [`crate::kafka::cloudevents`]).
+    #[serde(rename = "cloudevents")]
+    CloudEvents,
+    /// A CloudEvent 1.0 in binary mode: `ce_*` headers, the payload as value.
+    #[serde(rename = "cloudevents-binary")]
+    CloudEventsBinary,
+}
+
+/// What to do with a row Kafka will never accept.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum OnPoison {
+    /// Stop with a clear error; the slot does not move past the row.
+    #[default]
+    Stop,
+    /// Send the row to `routing.dead_letter_topic` and go on.
+    DeadLetter,
+}
+
+/// `[routing]`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RoutingConfig {
+    /// Topic name template with `{aggregate_type}` and `{type}`.
+    #[serde(default = "default_topic")]
+    pub topic: String,
+    /// Lowercase the aggregate type in the topic name (`Order` → `order.events`).
+    #[serde(default = "yes")]
+    pub lowercase_aggregate_type: bool,
+    /// `envelope`, `payload`, `cloudevents` or `cloudevents-binary`.
+    #[serde(default)]
+    pub value: ValueFormat,
+    /// The CloudEvents `source`: a URI-reference template over
+    /// `{aggregate_type}`, `{aggregate_id}` and `{type}`.
+    #[serde(default = "default_cloudevents_source")]
+    pub cloudevents_source: String,
+    /// `stop` or `dead-letter`.
+    #[serde(default)]
+    pub on_poison: OnPoison,
+    /// Where dead letters go.
+    #[serde(default = "default_dead_letter_topic")]
+    pub dead_letter_topic: String,
+    /// The aggregate types that may become topics: exact names, or
+    /// prefixes ending in `*`. A row of another type follows `on_poison`
+    /// and creates no topic. Unset: any aggregate type.
+    #[serde(default)]
+    pub allowed_aggregate_types: Option<Vec<String>>,
+}
+
+impl Default for RoutingConfig {
+    fn default() -> Self {
+        RoutingConfig {
+            topic: default_topic(),
+            lowercase_aggregate_type: true,
+            value: ValueFormat::Envelope,
+            cloudevents_source: default_cloudevents_source(),
+            on_poison: OnPoison::Stop,
+            dead_letter_topic: default_dead_letter_topic(),
+            allowed_aggregate_types: None,
+        }
+    }
+}
+
+fn default_topic() -> String {
+    "{aggregate_type}.events".into()
+}
+
+fn default_dead_letter_topic() -> String {
+    "outboxd.dead-letter".into()
+}
+
+/// Kafka's limit on topic name length.
+const MAX_TOPIC_LEN: usize = 249;
+
+/// The default `routing.cloudevents_source`.
+pub const DEFAULT_SOURCE: &str = "/outbox/{aggregate_type}";
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum TopicPart {
+    Literal(String),
+    AggregateType,
+    EventType,
+}
+
+/// A parsed `routing.topic` template.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TopicTemplate {
+    pub(crate) parts: Vec<TopicPart>,
+    pub(crate) lowercase_aggregate_type: bool,
+    /// `routing.allowed_aggregate_types`: exact names, or prefixes ending
+    /// in `*`. `None` allows any aggregate type.
+    pub(crate) allowed: Option<Vec<String>>,
+}
+
+fn topic_char(c: char) -> bool {
+    c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')
+}
+
+impl TopicTemplate {
+    /// Parses a template such as `{aggregate_type}.events`.
+    pub fn parse(template: &str, lowercase_aggregate_type: bool) -> Result<Self, String> {
+        let mut parts = Vec::new();
+        let mut rest = template;
+        while !rest.is_empty() {
+            match rest.find('{') {
+                Some(0) => {
+                    let end = rest
+                        .find('}')
+                        .ok_or_else(|| format!("unclosed {{ in {template:?}"))?;
+                    parts.push(match &rest[1..end] {
+                        "aggregate_type" => TopicPart::AggregateType,
+                        "type" => TopicPart::EventType,
+                        other => {
+                            return Err(format!(
+                                "unknown placeholder {{{other}}} in {template:?}; use {{aggregate_type}} or {{type}}"
+                            ))
+                        }
+                    });
+                    rest = &rest[end + 1..];
+                }
+                found => {
+                    let end = found.unwrap_or(rest.len());
+                    let lit = &rest[..end];
+                    if let Some(bad) = lit.chars().find(|&c| !topic_char(c)) {
+                        return Err(format!(
+                            "{bad:?} cannot appear in a topic name; use letters, digits, '.', '_' and '-'"
+                        ));
+                    }
+                    parts.push(TopicPart::Literal(lit.to_owned()));
+                    rest = &rest[end..];
+                }
+            }
+        }
+        if parts.is_empty() {
+            return Err("the topic template is empty".into());
+        }
+        Ok(TopicTemplate {
+            parts,
+            allowed: None,
+            lowercase_aggregate_type,
+        })
+    }
+
+    /// Only these aggregate types may become topics: exact names, or
+    /// prefixes ending in `*` (`Order*`).
+    pub fn allowing(mut self, allowed: Vec<String>) -> Self {
+        self.allowed = Some(allowed);
+        self
+    }
+
+    pub(crate) fn allows(&self, aggregate_type: &str) -> bool {
+        self.allowed.as_ref().is_none_or(|list| {
+            list.iter().any(|a| match a.strip_suffix('*') {
+                Some(prefix) => aggregate_type.starts_with(prefix),
+                None => a == aggregate_type,
+            })
+        })
+    }
+}
+
+/// Why `topic` breaks Kafka's rules for topic names, if it does.
+pub fn topic_name_problem(topic: &str) -> Option<&'static str> {
+    if topic.is_empty() {
+        Some("it is empty")
+    } else if topic.len() > MAX_TOPIC_LEN {
+        Some("it is longer than 249 characters")
+    } else if topic == "." || topic == ".." {
+        Some("\".\" and \"..\" are reserved")
+    } else if !topic.chars().all(topic_char) {
+        Some("only letters, digits, '.', '_' and '-' are allowed")
+    } else {
+        None
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum SourcePart {
+    Literal(String),
+    AggregateType,
+    AggregateId,
+    EventType,
+}
+
+/// A parsed `routing.cloudevents_source`: a URI-reference with
+/// `{aggregate_type}`, `{aggregate_id}` and `{type}`, whose values are
+/// percent-encoded into it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SourceTemplate {
+    pub(crate) parts: Vec<SourcePart>,
+}
+
+impl SourceTemplate {
+    pub fn parse(template: &str) -> Result<Self, String> {
+        let mut parts = Vec::new();
+        let mut rest = template;
+        while let Some(open) = rest.find('{') {
+            if open > 0 {
+                parts.push(SourcePart::Literal(rest[..open].to_owned()));
+            }
+            let close = rest[open..]
+                .find('}')
+                .ok_or_else(|| format!("unclosed {{ in {template:?}"))?;
+            parts.push(match &rest[open + 1..open + close] {
+                "aggregate_type" => SourcePart::AggregateType,
+                "aggregate_id" => SourcePart::AggregateId,
+                "type" => SourcePart::EventType,
+                other => {
+                    return Err(format!(
+                    "unknown placeholder {{{other}}}: use {{aggregate_type}}, {{aggregate_id}} or {{type}}"
+                ))
+                }
+            });
+            rest = &rest[open + close + 1..];
+        }
+        if !rest.is_empty() {
+            parts.push(SourcePart::Literal(rest.to_owned()));
+        }
+        let literal: String = parts
+            .iter()
+            .filter_map(|p| match p {
+                SourcePart::Literal(l) => Some(l.as_str()),
+                _ => None,
+            })
+            .collect();
+        if parts.is_empty() {
+            return Err("must not be empty: CloudEvents requires a source".into());
+        }
+        if let Some(c) = literal
+            .chars()
+            .find(|c| c.is_whitespace() || c.is_control() || !c.is_ascii() || "\"<>\\^`{|}".contains(*c))
+        {
+            return Err(format!(
+                "{c:?} cannot stand in a URI-reference; percent-encode it"
+            ));
+        }
+        Ok(SourceTemplate { parts })
+    }
+}
+
+/// How record values are built: `routing.value`, and for CloudEvents the
+/// `source` template.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RecordValue {
+    pub format: ValueFormat,
+    pub source: SourceTemplate,
+}
+
+impl RecordValue {
+    pub fn new(format: ValueFormat, source: SourceTemplate) -> Self {
+        RecordValue { format, source }
+    }
+
+    /// `format`, with the default CloudEvents source.
+    pub fn of(format: ValueFormat) -> Self {
+        let source = SourceTemplate::parse(DEFAULT_SOURCE);
+        RecordValue {
+            format,
+            source: source.unwrap_or_else(|e| unreachable!("the default source parses: {e}")),
+        }
+    }
+}
