@@ -22,14 +22,14 @@ use crate::relay::{
 };
 
 /// A relay with its metrics and health, in this process.
-struct Observed {
+pub(crate) struct Observed {
     handle: tokio::task::JoinHandle<Result<(), RelayError>>,
     stop: watch::Sender<bool>,
-    metrics: Arc<Metrics>,
-    health: Arc<Health>,
+    pub(crate) metrics: Arc<Metrics>,
+    pub(crate) health: Arc<Health>,
 }
 
-fn observe(text: &str) -> Observed {
+pub(crate) fn observe(text: &str) -> Observed {
     crate::harness::init_logs();
     let (config, validated) = Config::from_toml(text, |_| None).unwrap();
     let metrics = Arc::new(Metrics::new().unwrap());
@@ -46,16 +46,16 @@ fn observe(text: &str) -> Observed {
 }
 
 impl Observed {
-    async fn shutdown(self) {
+    pub(crate) async fn shutdown(self) {
         stop_relay(self.handle, self.stop).await;
     }
 }
 
-fn health_section(extra: &str) -> String {
+pub(crate) fn health_section(extra: &str) -> String {
     format!("\n[health]\npoll_interval = \"300ms\"\nstatus_max_age = \"3s\"\n{extra}\n")
 }
 
-async fn wait_slot(client: &tokio_postgres::Client, slot: &str) -> Lsn {
+pub(crate) async fn wait_slot(client: &tokio_postgres::Client, slot: &str) -> Lsn {
     wait_for("the slot", Duration::from_secs(30), || async {
         confirmed_flush(client, slot).await
     })
@@ -541,171 +541,6 @@ async fn poison_stop_and_a_failing_dead_letter_topic_hold_the_slot() {
         let pending = pending_in_released_slot(&client, slot).await;
         assert!(pending >= 3, "{slot}: the row is still in the slot ({pending} messages)");
     }
-}
-
-async fn slot_lsns(c: &tokio_postgres::Client, slot: &str) -> (Lsn, Lsn) {
-    let row = c
-        .query_one(
-            "SELECT restart_lsn::text, confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
-            &[&slot],
-        )
-        .await
-        .unwrap();
-    (
-        row.get::<_, String>(0).parse().unwrap(),
-        row.get::<_, String>(1).parse().unwrap(),
-    )
-}
-
-/// The idle-outbox rule with 64 MB written to another table, and the
-/// retained-WAL guard.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn idle_outbox_releases_wal_and_the_retained_wal_guard_trips() {
-    let db = TestDb::new("rel_wal").await;
-    let client = db.client().await;
-    client
-        .batch_execute("CREATE TABLE bulk (id serial PRIMARY KEY, v text)")
-        .await
-        .unwrap();
-    let slot = "wal_idle";
-    let r = observe(
-        &(config_text(
-            &db.superuser_url(),
-            slot,
-            &broker().brokers,
-            "topic = \"wal.{aggregate_type}\"",
-            "",
-        ) + &health_section("max_retained_wal_bytes = 1")),
-    );
-    wait_slot(&client, slot).await;
-    let (restart0, _) = slot_lsns(&client, slot).await;
-    let start = current_lsn(&client).await;
-    // 64 MB of WAL that compresses badly, in 256 KB rows.
-    for _ in 0..256 {
-        client
-            .execute(
-                "INSERT INTO bulk (v) SELECT string_agg(md5(random()::text), '') FROM generate_series(1, 8192)",
-                &[],
-            )
-            .await
-            .unwrap();
-    }
-    let end = current_lsn(&client).await;
-    assert!(
-        end.bytes_since(start) >= 64 << 20,
-        "wrote {} bytes of WAL",
-        end.bytes_since(start)
-    );
-    client.batch_execute("CHECKPOINT").await.unwrap();
-    let (restart, confirmed) = wait_for(
-        "restart_lsn and confirmed_flush_lsn to follow",
-        Duration::from_secs(60),
-        || async {
-            // New running-xacts records let the slot move its restart point.
-            client.batch_execute("CHECKPOINT").await.unwrap();
-            let (restart, confirmed) = slot_lsns(&client, slot).await;
-            (confirmed >= end && restart > restart0).then_some((restart, confirmed))
-        },
-    )
-    .await;
-    eprintln!(
-        "wal: {} MB written elsewhere; restart_lsn {restart0} -> {restart}, confirmed {confirmed}",
-        end.bytes_since(start) >> 20
-    );
-
-    // The guard: more than 1 byte retained is over the limit.
-    wait_for(
-        "not ready over max_retained_wal_bytes",
-        Duration::from_secs(10),
-        || async {
-            r.health
-                .not_ready_reasons()
-                .iter()
-                .any(|x| x.contains("retains"))
-                .then_some(())
-        },
-    )
-    .await;
-    assert!(r.metrics.slot_retained_wal_bytes.get() > 1);
-    r.shutdown().await;
-}
-
-/// A slot invalidated by max_slot_wal_keep_size: a clear error with the
-/// recovery steps, from `run` and from `check`.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn invalidated_slot_names_the_recovery() {
-    let pg = postgres::dedicated(
-        "max_slot_wal_keep_size = '1MB'\nwal_keep_size = 0\nmax_wal_size = '64MB'\nmin_wal_size = '32MB'",
-    );
-    let mut c = pg.client("postgres").await;
-    outbox_sdk::migrate::migrate(&mut c).await.unwrap();
-    let slot = "lost_slot";
-    let text = config_text(
-        &pg.url("postgres", None, "postgres"),
-        slot,
-        &broker().brokers,
-        "",
-        "",
-    );
-    let (handle, stop) = spawn_relay(&text);
-    wait_slot(&c, slot).await;
-    stop_relay(handle, stop).await;
-    c.batch_execute("CREATE TABLE filler (v text)").await.unwrap();
-    wait_for("the slot to be invalidated", Duration::from_secs(120), || async {
-        for _ in 0..20 {
-            c.execute(
-                "INSERT INTO filler SELECT string_agg(md5(random()::text), '') FROM generate_series(1, 8192)",
-                &[],
-            )
-            .await
-            .unwrap();
-        }
-        c.batch_execute("SELECT pg_switch_wal(); CHECKPOINT;")
-            .await
-            .unwrap();
-        let status: Option<String> = c
-            .query_one(
-                "SELECT wal_status FROM pg_replication_slots WHERE slot_name = $1",
-                &[&slot],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        (status.as_deref() == Some("lost")).then_some(())
-    })
-    .await;
-    let (handle, _stop) = spawn_relay(&text);
-    let err = tokio::time::timeout(Duration::from_secs(30), handle)
-        .await
-        .expect("outboxd stops")
-        .unwrap()
-        .expect_err("an invalidated slot is a definite error");
-    let msg = err.to_string();
-    assert!(!err.is_transient());
-    assert!(
-        msg.contains("invalidated")
-            && msg.contains("pg_drop_replication_slot('lost_slot')")
-            && msg.contains("`outboxd replay --config <config file> --since "),
-        "{msg}"
-    );
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = write_config(dir.path(), "lost.toml", &text);
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_outboxd"))
-        .args(["check", "--config"])
-        .arg(&cfg)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        !out.status.success() && stdout.contains("FAIL slot") && stdout.contains("invalidated"),
-        "{stdout}"
-    );
-    // The register knows the commit time of the last confirmed
-    // transaction: the check prints the command that closes the gap.
-    assert!(
-        stdout.contains(&format!("outboxd replay --config {} --since ", cfg.display())),
-        "{stdout}"
-    );
 }
 
 fn peak_rss_kib(pid: u32) -> Option<u64> {

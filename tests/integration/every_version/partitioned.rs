@@ -9,7 +9,7 @@ use std::time::Duration;
 use serde_json::json;
 use uuid::Uuid;
 
-use super::{daemon_config, exits, log_text, outboxd_async, prefix, wait_ids};
+use crate::hardening::{daemon_config, exits, log_text, outboxd_async, prefix, wait_ids};
 use crate::harness::broker::broker;
 use crate::harness::{wait_for, TestDb};
 use crate::relay::{confirmed_flush, current_lsn, Daemon};

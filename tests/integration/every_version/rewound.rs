@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use uuid::Uuid;
 
-use super::{daemon_config, exits, log_text, outboxd_async, prefix, wait_ids};
+use crate::hardening::{daemon_config, exits, log_text, outboxd_async, prefix, wait_ids};
 use crate::harness::broker::{broker, consume};
 use crate::harness::postgres::{self, PgServer};
 use crate::harness::wait_for;

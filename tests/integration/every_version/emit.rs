@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use uuid::Uuid;
 
-use super::{daemon_config, exits, ids, log_text, outboxd_async, prefix, records, wait_ids};
+use crate::hardening::{daemon_config, exits, ids, log_text, outboxd_async, prefix, records, wait_ids};
 use crate::harness::broker::broker;
 use crate::harness::{wait_for, TestDb};
 use crate::relay::{confirmed_flush, current_lsn, Daemon};
