@@ -340,6 +340,13 @@ fn mentioned_key<'a>(span: &'a str, sections: &BTreeSet<&str>) -> Option<&'a str
             span[..end].trim_end_matches('.')
         }
     };
+    // A file name (`polling.rs`), not a key.
+    if [".rs", ".md", ".toml", ".sql", ".sh", ".py", ".yaml", ".json"]
+        .iter()
+        .any(|ext| key.ends_with(ext))
+    {
+        return None;
+    }
     let (first, _) = key.split_once('.').unwrap_or((key, ""));
     (sections.contains(first) && (key.contains('.') || span.starts_with('['))).then_some(key)
 }
