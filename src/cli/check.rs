@@ -174,16 +174,16 @@ async fn resumption_problem(
         ));
     }
     let version = crate::postgres::publication::server_version(&client).await.ok()?;
-    let verified = crate::postgres::publication::inspect(
-        &client,
-        &crate::postgres::publication::Subject::new(config, v, version),
-    )
-    .await
-    .ok()?;
+    let mut subject = crate::postgres::publication::Subject::new(config, v, version);
+    subject.receiving.read_before = record.is_some_and(|r| r.messages.is_some());
+    let verified = crate::postgres::publication::inspect(&client, &subject)
+        .await
+        .ok()?;
     match publication_proof(&verified, info.catalog_xmin, record) {
-        PublicationProof::Unproven { .. } if config.kafka.keeps_slot_register() && record.is_some() => Some(format!(
-            "the publication may have changed since the slot's position {} (its catalog rows are newer than the slot's catalog_xmin, and the slot register holds another fingerprint or none): `run` refuses to stream. Re-publish the window with `{}`, then run `outboxd progress --accept-publication`",
+        PublicationProof::Unproven(why) if config.kafka.keeps_slot_register() && record.is_some() => Some(format!(
+            "the publication cannot be shown unchanged since the slot's position {}: {}. `run` refuses to stream. Re-publish the window with `{}`, then run `outboxd progress --accept-publication`",
             info.confirmed_flush_lsn.map(|l| l.to_string()).unwrap_or_else(|| "-".into()),
+            why.because(),
             crate::relay::slot_register::replay_command(v.source.as_deref(), record)
         )),
         _ => None,
@@ -260,29 +260,16 @@ async fn postgres_checks(config: &Config, v: &Validated) -> Vec<CheckLine> {
     };
     out.push(line("postgres", true, format!("connected to {}", v.pg.target())));
     if config.mode == crate::config::Mode::Polling {
-        let has = client
-            .query_one(
-                "SELECT EXISTS (SELECT 1 FROM information_schema.columns
-                                 WHERE table_schema = $1 AND table_name = $2 AND column_name = 'published_at')",
-                &[&v.table.schema, &v.table.name],
-            )
-            .await
-            .map(|r| r.get::<_, bool>(0));
-        out.push(match has {
-            Ok(true) => line(
+        out.push(match admin::polling_table_problem(&client, &v.table).await {
+            Ok(()) => line(
                 "table",
                 true,
-                format!("{} has published_at (polling mode)", v.table),
-            ),
-            Ok(false) => line(
-                "table",
-                false,
                 format!(
-                    "{} has no published_at column: polling mode needs migrations/0001_outbox.sql",
+                    "{} has published_at, and created_at is never NULL and defaults to clock_timestamp() (polling mode publishes in its order)",
                     v.table
                 ),
             ),
-            Err(e) => line("table", false, admin::describe(&e)),
+            Err(e) => line("table", false, e.to_string()),
         });
         return out;
     }

@@ -38,17 +38,16 @@ pub async fn accept_publication(
     }
     let client = admin::connect(&v.pg).await?;
     let version = publication::server_version(&client).await?;
-    let verified = publication::inspect(
-        &client,
-        &crate::postgres::publication::Subject::new(config, v, version),
-    )
-    .await?;
-    let slot = admin::slot_info(&client, &v.slot)
-        .await?
-        .ok_or_else(|| CommandError::NoSlot(v.slot.as_str().to_owned()))?;
     let kafka = &config.kafka;
     let timeout = kafka.admin_timeout.0;
     let previous = slot_register::read(kafka, &system.system_id, v.slot.as_str(), timeout).await?;
+    // As a session would prove it: reading messages if one read them.
+    let mut subject = crate::postgres::publication::Subject::new(config, v, version);
+    subject.receiving.read_before = previous.as_ref().is_some_and(|r| r.messages.is_some());
+    let verified = publication::inspect(&client, &subject).await?;
+    let slot = admin::slot_info(&client, &v.slot)
+        .await?
+        .ok_or_else(|| CommandError::NoSlot(v.slot.as_str().to_owned()))?;
     let confirmed = slot.confirmed_flush_lsn.unwrap_or(Lsn::ZERO);
     let record = previous
         .unwrap_or_else(|| {
@@ -60,7 +59,8 @@ pub async fn accept_publication(
                 confirmed,
             )
         })
-        .with_publication(Some(verified.fingerprint));
+        .with_publication(Some(verified.fingerprint))
+        .with_messages(verified.messages_fingerprint);
     slot_register::write(kafka, &record, timeout).await?;
     Ok(format!(
         "recorded publication {} as it is now for slot {} (confirmed at {confirmed}): the next start streams with it",

@@ -71,6 +71,57 @@ pub async fn table_exists(client: &Client, table: &TableName) -> Result<bool, Ad
     Ok(row.get(0))
 }
 
+/// What polling mode needs of the outbox table: `published_at`, and a
+/// `created_at` that every row has and that is the insert time
+/// (`clock_timestamp()`), since rows are published in its order.
+pub async fn polling_table_problem(client: &Client, table: &TableName) -> Result<(), AdminError> {
+    let rows = client
+        .query(
+            "SELECT a.attname::text, a.attnotnull, pg_catalog.pg_get_expr(d.adbin, d.adrelid)
+               FROM pg_catalog.pg_attribute a
+               LEFT JOIN pg_catalog.pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+              WHERE a.attrelid = (SELECT c.oid FROM pg_catalog.pg_class c
+                                    JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+                                   WHERE n.nspname = $1 AND c.relname = $2)
+                AND a.attnum > 0 AND NOT a.attisdropped AND a.attname IN ('published_at', 'created_at')",
+            &[&table.schema, &table.name],
+        )
+        .await?;
+    if !table_exists(client, table).await? {
+        return Err(AdminError::NoTable {
+            table: table.to_string(),
+        });
+    }
+    let column = |name: &str| rows.iter().find(|r| r.get::<_, String>(0) == name);
+    for name in [crate::postgres::publication::column::CREATED_AT, "published_at"] {
+        if column(name).is_none() {
+            return Err(AdminError::NoColumn {
+                table: table.to_string(),
+                column: name,
+            });
+        }
+    }
+    let Some(created_at) = column(crate::postgres::publication::column::CREATED_AT) else {
+        return Ok(());
+    };
+    if !created_at.get::<_, bool>(1) {
+        return Err(AdminError::CreatedAtNullable {
+            table: table.to_string(),
+        });
+    }
+    let default: Option<String> = created_at.get(2);
+    if !default
+        .as_deref()
+        .is_some_and(|d| d.contains("clock_timestamp()"))
+    {
+        return Err(AdminError::CreatedAtDefault {
+            table: table.to_string(),
+            default: default.unwrap_or_else(|| "nothing".into()),
+        });
+    }
+    Ok(())
+}
+
 /// Creates the publication if it is missing (`FOR TABLE … WITH (publish =
 /// 'insert')`), then proves that it delivers every outbox INSERT (see
 /// [`publication::inspect`]). An existing publication is never altered.

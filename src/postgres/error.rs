@@ -162,6 +162,10 @@ pub enum AdminError {
     TableReplaced { table: String, now: String },
     #[error("outbox table {table} has no column {column:?}: it must follow migrations/0001_outbox.sql")]
     NoColumn { table: String, column: &'static str },
+    #[error("outbox table {table} allows a NULL created_at: polling mode publishes rows in created_at order and never reads a row without one. Set the NULL ones (UPDATE {table} SET created_at = now() WHERE created_at IS NULL), then run ALTER TABLE {table} ALTER COLUMN created_at SET NOT NULL")]
+    CreatedAtNullable { table: String },
+    #[error("outbox table {table}'s created_at defaults to {default}, not clock_timestamp(): with a transaction's start time, a writer that waited for another one (a lock on the aggregate, a version check) can get the earlier created_at, and polling mode, which publishes in created_at order, would publish its event first. Run ALTER TABLE {table} ALTER COLUMN created_at SET DEFAULT clock_timestamp() (migration 0008 does it for the table named outbox)")]
+    CreatedAtDefault { table: String, default: String },
     #[error("replication slot {slot} exists but {problem}; drop it with SELECT pg_drop_replication_slot('{slot}') or configure another slot name")]
     ForeignSlot { slot: String, problem: String },
     #[error("outbox table {table} is partitioned, and publication {publication} does not publish via the partition root: pgoutput would describe each row as its partition, and outboxd would never see it as an outbox row. Run: {fix}")]
@@ -176,6 +180,8 @@ pub enum AdminError {
         table: String,
         partition: bool,
     },
+    #[error("outbox table {table}, or a partition of it, is not written to the WAL: {relations}. Logical replication cannot send such rows, so their rows would never be published. Run ALTER TABLE … SET LOGGED on each unlogged one (move a foreign partition's rows into a local one), then re-publish the rows they hold with `outboxd replay`")]
+    NotInWal { table: String, relations: String },
     #[error("this database is set up for the table-less outbox ({functions}), but {because}: every event written with outbox_emit would be lost. Set postgres.messages = true (on PostgreSQL 14 or later), or drop the function if nothing uses it. Changing postgres.messages or postgres.message_prefix applies to the WAL the slot has not yet confirmed: stop the writers of outbox_emit and wait for outboxd to confirm past their last event before turning messages off")]
     EmitNotReceived {
         functions: String,

@@ -47,6 +47,10 @@ use crate::postgres::error::AdminError;
 
 pub use outbox_sdk::schema::column;
 
+/// Why a session that reads messages stopped when who may write them
+/// changed.
+pub const EMIT_RIGHTS_CHANGED: &str = "the rights to write logical decoding messages changed (a GRANT or REVOKE on pg_logical_emit_message): a role that may call it can write an event outboxd would publish";
+
 /// How often the guard re-reads the catalog.
 pub const GUARD_INTERVAL: Duration = Duration::from_millis(250);
 
@@ -87,6 +91,21 @@ pub struct Verified {
     pub xmins: Vec<u32>,
     /// The prefix of the logical decoding messages to read (`None`: none).
     pub message_prefix: Option<String>,
+    /// When messages are read: the prefix and the `xmin`s of
+    /// `pg_logical_emit_message`'s catalog rows, which every GRANT or
+    /// REVOKE on it renews. Two equal ones mean that nobody gained or lost
+    /// the right to write messages in between (see [`emit_fingerprint`]).
+    pub messages_fingerprint: Option<String>,
+}
+
+/// Marks fingerprints of this layout; one of another layout (an older
+/// outboxd's) is not compared, only the catalog's age can prove then.
+const FINGERPRINT_SCHEME: &str = "2:";
+
+/// Whether a recorded fingerprint can be compared with the ones this
+/// version makes.
+pub fn comparable(fingerprint: &str) -> bool {
+    fingerprint.starts_with(FINGERPRINT_SCHEME)
 }
 
 pub use crate::config::postgres::Messages;
@@ -99,6 +118,11 @@ pub struct Receiving {
     pub prefix: String,
     /// The server sends messages to pgoutput (PostgreSQL 14+).
     pub server_sends: bool,
+    /// An earlier session on this slot read messages (the slot register
+    /// says so, or this process did): `auto` goes on reading them even
+    /// with `outbox_emit` dropped, since events it wrote may still be in
+    /// the WAL the slot has not confirmed.
+    pub read_before: bool,
 }
 
 impl Default for Receiving {
@@ -107,6 +131,7 @@ impl Default for Receiving {
             messages: Messages::Auto,
             prefix: crate::config::postgres::DEFAULT_MESSAGE_PREFIX.to_owned(),
             server_sends: true,
+            read_before: false,
         }
     }
 }
@@ -118,7 +143,7 @@ impl Receiving {
         let wanted = match self.messages {
             Messages::On => true,
             Messages::Off => false,
-            Messages::Auto => !emit.functions.is_empty(),
+            Messages::Auto => !emit.functions.is_empty() || self.read_before,
         };
         (wanted && self.server_sends).then(|| self.prefix.clone())
     }
@@ -163,6 +188,9 @@ struct Reading {
     schema_membership: Option<String>,
     /// `name=attnum` of the outbox columns the table has.
     columns: Vec<(String, i16)>,
+    /// The table and partitions whose rows never reach this WAL: unlogged
+    /// ones and foreign tables, as `schema.name (unlogged)`.
+    not_in_wal: Option<String>,
     /// What the database is set up to emit (not part of the fingerprint:
     /// checked on every reading instead).
     emit: EmitSetup,
@@ -180,6 +208,17 @@ struct EmitSetup {
     public_can_emit: bool,
     /// The `pg_logical_emit_message` signatures, for the REVOKE statements.
     emit_signatures: Vec<String>,
+    /// The `xmin`s of their catalog rows: a GRANT or REVOKE renews them.
+    emit_xmins: String,
+}
+
+/// The messages part of a proof: the prefix read and who may write
+/// messages. `pg_logical_emit_message`'s rows are the only catalog rows
+/// that decide who can write an event outboxd would publish; dropping or
+/// replacing `outbox_emit` does not (its prefix is checked on every
+/// reading instead).
+fn emit_fingerprint(prefix: &str, emit: &EmitSetup) -> String {
+    format!("{FINGERPRINT_SCHEME}{prefix:?} {}", emit.emit_xmins)
 }
 
 /// The columns of a reading that say what the database is set up to emit
@@ -196,10 +235,13 @@ const EMIT_SETUP: &str = "
         AND f.pronamespace = 'pg_catalog'::regnamespace),
     (SELECT string_agg(f.oid::regprocedure::text, ';' ORDER BY f.oid)
        FROM pg_catalog.pg_proc f WHERE f.proname = 'pg_logical_emit_message'
+        AND f.pronamespace = 'pg_catalog'::regnamespace),
+    (SELECT string_agg(f.xmin::text, ',' ORDER BY f.oid)
+       FROM pg_catalog.pg_proc f WHERE f.proname = 'pg_logical_emit_message'
         AND f.pronamespace = 'pg_catalog'::regnamespace)";
 
 impl EmitSetup {
-    /// Reads the three [`EMIT_SETUP`] columns starting at `first`.
+    /// Reads the four [`EMIT_SETUP`] columns starting at `first`.
     fn from_row(r: &tokio_postgres::Row, first: usize) -> Self {
         EmitSetup {
             functions: r
@@ -219,6 +261,7 @@ impl EmitSetup {
                 .filter(|s| !s.is_empty())
                 .map(str::to_owned)
                 .collect(),
+            emit_xmins: r.get::<_, Option<String>>(first + 3).unwrap_or_default(),
         }
     }
 }
@@ -245,7 +288,7 @@ impl Reading {
     fn fingerprint(&self) -> String {
         let mut r = self.clone();
         r.emit = EmitSetup::default();
-        format!("{r:?}")
+        format!("{FINGERPRINT_SCHEME}{r:?}")
     }
 
     fn xmins(&self) -> Vec<u32> {
@@ -324,6 +367,7 @@ impl Subject {
                 messages: config.postgres.messages,
                 prefix: config.postgres.message_prefix.clone(),
                 server_sends: server_version >= 140_000,
+                read_before: false,
             },
         }
     }
@@ -366,7 +410,17 @@ async fn read(
                 EXISTS (SELECT 1 FROM pg_catalog.pg_publication_tables pt
                          WHERE pt.pubname = $1 AND pt.schemaname = $3 AND pt.tablename = $4),
                 pr.xmin::text, {schema_xmin},
-                {EMIT_SETUP}
+                {EMIT_SETUP},
+                (WITH RECURSIVE tree(oid) AS (
+                     SELECT $2::oid
+                     UNION ALL
+                     SELECT i.inhrelid FROM pg_catalog.pg_inherits i JOIN tree t ON i.inhparent = t.oid
+                 )
+                 SELECT string_agg(n.nspname || '.' || c.relname || CASE WHEN c.relkind = 'f' THEN ' (foreign)' ELSE ' (unlogged)' END,
+                                   ', ' ORDER BY n.nspname, c.relname)
+                   FROM tree JOIN pg_catalog.pg_class c ON c.oid = tree.oid
+                   JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+                  WHERE (c.oid = $2 OR c.relispartition) AND (c.relpersistence <> 'p' OR c.relkind = 'f'))
            FROM pg_catalog.pg_publication p
            LEFT JOIN pg_catalog.pg_publication_rel pr ON pr.prpubid = p.oid AND pr.prrelid = $2
           WHERE p.pubname = $1"
@@ -404,6 +458,7 @@ async fn read(
         })
         .collect();
     let emit = EmitSetup::from_row(&r, 20);
+    let not_in_wal = r.get(24);
     Ok(Some(Reading {
         pub_oid: r.get(13),
         via_root: r.get(14),
@@ -426,6 +481,7 @@ async fn read(
             .map(|l| l.split_whitespace().filter_map(|n| n.parse().ok()).collect()),
         schema_membership: r.get(11),
         columns,
+        not_in_wal,
     }))
 }
 
@@ -495,6 +551,14 @@ fn problem(reading: &Reading, subject: &Subject, oid: u32) -> Option<AdminError>
                 fix: re_add,
             });
         }
+    }
+    // Rows of an unlogged table or partition, or of a foreign partition,
+    // are never written to this WAL: no publication can send them.
+    if let Some(relations) = &reading.not_in_wal {
+        return Some(AdminError::NotInWal {
+            table: table.to_string(),
+            relations: relations.clone(),
+        });
     }
     // pgoutput describes a partitioned table's rows as their leaf
     // partitions unless the publication publishes via the partition root,
@@ -575,11 +639,15 @@ pub async fn inspect(client: &Client, subject: &Subject) -> Result<Verified, Adm
     if let Some(e) = problem(&reading, subject, oid) {
         return Err(e);
     }
+    let message_prefix = subject.receiving.decide(&reading.emit);
     Ok(Verified {
         table_oid: oid,
         fingerprint: reading.fingerprint(),
         xmins: reading.xmins(),
-        message_prefix: subject.receiving.decide(&reading.emit),
+        messages_fingerprint: message_prefix
+            .as_deref()
+            .map(|p| emit_fingerprint(p, &reading.emit)),
+        message_prefix,
     })
 }
 
@@ -656,23 +724,28 @@ pub fn spawn_guard(
                 // up to emit what this session does not receive. A session
                 // that reads messages goes on reading them when outbox_emit
                 // is dropped: its events before the drop still arrive.
+                // Who may write messages is part of what a session that
+                // reads them proved: a GRANT or REVOKE on
+                // pg_logical_emit_message stops it.
+                let emit_same = |r: &Reading| match (&baseline.messages_fingerprint, subject.receiving.decide(&r.emit)) {
+                    (Some(fp), Some(prefix)) => emit_fingerprint(&prefix, &r.emit) == *fp,
+                    _ => true,
+                };
                 let unchanged = reading.as_ref().is_some_and(|r| {
                     let reads_less = baseline.message_prefix.is_some() && subject.receiving.decide(&r.emit).is_none();
                     r.fingerprint() == baseline.fingerprint
+                        && emit_same(r)
                         && (reads_less || emit_problem(&r.emit, &subject.receiving).is_none())
                 });
                 if !unchanged {
                     let (publication, table) = (&subject.publication, &subject.table);
                     let reason = match reading {
                         None => format!("publication {} was dropped", publication.as_str()),
-                        Some(r) => problem(&r, &subject, baseline.table_oid)
-                            .map(|e| e.to_string())
-                            .unwrap_or_else(|| {
-                                format!(
-                                    "publication {} or table {table} was altered",
-                                    publication.as_str()
-                                )
-                            }),
+                        Some(r) => match problem(&r, &subject, baseline.table_oid) {
+                            Some(e) => e.to_string(),
+                            None if !emit_same(&r) => EMIT_RIGHTS_CHANGED.to_owned(),
+                            None => format!("publication {} or table {table} was altered", publication.as_str()),
+                        },
                     };
                     let _ = tx.send(GuardState::Changed { verified, reason });
                     return Ok(());
@@ -733,7 +806,9 @@ mod tests {
                 functions: Vec::new(),
                 public_can_emit: true,
                 emit_signatures: vec!["pg_logical_emit_message(boolean,text,text)".into()],
+                emit_xmins: "900".into(),
             },
+            not_in_wal: None,
         }
     }
 
@@ -750,6 +825,47 @@ mod tests {
 
     fn check(r: &Reading) -> Option<String> {
         problem(r, &subject(Messages::Off), 7).map(|e| e.to_string())
+    }
+
+    #[test]
+    fn rows_that_never_reach_the_wal_are_refused_before_anything_else_is_blamed() {
+        // A schema publication leaves an unlogged table out of
+        // pg_publication_tables: the error says why, not "an ancestor".
+        let unlogged = Reading {
+            published_as_itself: false,
+            not_in_wal: Some("public.outbox (unlogged)".into()),
+            ..good()
+        };
+        let e = check(&unlogged).unwrap_or_default();
+        assert!(
+            e.contains("public.outbox (unlogged)") && e.contains("SET LOGGED"),
+            "{e}"
+        );
+        let partition = Reading {
+            partitioned: true,
+            not_in_wal: Some("public.outbox_2026 (unlogged), public.outbox_remote (foreign)".into()),
+            ..good()
+        };
+        assert!(check(&partition)
+            .unwrap_or_default()
+            .contains("outbox_remote (foreign)"));
+    }
+
+    #[test]
+    fn auto_goes_on_reading_messages_a_session_on_the_slot_read_before() {
+        let none = EmitSetup::default();
+        let auto = subject(Messages::Auto).receiving;
+        assert_eq!(auto.decide(&none), None);
+        let before = Receiving {
+            read_before: true,
+            ..auto.clone()
+        };
+        assert_eq!(before.decide(&none).as_deref(), Some("outbox"));
+        let off = Receiving {
+            read_before: true,
+            ..subject(Messages::Off).receiving
+        };
+        assert_eq!(off.decide(&none), None, "false is the operator's word");
     }
 
     #[test]
@@ -852,6 +968,7 @@ mod tests {
             fingerprint: String::new(),
             xmins: vec![741, 742],
             message_prefix: None,
+            messages_fingerprint: None,
         };
         assert!(unchanged_since_slot(&v, Some(800)));
         assert!(!unchanged_since_slot(&v, Some(742)), "742 is not before 742");

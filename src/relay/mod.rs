@@ -178,11 +178,11 @@ pub enum RelayError {
     LeadershipLost,
     #[error("{detail}. The WAL history of this PostgreSQL system went back (a disk snapshot or a base backup restored with the same system identifier and timeline): its LSNs are being used again by other transactions, so outboxd streams nothing and skips nothing by what it remembered. If this server is the one to publish from now on, run `outboxd progress --reset --config <file>` (it forgets what Kafka remembers of slot {slot}) and start outboxd: it then publishes every transaction after the slot's position, duplicates possible (consumers deduplicate by id). Kafka may still hold events of transactions this server no longer has")]
     HistoryRewound { slot: String, detail: String },
-    #[error("outboxd cannot show that publication {publication} delivered every outbox INSERT while no session streamed: the slot resumes at {since}, the catalog rows that decide delivery were written after the slot's catalog_xmin, and the slot register holds {registered}. Outbox rows written while the publication did not carry the table were never sent, and streaming that WAL again would skip them again. Recovery: 1. re-publish the outbox rows committed since then: `{replay}` (consumers deduplicate by id); 2. run `outboxd progress --accept-publication --config <file>` to record the publication as it is now; 3. start outboxd")]
+    #[error("outboxd cannot show that publication {publication} delivered every outbox INSERT while no session streamed: the slot resumes at {since}, and {because}. Outbox rows written while the publication did not carry the table were never sent, and streaming that WAL again would skip them again. Recovery: 1. re-publish the outbox rows committed since then: `{replay}` (consumers deduplicate by id); 2. run `outboxd progress --accept-publication --config <file>` to record the publication as it is now; 3. start outboxd")]
     PublicationUnproven {
         publication: String,
         since: Lsn,
-        registered: &'static str,
+        because: &'static str,
         replay: String,
     },
 }
@@ -261,6 +261,9 @@ pub struct Relay {
     refused: RefusedRecords,
     /// `outboxd.publish` spans (`None`: tracing is off).
     otel: Option<Arc<PublishTracer>>,
+    /// A session of this process read logical decoding messages: later
+    /// ones go on reading them (see `publication::Receiving::read_before`).
+    read_messages: bool,
 }
 
 impl std::fmt::Debug for Relay {
@@ -407,6 +410,7 @@ impl Relay {
             isolate_until: None,
             refused: RefusedRecords::default(),
             otel,
+            read_messages: false,
         })
     }
 
@@ -504,13 +508,11 @@ impl Relay {
         let Proven {
             server_timeout,
             server_version,
-            subject,
-            verified,
+            mut subject,
+            mut verified,
         } = proven;
         let status_every = status_every(self.config.postgres.status_interval.0, server_timeout);
         let failover = (server_version >= 170_000).then_some(self.config.postgres.failover_slot);
-        // The table-less outbox (crate::source::emitted), when it is received.
-        let message_prefix = verified.message_prefix.clone();
         let system = repl.identify_system().await?;
         // What Kafka remembers of the slot, read at every start and never
         // read as "nothing" when Kafka cannot answer (see slot_register).
@@ -523,6 +525,27 @@ impl Relay {
         };
         if let Some(r) = &record {
             self.refuse_lost_slot(&client, &system, r).await?;
+        }
+        // The table-less outbox (crate::source::emitted), when it is
+        // received. Once a session on this slot read its messages, the
+        // next ones go on reading them with outbox_emit dropped: events it
+        // wrote before the drop may still be in the WAL the slot has not
+        // confirmed.
+        if !subject.receiving.read_before
+            && (self.read_messages || record.as_ref().is_some_and(|r| r.messages.is_some()))
+        {
+            subject.receiving.read_before = true;
+            if verified.message_prefix.is_none() {
+                verified = publication::inspect(&client, &subject).await?;
+                if verified.message_prefix.is_some() {
+                    tracing::info!(slot = self.validated.slot.as_str(), "reading the table-less outbox's messages although outbox_emit is not installed: an earlier session on this slot read them, and their events may still be in the WAL the slot has not confirmed (postgres.messages = false turns this off)");
+                }
+            }
+        }
+        let message_prefix = verified.message_prefix.clone();
+        if message_prefix.is_some() {
+            self.read_messages = true;
+            subject.receiving.read_before = true;
         }
         let wal_end = admin::wal_insert_lsn(&client).await?;
         if let Some(detail) = resume::register_beyond_wal(record.as_ref(), system.timeline, wal_end) {
@@ -631,7 +654,7 @@ impl Relay {
     ) -> Result<(), RelayError> {
         let proof = resume::publication_proof(verified, slot.catalog_xmin, record);
         tracing::debug!(?proof, "publication since the slot's position");
-        let resume::PublicationProof::Unproven { registered } = proof else {
+        let resume::PublicationProof::Unproven(why) = proof else {
             return Ok(());
         };
         let replay = slot_register::replay_command(self.validated.source.as_deref(), record);
@@ -651,11 +674,7 @@ impl Relay {
         Err(RelayError::PublicationUnproven {
             publication: self.validated.publication.as_str().to_owned(),
             since: start,
-            registered: if registered.is_some() {
-                "another publication's fingerprint"
-            } else {
-                "no fingerprint of it (a record written by an older outboxd)"
-            },
+            because: why.because(),
             replay,
         })
     }
@@ -731,7 +750,8 @@ impl Relay {
             system.timeline,
             Lsn::ZERO,
         )
-        .with_publication(Some(verified.fingerprint.clone()));
+        .with_publication(Some(verified.fingerprint.clone()))
+        .with_messages(verified.messages_fingerprint.clone());
         Some(RegisterRefresh::new(
             kafka.clone(),
             record,

@@ -253,7 +253,16 @@ impl PollingRelay {
             }
             if client.as_ref().is_none_or(Client::is_closed) {
                 match self.connect().await {
-                    Ok(c) => client = Some(c),
+                    // The table must give the order polling publishes in.
+                    Ok(c) => match admin::polling_table_problem(&c, &self.validated.table).await {
+                        Ok(()) => client = Some(c),
+                        Err(e @ (AdminError::Query(_) | AdminError::Connect { .. })) => {
+                            tracing::warn!(error = %e, retry_in = ?backoff, "cannot read the outbox table's columns; retrying");
+                            self.wait(&mut shutdown, backoff).await;
+                            continue;
+                        }
+                        Err(e) => return Err(e.into()),
+                    },
                     Err(e) => {
                         self.health.set_streaming(None);
                         tracing::warn!(error = %e, retry_in = ?backoff, "cannot connect; retrying");

@@ -154,25 +154,63 @@ pub(crate) enum PublicationProof {
     OlderThanSlot,
     /// The slot register holds the same fingerprint.
     SameAsRegistered,
-    /// Neither: it may have changed.
-    Unproven { registered: Option<String> },
+    /// It may have changed, or the slot was streamed for another subject.
+    Unproven(Unproven),
+}
+
+/// Why the publication cannot be shown unchanged.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Unproven {
+    /// The register holds another fingerprint: the slot was last streamed
+    /// with another publication or table (a second configuration on the
+    /// same slot, or `postgres.table` changed), or they changed since.
+    OtherFingerprint,
+    /// The catalog rows are newer than the slot's catalog_xmin, and the
+    /// register holds no fingerprint this version can compare.
+    NoFingerprint,
+    /// Messages are read, and who may write them changed since the
+    /// session that recorded the register (a GRANT or REVOKE on
+    /// pg_logical_emit_message), or the prefix did.
+    MessagesChanged,
+}
+
+impl Unproven {
+    /// The clause of the error that says why.
+    pub(crate) fn because(self) -> &'static str {
+        match self {
+            Unproven::OtherFingerprint => "the slot register says the slot was last streamed with another publication or outbox table, or before the publication or the table changed (its fingerprint differs): a second configuration on this slot, a changed postgres.table, or a publication changed while no session streamed",
+            Unproven::NoFingerprint => "the catalog rows that decide delivery were written after the slot's catalog_xmin, and the slot register holds no fingerprint this outboxd can compare (a record written by an older version)",
+            Unproven::MessagesChanged => "the rights to write logical decoding messages (a GRANT or REVOKE on pg_logical_emit_message), or postgres.message_prefix, changed since the last session that read them: messages in that WAL may not be the table-less outbox's",
+        }
+    }
 }
 
 /// Whether the publication, as `verified` now, held for all WAL the slot
-/// still streams (see the module doc).
+/// still streams, for this configuration (see the module doc). A
+/// fingerprint in the register is compared first: when it differs, the
+/// slot was streamed with another subject, however old the catalog rows.
 pub(crate) fn publication_proof(
     verified: &Verified,
     catalog_xmin: Option<u32>,
     record: Option<&SlotRecord>,
 ) -> PublicationProof {
-    if publication::unchanged_since_slot(verified, catalog_xmin) {
-        return PublicationProof::OlderThanSlot;
+    if let (Some(before), Some(now)) = (
+        record.and_then(|r| r.messages.as_deref()),
+        verified.messages_fingerprint.as_deref(),
+    ) {
+        if publication::comparable(before) && before != now {
+            return PublicationProof::Unproven(Unproven::MessagesChanged);
+        }
     }
-    let registered = record.and_then(|r| r.publication.clone());
-    if registered.as_deref() == Some(verified.fingerprint.as_str()) {
-        return PublicationProof::SameAsRegistered;
+    let registered = record
+        .and_then(|r| r.publication.as_deref())
+        .filter(|f| publication::comparable(f));
+    match registered {
+        Some(f) if f == verified.fingerprint => PublicationProof::SameAsRegistered,
+        Some(_) => PublicationProof::Unproven(Unproven::OtherFingerprint),
+        None if publication::unchanged_since_slot(verified, catalog_xmin) => PublicationProof::OlderThanSlot,
+        None => PublicationProof::Unproven(Unproven::NoFingerprint),
     }
-    PublicationProof::Unproven { registered }
 }
 
 #[cfg(test)]
@@ -244,32 +282,76 @@ mod tests {
     }
 
     #[test]
-    fn the_publication_is_proven_by_age_or_by_the_register() {
+    fn the_publication_is_proven_by_the_register_first_then_by_age() {
         let v = Verified {
             table_oid: 7,
-            fingerprint: "fp".into(),
+            fingerprint: "2:fp".into(),
             xmins: vec![741],
             message_prefix: None,
+            messages_fingerprint: None,
         };
         assert_eq!(
             publication_proof(&v, Some(800), None),
             PublicationProof::OlderThanSlot
         );
-        let same = SlotRecord::new("s", "db", "73", 1, Lsn(1)).with_publication(Some("fp".into()));
+        let same = SlotRecord::new("s", "db", "73", 1, Lsn(1)).with_publication(Some("2:fp".into()));
         assert_eq!(
             publication_proof(&v, Some(700), Some(&same)),
             PublicationProof::SameAsRegistered
         );
-        let other = same.clone().with_publication(Some("other".into()));
+        // Another subject streamed the slot: refused even though every
+        // catalog row is older than the slot's catalog_xmin.
+        let other = same.clone().with_publication(Some("2:other".into()));
+        for horizon in [Some(700), Some(800)] {
+            assert_eq!(
+                publication_proof(&v, horizon, Some(&other)),
+                PublicationProof::Unproven(Unproven::OtherFingerprint)
+            );
+        }
+        // A fingerprint of an older layout proves nothing either way.
+        let old = same.clone().with_publication(Some("Reading { .. }".into()));
         assert_eq!(
-            publication_proof(&v, Some(700), Some(&other)),
-            PublicationProof::Unproven {
-                registered: Some("other".into())
-            }
+            publication_proof(&v, Some(800), Some(&old)),
+            PublicationProof::OlderThanSlot
+        );
+        assert_eq!(
+            publication_proof(&v, Some(700), Some(&old)),
+            PublicationProof::Unproven(Unproven::NoFingerprint)
         );
         assert_eq!(
             publication_proof(&v, None, None),
-            PublicationProof::Unproven { registered: None }
+            PublicationProof::Unproven(Unproven::NoFingerprint)
         );
+    }
+
+    #[test]
+    fn a_change_of_who_may_write_messages_is_unproven() {
+        let reading = |m: Option<&str>| Verified {
+            table_oid: 7,
+            fingerprint: "2:fp".into(),
+            xmins: vec![741],
+            message_prefix: m.map(|_| "outbox".into()),
+            messages_fingerprint: m.map(str::to_owned),
+        };
+        let record = |m: Option<&str>| {
+            SlotRecord::new("s", "db", "73", 1, Lsn(1))
+                .with_publication(Some("2:fp".into()))
+                .with_messages(m.map(str::to_owned))
+        };
+        let same = publication_proof(
+            &reading(Some("2:\"outbox\" 900")),
+            Some(800),
+            Some(&record(Some("2:\"outbox\" 900"))),
+        );
+        assert_eq!(same, PublicationProof::SameAsRegistered);
+        let granted = publication_proof(
+            &reading(Some("2:\"outbox\" 950")),
+            Some(800),
+            Some(&record(Some("2:\"outbox\" 900"))),
+        );
+        assert_eq!(granted, PublicationProof::Unproven(Unproven::MessagesChanged));
+        // Messages read for the first time on this slot: nothing to compare.
+        let first = publication_proof(&reading(Some("2:\"outbox\" 950")), Some(800), Some(&record(None)));
+        assert_eq!(first, PublicationProof::SameAsRegistered);
     }
 }

@@ -213,6 +213,7 @@ impl RegisterRefresh {
         )
         .with_last_commit(self.last_commit)
         .with_publication(self.record.publication.clone())
+        .with_messages(self.record.messages.clone())
     }
 
     /// At a clean stop: records the final confirmed position (waiting for

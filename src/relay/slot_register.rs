@@ -90,6 +90,12 @@ pub struct SlotRecord {
     /// no session streamed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub publication: Option<String>,
+    /// When the session read logical decoding messages (the table-less
+    /// outbox): their part of the proof (`Verified::messages_fingerprint`).
+    /// A later session on the slot goes on reading them, and refuses to
+    /// when who may write them changed in between.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub messages: Option<String>,
 }
 
 impl SlotRecord {
@@ -107,6 +113,7 @@ impl SlotRecord {
             confirmed_commit_lsn: None,
             confirmed_commit_end: None,
             publication: None,
+            messages: None,
         }
     }
 
@@ -134,6 +141,12 @@ impl SlotRecord {
     /// With the publication's fingerprint.
     pub fn with_publication(mut self, fingerprint: Option<String>) -> Self {
         self.publication = fingerprint;
+        self
+    }
+
+    /// With the messages part of the proof (`None`: no messages read).
+    pub fn with_messages(mut self, fingerprint: Option<String>) -> Self {
+        self.messages = fingerprint;
         self
     }
 

@@ -202,4 +202,88 @@ async fn a_role_that_may_only_call_outbox_emit_cannot_forge_an_event() {
     );
     let in_kafka = ids(&records(brokers, &[&topic]).await);
     assert!(!in_kafka.contains(&forged), "the forged event was not published");
+
+    // PUBLIC's right revoked again: the forged message is still in the WAL
+    // the slot has not confirmed. Who may write messages changed since the
+    // last session proved it, so the start is refused, not streamed.
+    client.batch_execute(&public_emit(false)).await.unwrap();
+    let mut after = Daemon::start(&cfg, &log);
+    assert_eq!(exits(&mut after, Duration::from_secs(30), &log).await, Some(1));
+    let text = log_text(&log);
+    assert!(
+        text.contains("the rights to write logical decoding messages"),
+        "{text}"
+    );
+    let (code, out, _) = outboxd_async(&["check", "--config", cfg.to_str().unwrap()]).await;
+    assert_ne!(code, Some(0), "{out}");
+    assert!(
+        out.contains("FAIL register") && out.contains("rights to write"),
+        "{out}"
+    );
+    let in_kafka = ids(&records(brokers, &[&topic]).await);
+    assert!(!in_kafka.contains(&forged), "the forged event was not published");
+}
+
+/// `postgres.messages = "auto"` reads messages while `outbox_emit` is
+/// installed. Dropped while the slot lags behind events it wrote, those
+/// events are still read: a session on the slot read messages before, so
+/// the next ones do too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_emitted_before_outbox_emit_is_dropped_still_arrive() {
+    let db = TestDb::new("hard_emitdrop").await;
+    let client = db.client().await;
+    let dir = tempfile::tempdir().unwrap();
+    let brokers = &broker().brokers;
+    let p = prefix("emitdrop");
+    let topic = format!("{p}.order");
+    let cfg = daemon_config(
+        dir.path(),
+        "d.toml",
+        &db.superuser_url(),
+        "emitdrop",
+        brokers,
+        &p,
+        "",
+        "",
+        "",
+    );
+    let log = dir.path().join("d.log");
+    let emit = |n: usize| {
+        let client = &client;
+        async move {
+            let mut ids = HashSet::new();
+            for i in 0..n {
+                let id: Uuid = client
+                    .query_one(
+                        "SELECT outbox_emit('Order', 'agg', 'emitted.v1', jsonb_build_object('i', $1::int))",
+                        &[&(i as i32)],
+                    )
+                    .await
+                    .unwrap()
+                    .get(0);
+                ids.insert(id);
+            }
+            ids
+        }
+    };
+    let d = Daemon::start(&cfg, &log);
+    wait_for("the slot", Duration::from_secs(30), || async {
+        confirmed_flush(&client, "emitdrop").await
+    })
+    .await;
+    let first = emit(1).await;
+    wait_ids(brokers, &[&topic], &first).await;
+    assert!(d.sigterm().success());
+
+    let lagging = emit(2).await;
+    client
+        .batch_execute("DROP FUNCTION outbox_emit(text, text, text, jsonb, jsonb, uuid)")
+        .await
+        .unwrap();
+    let (row, _) = crate::relay::write_events(&client, 1, 1, 1, &["Order"], 0).await;
+    let d = Daemon::start(&cfg, &log);
+    let mut want = lagging.clone();
+    want.extend(row.iter().map(|e| e.id));
+    wait_ids(brokers, &[&topic], &want).await;
+    assert!(d.sigterm().success());
 }

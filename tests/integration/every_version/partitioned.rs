@@ -212,3 +212,70 @@ async fn a_partitioned_outbox_is_published_whole_and_retention_drops_what_the_sl
     assert!(out.contains("dropped partition public.outbox_2019"), "{out}");
     let _ = daemon.sigterm();
 }
+
+/// Rows of an unlogged partition, or of an unlogged outbox that a schema
+/// publication covers, never reach the WAL: refused at start and by
+/// `check`, and a running relay stops naming the relation (not blaming a
+/// partition root).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_that_never_reach_the_wal_are_refused_by_name() {
+    let db = TestDb::empty("hard_unlogged").await;
+    let client = db.client().await;
+    client.batch_execute(PARTITIONED_OUTBOX).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let brokers = &broker().brokers;
+    let p = prefix("unlog");
+    let topic = format!("{p}.order");
+    let cfg = daemon_config(
+        dir.path(),
+        "u.toml",
+        &db.superuser_url(),
+        "unlogged",
+        brokers,
+        &p,
+        "",
+        "",
+        "",
+    );
+    let c = cfg.to_str().unwrap();
+    let log = dir.path().join("u.log");
+    let mut d = Daemon::start(&cfg, &log);
+    wait_for("the slot", Duration::from_secs(30), || async {
+        confirmed_flush(&client, "unlogged").await
+    })
+    .await;
+    let logged = insert(&client, "a", 3, None).await;
+    wait_ids(brokers, &[&topic], &logged.iter().copied().collect()).await;
+
+    // A partition made unlogged while it streams: the guard stops it.
+    client
+        .batch_execute(
+            "CREATE UNLOGGED TABLE outbox_2030 PARTITION OF outbox FOR VALUES FROM ('2100-01-01') TO ('2200-01-01')",
+        )
+        .await
+        .unwrap();
+    assert_eq!(exits(&mut d, Duration::from_secs(30), &log).await, Some(1));
+    let text = log_text(&log);
+    assert!(
+        text.contains("public.outbox_2030 (unlogged)") && text.contains("SET LOGGED"),
+        "{text}"
+    );
+    let (code, out, _) = outboxd_async(&["check", "--config", c]).await;
+    assert_ne!(code, Some(0), "{out}");
+    assert!(
+        out.contains("FAIL publication") && out.contains("outbox_2030 (unlogged)"),
+        "{out}"
+    );
+    let mut again = Daemon::start(&cfg, &log);
+    assert_eq!(exits(&mut again, Duration::from_secs(30), &log).await, Some(1));
+
+    // Made logged, it streams on.
+    client
+        .batch_execute("ALTER TABLE outbox_2030 SET LOGGED")
+        .await
+        .unwrap();
+    let d = Daemon::start(&cfg, &log);
+    let later = insert(&client, "a", 2, Some("2150-01-01")).await;
+    wait_ids(brokers, &[&topic], &later.iter().copied().collect()).await;
+    assert!(d.sigterm().success());
+}

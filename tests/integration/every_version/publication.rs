@@ -12,7 +12,7 @@ use outboxd::Lsn;
 use crate::harness::broker::broker;
 use crate::harness::{wait_for, TestDb};
 use crate::relay::{
-    bin, config_text, confirmed_flush, current_lsn, spawn_relay_with_slot, stop_relay, write_config,
+    bin, config_text, confirmed_flush, current_lsn, spawn_relay_with_slot, stop_relay, write_config, Daemon,
 };
 
 /// The statement an error names: what follows its last "run: ".
@@ -262,4 +262,50 @@ async fn harmless_changes_keep_the_relay_running() {
     .await;
     assert!(!handle.is_finished(), "still running");
     stop_relay(handle, stop).await;
+}
+
+/// A schema publication does not stop `ALTER TABLE … SET UNLOGGED` on the
+/// outbox (a publication that lists the table does): the running relay
+/// stops, saying the table is unlogged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outbox_set_unlogged_under_a_schema_publication_stops_naming_it() {
+    let db = TestDb::new("pub_unlogged").await;
+    let client = db.client().await;
+    client
+        .batch_execute(
+            "CREATE PUBLICATION unlogged_schema FOR TABLES IN SCHEMA public WITH (publish = 'insert')",
+        )
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let brokers = &broker().brokers;
+    let p = crate::hardening::prefix("pubunl");
+    let cfg = crate::hardening::daemon_config(
+        dir.path(),
+        "s.toml",
+        &db.superuser_url(),
+        "unlogged_schema",
+        brokers,
+        &p,
+        "",
+        "",
+        "",
+    );
+    let log = dir.path().join("s.log");
+    let mut d = Daemon::start(&cfg, &log);
+    wait_for("the slot", Duration::from_secs(30), || async {
+        confirmed_flush(&client, "unlogged_schema").await
+    })
+    .await;
+    client
+        .batch_execute("ALTER TABLE outbox SET UNLOGGED")
+        .await
+        .unwrap();
+    assert_eq!(
+        crate::hardening::exits(&mut d, Duration::from_secs(30), &log).await,
+        Some(1)
+    );
+    let text = crate::hardening::log_text(&log);
+    assert!(text.contains("public.outbox (unlogged)"), "{text}");
+    assert!(!text.contains("ancestor"), "{text}");
 }

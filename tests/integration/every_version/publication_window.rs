@@ -66,7 +66,7 @@ async fn a_publication_changed_while_outboxd_was_down_is_refused_until_the_windo
     let (code, out, _) = outboxd_async(&["check", "--config", c]).await;
     assert_ne!(code, Some(0), "{out}");
     assert!(
-        out.contains("FAIL register") && out.contains("may have changed"),
+        out.contains("FAIL register") && out.contains("cannot be shown unchanged"),
         "{out}"
     );
     let mut refused = Daemon::start(&cfg, &log);

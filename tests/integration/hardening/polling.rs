@@ -237,3 +237,51 @@ async fn polling_keeps_each_aggregates_order_with_two_instances_and_concurrent_w
         assert!(d.sigterm().success());
     }
 }
+
+/// Polling publishes in `created_at` order, so `created_at` must be the
+/// insert time of every row: a table whose `created_at` defaults to
+/// `now()` (a transaction's start: a writer that waited for another can
+/// get the earlier time) or may be NULL (never read) is refused, by `check`
+/// and at start, with the statement that fixes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn polling_refuses_a_created_at_that_does_not_give_the_write_order() {
+    let db = TestDb::new("hard_pollcol").await;
+    let client = db.client().await;
+    let dir = tempfile::tempdir().unwrap();
+    let p = prefix("pollcol");
+    let cfg = polling_config(dir.path(), "c.toml", &db, &p, "interval = \"100ms\"", "");
+    let c = cfg.to_str().unwrap();
+    let refused = |sql: &'static str, says: &'static str| {
+        let (client, cfg, dir) = (&client, &cfg, dir.path());
+        async move {
+            client.batch_execute(sql).await.unwrap();
+            let (code, out, _) = outboxd_async(&["check", "--config", c]).await;
+            assert_ne!(code, Some(0), "{out}");
+            assert!(out.contains("FAIL table") && out.contains(says), "{out}");
+            let log = dir.join("c.log");
+            let mut d = Daemon::start(cfg, &log);
+            assert_eq!(super::exits(&mut d, Duration::from_secs(30), &log).await, Some(1));
+            assert!(super::log_text(&log).contains(says), "{}", super::log_text(&log));
+        }
+    };
+    refused(
+        "ALTER TABLE outbox ALTER COLUMN created_at SET DEFAULT now()",
+        "SET DEFAULT clock_timestamp()",
+    )
+    .await;
+    refused(
+        "ALTER TABLE outbox ALTER COLUMN created_at SET DEFAULT clock_timestamp(), ALTER COLUMN created_at DROP NOT NULL",
+        "SET NOT NULL",
+    )
+    .await;
+    client
+        .batch_execute("ALTER TABLE outbox ALTER COLUMN created_at SET NOT NULL")
+        .await
+        .unwrap();
+    let (_, out, _) = outboxd_async(&["check", "--config", c]).await;
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("ok   table") && l.contains("clock_timestamp()")),
+        "{out}"
+    );
+}

@@ -143,3 +143,82 @@ async fn a_restart_keeps_the_commit_time_a_lost_slot_is_replayed_from() {
     assert_eq!(rewritten.last_commit(), stopped.last_commit());
     assert!(daemon.sigterm().success());
 }
+
+/// Two configurations on one slot name, each with its own outbox and
+/// publication: before, the second streamed the slot past the first's
+/// rows (its publication does not carry them), and the first, restarted,
+/// found its own catalog rows old enough to prove nothing changed. The
+/// register's fingerprint now says who streamed the slot last.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_configuration_on_the_same_slot_is_refused_and_loses_nothing() {
+    let db = TestDb::new("hard_twocfg").await;
+    let client = db.client().await;
+    client
+        .batch_execute(
+            "CREATE SCHEMA other;
+             CREATE TABLE other.outbox (LIKE public.outbox INCLUDING ALL);
+             CREATE PUBLICATION other_pub FOR TABLE other.outbox WITH (publish = 'insert')",
+        )
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let brokers = &broker().brokers;
+    let p = prefix("twocfg");
+    let topic = format!("{p}.order");
+    let slot = "twocfg";
+    let a = daemon_config(
+        dir.path(),
+        "a.toml",
+        &db.superuser_url(),
+        slot,
+        brokers,
+        &p,
+        "",
+        "",
+        "",
+    );
+    let b = daemon_config(
+        dir.path(),
+        "b.toml",
+        &db.superuser_url(),
+        slot,
+        brokers,
+        &p,
+        "",
+        "",
+        "",
+    );
+    let text = std::fs::read_to_string(&b).unwrap().replacen(
+        "publication = \"twocfg\"\n",
+        "publication = \"other_pub\"\ntable = \"other.outbox\"\n",
+        1,
+    );
+    std::fs::write(&b, text).unwrap();
+    let log = dir.path().join("two.log");
+
+    let d = Daemon::start(&a, &log);
+    wait_for("the slot", Duration::from_secs(30), || async {
+        confirmed_flush(&client, slot).await
+    })
+    .await;
+    let (first, _) = write_events(&client, 3, 1, 2, &["Order"], 0).await;
+    wait_ids(brokers, &[&topic], &first.iter().map(|e| e.id).collect()).await;
+    assert!(d.sigterm().success());
+
+    let (gap, _) = write_events(&client, 4, 1, 2, &["Order"], 3).await;
+    let mut other = Daemon::start(&b, &log);
+    assert_eq!(exits(&mut other, Duration::from_secs(30), &log).await, Some(1));
+    let text = log_text(&log);
+    assert!(
+        text.contains("last streamed with another publication or outbox table"),
+        "{text}"
+    );
+    let (code, out, _) = super::outboxd_async(&["check", "--config", b.to_str().unwrap()]).await;
+    assert_ne!(code, Some(0), "{out}");
+    assert!(out.contains("FAIL register"), "{out}");
+
+    // The first configuration, back, publishes what was written meanwhile.
+    let d = Daemon::start(&a, &log);
+    wait_ids(brokers, &[&topic], &gap.iter().map(|e| e.id).collect()).await;
+    assert!(d.sigterm().success());
+}
