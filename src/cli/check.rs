@@ -45,27 +45,47 @@ pub async fn run_checks(config: &Config, v: &Validated) -> Vec<CheckLine> {
         out.push(w);
     }
     out.extend(postgres_checks(config, v).await);
-    out.push(
-        match KafkaSink::new(&config.kafka, config.kafka.admin_timeout.0) {
+    let sink = KafkaSink::new(&config.kafka, config.kafka.admin_timeout.0);
+    out.push(match &sink {
+        Err(e) => line("kafka", false, e.to_string()),
+        Ok(sink) => match sink.check_brokers().await {
+            Ok(n) => line(
+                "kafka",
+                true,
+                format!("{} reachable, {n} broker(s) in the cluster", config.kafka.brokers),
+            ),
             Err(e) => line("kafka", false, e.to_string()),
-            Ok(sink) => match sink.check_brokers().await {
-                Ok(n) => line(
-                    "kafka",
-                    true,
-                    format!("{} reachable, {n} broker(s) in the cluster", config.kafka.brokers),
-                ),
-                Err(e) => line("kafka", false, e.to_string()),
-            },
         },
-    );
+    });
     let kafka_ok = out.last().is_some_and(|l| l.ok);
     if config.kafka.keeps_slot_register() && kafka_ok && config.mode == crate::config::Mode::Cdc {
         out.push(register_check(config, v).await);
+        if let Ok(sink) = &sink {
+            if let Some(l) = retention_check(sink, config.kafka.progress_topic()).await {
+                out.push(l);
+            }
+        }
     }
     if v.transactional_id.is_some() && kafka_ok {
         out.push(progress_check(config, v).await);
     }
     out
+}
+
+/// The progress topic keeps its records for good (`None`: it does not
+/// exist yet; outboxd creates it compacted).
+async fn retention_check(sink: &KafkaSink, topic: &str) -> Option<CheckLine> {
+    match sink.progress_topic_retention(topic).await {
+        Ok(None) => Some(line("retention", true, format!("{topic} keeps each slot's latest record (cleanup.policy)"))),
+        Ok(Some(problem)) => Some(line("retention", false, problem)),
+        Err(e) if e.to_lowercase().contains("unknown topic") => None,
+        Err(e) => Some(CheckLine {
+            name: "retention",
+            ok: true,
+            warning: true,
+            detail: format!("cannot read {topic}'s cleanup.policy ({e}): it must be compact, or the slot register of an idle slot may be deleted"),
+        }),
+    }
 }
 
 /// A `message.timeout.ms` longer than the leader lease: a leader stopped

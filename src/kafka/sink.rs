@@ -19,7 +19,7 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, ResourceSpecifier, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
@@ -631,6 +631,30 @@ impl KafkaSink {
 
     /// Makes sure the exactly-once progress topic exists: one partition,
     /// compacted (one record per slot is all it must keep).
+    /// Why the progress topic would not keep the slot register and the
+    /// progress records for good (`None`: it keeps them); `Err` when its
+    /// configuration cannot be read (DescribeConfigs denied, no answer).
+    pub async fn progress_topic_retention(&self, topic: &str) -> Result<Option<String>, String> {
+        let opts = AdminOptions::new().request_timeout(Some(self.timeout));
+        let results = self
+            .admin
+            .describe_configs([&ResourceSpecifier::Topic(topic)], &opts)
+            .await
+            .map_err(|e| e.to_string())?;
+        let resource = results
+            .into_iter()
+            .next()
+            .ok_or_else(|| "no answer".to_owned())?
+            .map_err(|code| code.to_string())?;
+        let value = |name: &str| resource.get(name).and_then(|e| e.value.clone());
+        Ok(retention_problem(
+            topic,
+            value("cleanup.policy").as_deref(),
+            value("retention.ms").as_deref(),
+            value("retention.bytes").as_deref(),
+        ))
+    }
+
     pub async fn ensure_progress_topic(&mut self, topic: &str) -> Result<(), KafkaSinkError> {
         self.ensure_topic_with(topic, 1, &[("cleanup.policy", "compact")])
             .await
@@ -823,9 +847,50 @@ impl KafkaSink {
     }
 }
 
+/// Why a progress topic with these settings would lose its records: each
+/// key (slot) must keep its latest record for good. Compaction does;
+/// `delete` removes records by age or size unless both are unlimited.
+pub fn retention_problem(
+    topic: &str,
+    cleanup_policy: Option<&str>,
+    retention_ms: Option<&str>,
+    retention_bytes: Option<&str>,
+) -> Option<String> {
+    let policy = cleanup_policy.unwrap_or("delete");
+    let policies: Vec<&str> = policy.split(',').map(str::trim).collect();
+    let deletes = policies.contains(&"delete");
+    let forever = retention_ms == Some("-1") && retention_bytes.is_none_or(|b| b == "-1");
+    if !deletes || forever {
+        return None;
+    }
+    Some(format!(
+        "progress topic {topic} has cleanup.policy={policy} (retention.ms={}): Kafka would delete the slot register's record (and the exactly-once progress record) of a slot idle that long, and a lost slot would then be recreated silently, exactly-once would publish again what Kafka holds. Make it compacted: kafka-configs.sh --bootstrap-server <brokers> --alter --entity-type topics --entity-name {topic} --add-config cleanup.policy=compact",
+        retention_ms.unwrap_or("?")
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_compacted_progress_topic_keeps_its_records() {
+        let p = |policy, ms, bytes| retention_problem("t", policy, ms, bytes);
+        assert_eq!(p(Some("compact"), Some("604800000"), Some("-1")), None);
+        assert_eq!(p(Some("compact,delete"), Some("-1"), Some("-1")), None);
+        assert!(p(Some("compact,delete"), Some("604800000"), Some("-1")).is_some());
+        assert_eq!(
+            p(Some("delete"), Some("-1"), Some("-1")),
+            None,
+            "kept for good, if not compacted"
+        );
+        let e = p(Some("delete"), Some("604800000"), None).unwrap_or_default();
+        assert!(
+            e.contains("cleanup.policy=compact") && e.contains("604800000"),
+            "{e}"
+        );
+        assert!(p(None, None, None).is_some());
+    }
 
     #[test]
     fn every_record_refusal_is_a_known_metric_label() {

@@ -185,6 +185,8 @@ pub enum RelayError {
         because: &'static str,
         replay: String,
     },
+    #[error("{0}")]
+    ProgressTopicRetention(String),
 }
 
 impl RelayError {
@@ -207,6 +209,7 @@ impl RelayError {
             RelayError::Poison { .. } => "poison",
             RelayError::BatchRefused { .. } | RelayError::RefusedInTransaction { .. } => "batch_refused",
             RelayError::Progress(_) | RelayError::ForeignProgress(_) => "progress",
+            RelayError::ProgressTopicRetention(_) => "slot_register",
             RelayError::TransactionTimedOut { .. } => "transaction",
             RelayError::KafkaDenied { .. } => "denied",
             RelayError::DeadLetterFailed(_) => "dead_letter",
@@ -240,6 +243,7 @@ impl RelayError {
             | RelayError::HistoryRewound { .. }
             | RelayError::SlotInvalidated { .. }
             | RelayError::SlotLost(_)
+            | RelayError::ProgressTopicRetention(_)
             | RelayError::Otel(_) => false,
         }
     }
@@ -572,7 +576,7 @@ impl Relay {
         if let Some(info) = &created {
             self.prove_unchanged(&verified, info, record.as_ref(), start)?;
         }
-        let register = self.register_slot(&system, record.as_ref(), &verified).await;
+        let register = self.register_slot(&system, record.as_ref(), &verified).await?;
         let (durability, eo_waypoint) = self.durability(&mut repl, &system, wal_end).await?;
         let waypoint = match eo_waypoint {
             Some(w) => Some(w),
@@ -730,18 +734,30 @@ impl Relay {
         system: &SystemIdentity,
         previous: Option<&SlotRecord>,
         verified: &publication::Verified,
-    ) -> Option<RegisterRefresh> {
+    ) -> Result<Option<RegisterRefresh>, RelayError> {
         let kafka = &self.config.kafka;
         if !kafka.keeps_slot_register() {
-            return None;
+            return Ok(None);
         }
-        if let Err(e) = self.sink.ensure_progress_topic(kafka.progress_topic()).await {
-            self.metrics.error("slot_register");
-            tracing::warn!(
-                topic = kafka.progress_topic(),
-                error = %e,
-                "cannot make the progress topic for the slot register: a lost slot cannot be detected until this is fixed (or set kafka.slot_register = false)"
-            );
+        let topic = kafka.progress_topic();
+        match self.sink.ensure_progress_topic(topic).await {
+            Err(e) => {
+                self.metrics.error("slot_register");
+                tracing::warn!(
+                    topic,
+                    error = %e,
+                    "cannot make the progress topic for the slot register: a lost slot cannot be detected until this is fixed (or set kafka.slot_register = false)"
+                );
+            }
+            // A topic that deletes old records would lose the register of
+            // an idle slot: refused, as a register that cannot be read is.
+            Ok(()) => match self.sink.progress_topic_retention(topic).await {
+                Ok(None) => {}
+                Ok(Some(problem)) => return Err(RelayError::ProgressTopicRetention(problem)),
+                Err(e) => {
+                    tracing::warn!(topic, error = %e, "cannot read the progress topic's cleanup.policy (DescribeConfigs on the topic): it must be compact, or the slot register of an idle slot may be deleted")
+                }
+            },
         }
         let record = SlotRecord::new(
             self.validated.slot.as_str(),
@@ -752,12 +768,12 @@ impl Relay {
         )
         .with_publication(Some(verified.fingerprint.clone()))
         .with_messages(verified.messages_fingerprint.clone());
-        Some(RegisterRefresh::new(
+        Ok(Some(RegisterRefresh::new(
             kafka.clone(),
             record,
             previous,
             self.metrics.clone(),
-        ))
+        )))
     }
 
     /// The session's delivery mode. Exactly-once first fences older

@@ -222,3 +222,48 @@ async fn a_second_configuration_on_the_same_slot_is_refused_and_loses_nothing() 
     wait_ids(brokers, &[&topic], &gap.iter().map(|e| e.id).collect()).await;
     assert!(d.sigterm().success());
 }
+
+/// A progress topic someone made with delete retention would lose an
+/// idle slot's register (and a lost slot would then be recreated
+/// silently): refused at start and by `check`, naming the fix.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_progress_topic_that_deletes_old_records_is_refused() {
+    let db = TestDb::new("hard_retain").await;
+    let dir = tempfile::tempdir().unwrap();
+    let brokers = &broker().brokers;
+    let p = prefix("retain");
+    let progress = format!("{p}.progress");
+    let b = brokers.clone();
+    let t = progress.clone();
+    tokio::task::spawn_blocking(move || {
+        crate::harness::broker::create_topics_with(
+            &b,
+            &[t],
+            &[("cleanup.policy", "delete"), ("retention.ms", "3600000")],
+        )
+    })
+    .await
+    .unwrap();
+    let cfg = daemon_config(
+        dir.path(),
+        "r.toml",
+        &db.superuser_url(),
+        "retain",
+        brokers,
+        &p,
+        "",
+        &format!("progress_topic = \"{progress}\""),
+        "",
+    );
+    let (code, out, _) = super::outboxd_async(&["check", "--config", cfg.to_str().unwrap()]).await;
+    assert_ne!(code, Some(0), "{out}");
+    assert!(
+        out.contains("FAIL retention") && out.contains("cleanup.policy=delete"),
+        "{out}"
+    );
+    let log = dir.path().join("r.log");
+    let mut d = Daemon::start(&cfg, &log);
+    assert_eq!(exits(&mut d, Duration::from_secs(30), &log).await, Some(1));
+    let text = log_text(&log);
+    assert!(text.contains("--add-config cleanup.policy=compact"), "{text}");
+}
