@@ -264,6 +264,14 @@ fn producer_config(cfg: &KafkaConfig, kind: &SinkKind) -> ClientConfig {
     if kind.one_per_batch {
         client.set("batch.num.messages", "1");
     }
+    if let Some(limit) = kind.batch_bytes {
+        let configured = cfg
+            .options
+            .get("batch.size")
+            .and_then(|b| b.parse::<usize>().ok())
+            .unwrap_or(DEFAULT_BATCH_SIZE);
+        client.set("batch.size", configured.min(limit).max(1).to_string());
+    }
     if let (Some(lease), None, false) = (
         kind.fenced_by_lease,
         &kind.transactional_id,
@@ -285,6 +293,9 @@ fn producer_config(cfg: &KafkaConfig, kind: &SinkKind) -> ClientConfig {
     }
     client
 }
+
+/// librdkafka's default `batch.size`.
+const DEFAULT_BATCH_SIZE: usize = 1_000_000;
 
 /// librdkafka's default `transaction.timeout.ms`: how long the broker lets
 /// a transaction of a vanished outboxd hold `read_committed` consumers
@@ -325,6 +336,11 @@ pub struct SinkKind {
     /// lease (see `crate::relay::leader`). Transactional producers are fenced by
     /// their `transactional.id` instead.
     pub fenced_by_lease: Option<Duration>,
+    /// At most this many bytes per batch (`batch.size`): the smallest
+    /// `max.message.bytes` of a topic that refused a batch for its size,
+    /// so that records which fit the topic one by one are not refused
+    /// together (librdkafka does not split a refused batch).
+    pub batch_bytes: Option<usize>,
 }
 
 /// Result of enqueueing a record.
@@ -424,6 +440,7 @@ impl KafkaSink {
             one_per_batch: kind.one_per_batch,
             transactional_id: id.cloned(),
             fenced_by_lease: kind.fenced_by_lease,
+            batch_bytes: kind.batch_bytes,
         };
         let first = ids.as_ref().map(|[a, _]| a);
         let producer: FutureProducer = producer_config(cfg, &with_id(first))
@@ -631,6 +648,19 @@ impl KafkaSink {
 
     /// Makes sure the exactly-once progress topic exists: one partition,
     /// compacted (one record per slot is all it must keep).
+    /// The `max.message.bytes` of `topic` (the largest record batch the
+    /// broker accepts for it), when it can be read.
+    pub async fn topic_max_message_bytes(&self, topic: &str) -> Option<usize> {
+        let opts = AdminOptions::new().request_timeout(Some(self.timeout));
+        let results = self
+            .admin
+            .describe_configs([&ResourceSpecifier::Topic(topic)], &opts)
+            .await
+            .ok()?;
+        let resource = results.into_iter().next()?.ok()?;
+        resource.get("max.message.bytes")?.value.as_deref()?.parse().ok()
+    }
+
     /// Why the progress topic would not keep the slot register and the
     /// progress records for good (`None`: it keeps them); `Err` when its
     /// configuration cannot be read (DescribeConfigs denied, no answer).
@@ -960,6 +990,7 @@ mod tests {
             one_per_batch: true,
             transactional_id: Some("outboxd.s".into()),
             fenced_by_lease: Some(Duration::from_secs(8)),
+            batch_bytes: None,
         };
         let c = producer_config(&kafka(&[("enable.sparse.connections", "true")]), &kind);
         assert_eq!(c.get("enable.sparse.connections"), Some("true"));
@@ -972,6 +1003,17 @@ mod tests {
         );
         let c = producer_config(&kafka(&[("transaction.timeout.ms", "90000")]), &kind);
         assert_eq!(c.get("message.timeout.ms"), Some("90000"));
+        // Batches no larger than a topic that refused one for its size.
+        let small = SinkKind {
+            batch_bytes: Some(20_000),
+            ..SinkKind::default()
+        };
+        assert_eq!(
+            producer_config(&kafka(&[]), &small).get("batch.size"),
+            Some("20000")
+        );
+        let c = producer_config(&kafka(&[("batch.size", "16384")]), &small);
+        assert_eq!(c.get("batch.size"), Some("16384"), "a smaller batch.size stays");
         // The metadata and admin clients keep librdkafka's default.
         assert_eq!(client_config(&kafka(&[])).get("enable.sparse.connections"), None);
     }

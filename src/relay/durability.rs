@@ -245,6 +245,11 @@ impl Durability {
         }
     }
 
+    /// Records go into Kafka transactions (exactly-once).
+    pub(super) fn in_transaction(&self) -> bool {
+        matches!(self, Durability::ExactlyOnce(_))
+    }
+
     pub(super) fn exactly_once(&mut self) -> Option<&mut ExactlyOnce> {
         match self {
             Durability::AtLeastOnce => None,

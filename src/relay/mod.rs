@@ -128,7 +128,7 @@ pub enum RelayError {
     Otel(#[from] crate::ops::otel::OtelError),
     #[error("outbox row {id} at {lsn} can never be published: {error}; the slot has not moved past it. Fix the writer and restart after removing the cause, or set routing.on_poison = \"dead-letter\"")]
     Poison { id: String, lsn: Lsn, error: String },
-    #[error("Kafka refused the batch holding the record at {lsn} for topic {topic:?}: {source}; re-sending the records from there one per batch, to set aside only the record Kafka refuses")]
+    #[error("Kafka refused the batch holding the record at {lsn} for topic {topic:?}: {source}; re-sending the records that may have shared it on their own, to set aside only the record Kafka refuses")]
     BatchRefused {
         lsn: Lsn,
         topic: String,
@@ -263,6 +263,13 @@ pub struct Relay {
     /// Exactly-once: records Kafka refused inside a transaction, which the
     /// replay sets aside.
     refused: RefusedRecords,
+    /// Exactly-once: records that shared a batch Kafka refused, which the
+    /// replay sends each on its own (the rest in batches, so that a large
+    /// transaction still fits in transaction.timeout.ms).
+    suspects: std::collections::BTreeSet<RowPos>,
+    /// The producer's `batch.size` cap, once a topic refused a batch for
+    /// its size (see `SinkKind::batch_bytes`).
+    batch_bytes: Option<usize>,
     /// `outboxd.publish` spans (`None`: tracing is off).
     otel: Option<Arc<PublishTracer>>,
     /// A session of this process read logical decoding messages: later
@@ -395,6 +402,7 @@ impl Relay {
             one_per_batch: false,
             transactional_id: validated.transactional_id.clone(),
             fenced_by_lease: Some(config.postgres.leader_timeout.0),
+            batch_bytes: None,
         };
         let sink = KafkaSink::build(&config.kafka, config.kafka.admin_timeout.0, &kind)?;
         tracing::debug!(took = ?t.elapsed(), "Kafka clients created");
@@ -413,6 +421,8 @@ impl Relay {
             election,
             isolate_until: None,
             refused: RefusedRecords::default(),
+            suspects: Default::default(),
+            batch_bytes: None,
             otel,
             read_messages: false,
         })
@@ -956,6 +966,8 @@ impl Relay {
             open_commit: Lsn::ZERO,
             row_index: 0,
             pending_failure: None,
+            refusals: Vec::new(),
+            alone: None,
         };
         let result = self.stream_loop(&mut stream, &mut s, shutdown).await;
         match result {
@@ -987,9 +999,34 @@ impl Relay {
                 };
                 // Whatever this session read may have shared a batch with
                 // the refused record: re-send all of it one per batch.
-                if let RelayError::BatchRefused { lsn, .. } = &e {
-                    let until = self.isolate_until.unwrap_or(Lsn::ZERO).max(*lsn).max(s.received);
-                    self.isolate_until = Some(until);
+                // Exactly-once: every record of the refused batch, each to
+                // be sent on its own; at-least-once re-sends all it read
+                // one per batch.
+                // A batch too large for its topic: later batches are no
+                // larger than the topic takes.
+                if let RelayError::BatchRefused { topic, source, .. } = &e {
+                    if source.rdkafka_error_code()
+                        == Some(rdkafka::types::RDKafkaErrorCode::MessageSizeTooLarge)
+                    {
+                        if let Some(limit) = self.sink.topic_max_message_bytes(topic).await {
+                            // Room for librdkafka's own framing.
+                            let limit = limit - limit / 20;
+                            if self.batch_bytes.is_none_or(|b| b > limit) {
+                                tracing::info!(topic, batch_size = limit, "a batch was too large for its topic: sending batches within its max.message.bytes");
+                                self.batch_bytes = Some(limit);
+                            }
+                        }
+                    }
+                }
+                match &e {
+                    RelayError::BatchRefused { .. } if !s.refusals.is_empty() => {
+                        self.suspects.extend(s.refusals.iter().map(|r| r.pos));
+                    }
+                    RelayError::BatchRefused { lsn, .. } => {
+                        let until = self.isolate_until.unwrap_or(Lsn::ZERO).max(*lsn).max(s.received);
+                        self.isolate_until = Some(until);
+                    }
+                    _ => {}
                 }
                 if let RelayError::RefusedInTransaction { pos, refused, .. } = &e {
                     self.refused.insert(*pos, refused.clone());
@@ -1015,6 +1052,7 @@ impl Relay {
             one_per_batch: self.isolate_until.is_some(),
             transactional_id: self.validated.transactional_id.clone(),
             fenced_by_lease: Some(self.config.postgres.leader_timeout.0),
+            batch_bytes: self.batch_bytes,
         };
         KafkaSink::build(cfg, timeout, &kind)
     }

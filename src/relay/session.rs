@@ -88,6 +88,15 @@ fn refused_in_transaction(
     }
 }
 
+/// A record-level refusal heard inside a Kafka transaction.
+#[derive(Debug)]
+pub(super) struct HeardRefusal {
+    lsn: Lsn,
+    pub(super) pos: RowPos,
+    refused: Refused,
+    source: rdkafka::error::KafkaError,
+}
+
 /// The record a broker refused, rebuilt from what librdkafka handed back.
 pub(super) fn record_from_message(msg: &rdkafka::message::OwnedMessage) -> KafkaRecord {
     use rdkafka::message::{Headers, Message};
@@ -154,6 +163,14 @@ pub(super) struct Session {
     /// refused record among them is the cause to name, and set aside), and
     /// then ends with it; at most [`HEAR_OUT`] after it came.
     pub(super) pending_failure: Option<(Instant, RelayError)>,
+    /// Exactly-once: the records Kafka refused, while the reports are heard
+    /// out, that were sent in batches: all of one refused batch. One alone
+    /// is the cause; several are sent on their own by the next session
+    /// (see [`Session::heard_out`]).
+    pub(super) refusals: Vec<HeardRefusal>,
+    /// Exactly-once: a record that shared a refused batch, sent on its own
+    /// and awaiting its report: a refusal now is its own.
+    pub(super) alone: Option<RowPos>,
     /// The open transaction's commit LSN (its Begin's final LSN), and its
     /// outbox rows and messages so far: the index of the next one in its
     /// [`RowPos`].
@@ -400,7 +417,9 @@ impl Session {
             (Sent::DeadLetter { reason, .. }, Refusal::Record { .. }) if in_transaction => {
                 Err(refused_in_transaction(lsn, pos, reason, &e, topic, false, true))
             }
-            (Sent::Event, Refusal::Record { reason, omit_payload }) if in_transaction && self.isolating => {
+            (Sent::Event, Refusal::Record { reason, omit_payload })
+                if in_transaction && (self.isolating || self.alone == Some(pos)) =>
+            {
                 Err(refused_in_transaction(
                     lsn,
                     pos,
@@ -427,7 +446,38 @@ impl Session {
                 Ok(())
             }
             // Kafka refuses whole batches: the record may only have shared
-            // one with the record Kafka refuses. Find out, one per batch.
+            // one with the record Kafka refuses. Inside a Kafka transaction,
+            // every record of the refused batch reports the refusal: hear
+            // them all, so that the next session sends only those on their
+            // own (see `heard_out`).
+            (Sent::Event, Refusal::Record { reason, omit_payload }) if in_transaction => {
+                let since = self
+                    .pending_failure
+                    .as_ref()
+                    .map_or_else(Instant::now, |(t, _)| *t);
+                self.pending_failure = Some((
+                    since,
+                    RelayError::BatchRefused {
+                        lsn,
+                        topic: topic.clone(),
+                        source: e.clone(),
+                    },
+                ));
+                self.refusals.push(HeardRefusal {
+                    lsn,
+                    pos,
+                    refused: Refused {
+                        reason,
+                        error: e.to_string(),
+                        topic,
+                        omit_payload,
+                        stub: false,
+                    },
+                    source: e,
+                });
+                Ok(())
+            }
+            // At-least-once: find out, one per batch.
             (Sent::Event, Refusal::Record { .. }) if !self.isolating => Err(RelayError::BatchRefused {
                 lsn,
                 topic,
@@ -462,6 +512,34 @@ impl Session {
                     stub: false,
                 });
                 Ok(())
+            }
+        }
+    }
+
+    /// The failure a session that heard its Kafka transaction's reports
+    /// out ends with. One record refused in batches, with every report
+    /// heard, was alone in its batch: the refusal is its own, and the
+    /// replay sets it aside. Several shared the refused batch: the next
+    /// session sends each of them on its own, and the rest in batches.
+    pub(super) fn heard_out(&mut self, pending: RelayError) -> RelayError {
+        let all_heard = self.deliveries.is_empty();
+        match self.refusals.len() {
+            0 => pending,
+            1 if all_heard => {
+                let HeardRefusal {
+                    lsn, pos, refused, ..
+                } = self.refusals.remove(0);
+                RelayError::RefusedInTransaction { lsn, pos, refused }
+            }
+            // The session's end takes `refusals` as the records to send
+            // on their own.
+            _ => {
+                let first = &self.refusals[0];
+                RelayError::BatchRefused {
+                    lsn: first.lsn,
+                    topic: first.refused.topic.clone(),
+                    source: first.source.clone(),
+                }
             }
         }
     }

@@ -50,7 +50,7 @@ impl Relay {
             if let Some((since, _)) = &s.pending_failure {
                 if s.deliveries.is_empty() || since.elapsed() >= HEAR_OUT {
                     if let Some((_, e)) = s.pending_failure.take() {
-                        return Err(e);
+                        return Err(s.heard_out(e));
                     }
                 }
             }
@@ -76,6 +76,8 @@ impl Relay {
                     s.send_status(stream, idle).await?;
                     self.report(stream, s);
                     self.refused.forget_through(s.confirmable());
+                    let confirmable = s.confirmable();
+                    self.suspects.retain(|p| p.commit_lsn >= confirmable);
                 }
                 changed = s.guard.changed() => {
                     let state = s.guard.borrow_and_update().clone();
@@ -263,10 +265,24 @@ impl Relay {
             .otel
             .as_ref()
             .and_then(|t| t.pending(&record, s.open_commit_ms));
-        match self
+        // It shared a batch Kafka refused: it goes on its own, with nothing
+        // else in flight, so that a refusal now is its own.
+        let alone = self.suspects.contains(&pos);
+        if alone {
+            self.settle(stream, s).await?;
+            if s.pending_failure.is_some() {
+                return Ok(());
+            }
+            s.alone = Some(pos);
+        }
+        let sent = self
             .send(stream, s, txn, lsn, pos, &record, Sent::Event, true, span)
-            .await
-        {
+            .await;
+        if alone && sent.is_ok() {
+            self.settle(stream, s).await?;
+            s.alone = None;
+        }
+        match sent {
             // Refused before it was sent (librdkafka's own checks, such as
             // message.max.bytes): this record alone is the cause.
             Err(RelayError::Kafka(KafkaSinkError::Produce { source, topic })) => match Refusal::of(&source) {
@@ -281,10 +297,32 @@ impl Relay {
                     s.poison_row(txn, row, pos, poison)
                 }
                 Refusal::Denied => Err(RelayError::KafkaDenied { topic, source }),
+                // A Kafka transaction that failed refuses every later send
+                // at once (an erroneous state), while the report naming the
+                // cause may still be on its way: hear the reports out.
+                Refusal::Transient if s.durability.in_transaction() => {
+                    s.pending_failure
+                        .get_or_insert((Instant::now(), KafkaSinkError::Produce { source, topic }.into()));
+                    Ok(())
+                }
                 Refusal::Transient => Err(KafkaSinkError::Produce { source, topic }.into()),
             },
             other => other,
         }
+    }
+
+    /// Waits until nothing this session sent is in flight, handling each
+    /// report, or until a report starts hearing a failure out.
+    async fn settle(&mut self, stream: &mut OutboxStream, s: &mut Session) -> Result<(), RelayError> {
+        while !s.deliveries.is_empty() && s.pending_failure.is_none() {
+            let next = stream
+                .keep_alive_while(s.received, s.reported_flush, s.status_every, s.deliveries.next())
+                .await?;
+            if let Some(done) = next {
+                s.delivered(&self.metrics, done)?;
+            }
+        }
+        Ok(())
     }
 
     /// Makes sure `topic` exists and is served, keeping the session alive

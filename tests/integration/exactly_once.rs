@@ -360,7 +360,7 @@ async fn exactly_once_survives_sigkills_with_each_event_read_once() {
     let sessions = |log: &std::path::Path| {
         std::fs::read_to_string(log)
             .unwrap_or_default()
-            .matches("pipeline: streaming")
+            .matches("relay: streaming")
             .count()
     };
     for k in 0..kills {

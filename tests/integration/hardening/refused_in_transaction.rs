@@ -157,3 +157,108 @@ async fn exactly_once_sets_a_refused_record_aside_once_whatever_commits_around_i
     assert!(metric(&body, "outboxd_ready").is_some());
     assert!(daemon.sigterm().success());
 }
+
+/// A refused record near the end of a large PostgreSQL transaction, with a
+/// short transaction.timeout.ms, on a topic whose max.message.bytes is
+/// below librdkafka's batch size. Before, the replay sent the whole
+/// transaction one record per batch, slower than the timeout: the broker
+/// aborted every replay, for ever. Now only the records that shared the
+/// refused batch go on their own, batches stay within the topic's limit,
+/// and a send refused at once because the transaction already failed
+/// hears the reports out instead of ending the session without the cause.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_in_a_large_transaction_is_set_aside_within_the_transaction_timeout() {
+    let db = TestDb::new("hard_eobig").await;
+    let client = db.client().await;
+    let dir = tempfile::tempdir().unwrap();
+    let brokers = &broker().brokers;
+    let p = prefix("eobig");
+    let (topic, dlq) = (format!("{p}.order"), format!("{p}.dlq"));
+    let b = brokers.clone();
+    let t = topic.clone();
+    tokio::task::spawn_blocking(move || create_topics_with(&b, &[t], &[("max.message.bytes", "20000")]))
+        .await
+        .unwrap();
+    let port = crate::harness::postgres::free_port();
+    let cfg = daemon_config(
+        dir.path(),
+        "big.toml",
+        &db.superuser_url(),
+        "eobig",
+        brokers,
+        &p,
+        &format!("on_poison = \"dead-letter\"\ndead_letter_topic = \"{dlq}\""),
+        &format!(
+            "delivery = \"exactly-once\"\nprogress_topic = \"{p}.progress\"\n[kafka.exactly_once]\ncommit_timeout = \"3s\"\n[kafka.options]\n\"transaction.timeout.ms\" = \"6000\""
+        ),
+        "",
+    );
+    let text = std::fs::read_to_string(&cfg).unwrap().replace(
+        "listen = \"127.0.0.1:0\"",
+        &format!("listen = \"127.0.0.1:{port}\""),
+    );
+    std::fs::write(&cfg, text).unwrap();
+    let log = dir.path().join("big.log");
+    let daemon = Daemon::start(&cfg, &log);
+    wait_for("the slot", Duration::from_secs(30), || async {
+        confirmed_flush(&client, "eobig").await
+    })
+    .await;
+    let bad = Uuid::now_v7();
+    let small = "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload)
+                 SELECT gen_random_uuid(), 'Order', 'a-' || (g % 8), 't', jsonb_build_object('g', g)
+                   FROM generate_series($1::int, $2::int) g";
+    let tx = {
+        let c = db.client().await;
+        c.batch_execute("BEGIN").await.unwrap();
+        c.execute(small, &[&0i32, &37_999i32]).await.unwrap();
+        c.execute(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload) VALUES ($1, 'Order', 'a-0', 't', $2)",
+            &[&bad, &big()],
+        )
+        .await
+        .unwrap();
+        c.execute(small, &[&38_000i32, &39_999i32]).await.unwrap();
+        c.batch_execute("COMMIT").await.unwrap();
+        c
+    };
+    drop(tx);
+    let dead = wait_ids(brokers, &[&dlq], &HashSet::from([bad])).await;
+    assert_eq!(dead.len(), 1);
+    let (b, t) = (brokers.clone(), topic.clone());
+    let committed = wait_for(
+        "every small row, read_committed",
+        Duration::from_secs(120),
+        || {
+            let (b, t) = (b.clone(), t.clone());
+            async move {
+                let recs = tokio::task::spawn_blocking(move || {
+                    consume(&b, &[&t], usize::MAX, Duration::from_secs(5))
+                })
+                .await
+                .unwrap();
+                (recs.len() >= 40_000).then_some(recs)
+            }
+        },
+    )
+    .await;
+    let ids: HashSet<Uuid> = committed
+        .iter()
+        .filter_map(|r| r.header("id")?.parse().ok())
+        .collect();
+    assert_eq!(committed.len(), 40_000, "each event once to read_committed");
+    assert_eq!(ids.len(), 40_000);
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let (_, body) = get(addr, "/metrics").await;
+    let aborted = labelled(&body, "outboxd_kafka_transactions_total{outcome=\"aborted\"}");
+    eprintln!("a refusal in a 40,001-row transaction: {aborted} aborted Kafka transactions");
+    // One when a batch of small rows is larger than the topic's
+    // max.message.bytes (later batches fit it), one when the large row is
+    // refused on its own, and at most one more if it first shared a batch.
+    assert!(
+        aborted <= 3.0,
+        "{aborted} aborted Kafka transactions for one refusal: {}",
+        super::log_text(&log)
+    );
+    assert!(daemon.sigterm().success());
+}
