@@ -78,7 +78,7 @@ async fn retention_check(sink: &KafkaSink, topic: &str) -> Option<CheckLine> {
     match sink.progress_topic_retention(topic).await {
         Ok(None) => Some(line("retention", true, format!("{topic} keeps each slot's latest record (cleanup.policy)"))),
         Ok(Some(problem)) => Some(line("retention", false, problem)),
-        Err(e) if e.to_lowercase().contains("unknown topic") => None,
+        Err(e) if KafkaSink::is_unknown_topic(&e) => None,
         Err(e) => Some(CheckLine {
             name: "retention",
             ok: true,

@@ -676,6 +676,14 @@ impl KafkaSink {
             .next()
             .ok_or_else(|| "no answer".to_owned())?
             .map_err(|code| code.to_string())?;
+        // A topic that does not exist (yet, or not on every broker yet)
+        // comes back from Kafka 4 as a resource without entries, not as
+        // an error: that is no policy, and certainly not `delete`.
+        if resource.entries.is_empty() {
+            return Err(format!(
+                "{UNKNOWN_TOPIC}: DescribeConfigs returned no configuration for {topic}"
+            ));
+        }
         let value = |name: &str| resource.get(name).and_then(|e| e.value.clone());
         Ok(retention_problem(
             topic,
@@ -683,6 +691,12 @@ impl KafkaSink {
             value("retention.ms").as_deref(),
             value("retention.bytes").as_deref(),
         ))
+    }
+
+    /// Whether an error of [`Self::progress_topic_retention`] says the
+    /// topic is not there.
+    pub fn is_unknown_topic(error: &str) -> bool {
+        error.to_lowercase().contains(UNKNOWN_TOPIC)
     }
 
     pub async fn ensure_progress_topic(&mut self, topic: &str) -> Result<(), KafkaSinkError> {
@@ -880,6 +894,8 @@ impl KafkaSink {
 /// Why a progress topic with these settings would lose its records: each
 /// key (slot) must keep its latest record for good. Compaction does;
 /// `delete` removes records by age or size unless both are unlimited.
+const UNKNOWN_TOPIC: &str = "unknown topic";
+
 pub fn retention_problem(
     topic: &str,
     cleanup_policy: Option<&str>,

@@ -733,6 +733,22 @@ impl Relay {
         ))))
     }
 
+    /// The progress topic's retention, asked again while a topic outboxd
+    /// has just made is not yet described by the broker answering.
+    async fn progress_topic_retention(&self, topic: &str) -> Result<Option<String>, String> {
+        let mut answer = self.sink.progress_topic_retention(topic).await;
+        for _ in 0..10 {
+            match &answer {
+                Err(e) if KafkaSink::is_unknown_topic(e) => {
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                    answer = self.sink.progress_topic_retention(topic).await;
+                }
+                _ => break,
+            }
+        }
+        answer
+    }
+
     /// What the session needs to keep the slot register's record (once the
     /// slot exists): the first status tick writes it, in the background.
     /// A progress topic that cannot be made is logged and counted, not
@@ -761,7 +777,7 @@ impl Relay {
             }
             // A topic that deletes old records would lose the register of
             // an idle slot: refused, as a register that cannot be read is.
-            Ok(()) => match self.sink.progress_topic_retention(topic).await {
+            Ok(()) => match self.progress_topic_retention(topic).await {
                 Ok(None) => {}
                 Ok(Some(problem)) => return Err(RelayError::ProgressTopicRetention(problem)),
                 Err(e) => {

@@ -32,29 +32,35 @@ fn big() -> serde_json::Value {
     serde_json::json!({ "pad": pad })
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn exactly_once_sets_a_refused_record_aside_once_whatever_commits_around_it() {
-    let db = TestDb::new("hard_eo8").await;
-    let client = db.client().await;
-    let dir = tempfile::tempdir().unwrap();
+/// An exactly-once daemon config for `db` (slot `slot`) whose topic
+/// `<prefix>.order` takes at most 20,000 bytes per batch, dead letters to
+/// `<prefix>.dlq`, `/metrics` on a port of its own, and `kafka` added to
+/// `[kafka]` after the delivery settings.
+struct Refusing {
+    cfg: std::path::PathBuf,
+    topic: String,
+    dlq: String,
+    metrics: std::net::SocketAddr,
+}
+
+async fn refusing(dir: &std::path::Path, db: &TestDb, slot: &str, kafka: &str) -> Refusing {
     let brokers = &broker().brokers;
-    let p = prefix("eo8");
+    let p = prefix(slot);
     let (topic, dlq) = (format!("{p}.order"), format!("{p}.dlq"));
-    let b = brokers.clone();
-    let t = topic.clone();
+    let (b, t) = (brokers.clone(), topic.clone());
     tokio::task::spawn_blocking(move || create_topics_with(&b, &[t], &[("max.message.bytes", "20000")]))
         .await
         .unwrap();
     let port = crate::harness::postgres::free_port();
     let cfg = daemon_config(
-        dir.path(),
-        "eo8.toml",
+        dir,
+        &format!("{slot}.toml"),
         &db.superuser_url(),
-        "eo8",
+        slot,
         brokers,
         &p,
         &format!("on_poison = \"dead-letter\"\ndead_letter_topic = \"{dlq}\""),
-        &format!("delivery = \"exactly-once\"\nprogress_topic = \"{p}.progress\""),
+        &format!("delivery = \"exactly-once\"\nprogress_topic = \"{p}.progress\"\n{kafka}"),
         "",
     );
     let text = std::fs::read_to_string(&cfg).unwrap().replace(
@@ -62,13 +68,32 @@ async fn exactly_once_sets_a_refused_record_aside_once_whatever_commits_around_i
         &format!("listen = \"127.0.0.1:{port}\""),
     );
     std::fs::write(&cfg, text).unwrap();
+    Refusing {
+        cfg,
+        topic,
+        dlq,
+        metrics: format!("127.0.0.1:{port}").parse().unwrap(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exactly_once_sets_a_refused_record_aside_once_whatever_commits_around_it() {
+    let db = TestDb::new("hard_eo8").await;
+    let client = db.client().await;
+    let dir = tempfile::tempdir().unwrap();
+    let brokers = &broker().brokers;
+    let Refusing {
+        cfg,
+        topic,
+        dlq,
+        metrics: addr,
+    } = refusing(dir.path(), &db, "eo8", "").await;
     let log = dir.path().join("eo8.log");
     let daemon = Daemon::start(&cfg, &log);
     wait_for("the slot", Duration::from_secs(30), || async {
         confirmed_flush(&client, "eo8").await
     })
     .await;
-    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
 
     // A transaction holds a row too large for the topic, open for 3 s
     // while other transactions commit every 100 ms.
@@ -172,32 +197,18 @@ async fn a_refusal_in_a_large_transaction_is_set_aside_within_the_transaction_ti
     let client = db.client().await;
     let dir = tempfile::tempdir().unwrap();
     let brokers = &broker().brokers;
-    let p = prefix("eobig");
-    let (topic, dlq) = (format!("{p}.order"), format!("{p}.dlq"));
-    let b = brokers.clone();
-    let t = topic.clone();
-    tokio::task::spawn_blocking(move || create_topics_with(&b, &[t], &[("max.message.bytes", "20000")]))
-        .await
-        .unwrap();
-    let port = crate::harness::postgres::free_port();
-    let cfg = daemon_config(
+    let Refusing {
+        cfg,
+        topic,
+        dlq,
+        metrics: addr,
+    } = refusing(
         dir.path(),
-        "big.toml",
-        &db.superuser_url(),
+        &db,
         "eobig",
-        brokers,
-        &p,
-        &format!("on_poison = \"dead-letter\"\ndead_letter_topic = \"{dlq}\""),
-        &format!(
-            "delivery = \"exactly-once\"\nprogress_topic = \"{p}.progress\"\n[kafka.exactly_once]\ncommit_timeout = \"3s\"\n[kafka.options]\n\"transaction.timeout.ms\" = \"6000\""
-        ),
-        "",
-    );
-    let text = std::fs::read_to_string(&cfg).unwrap().replace(
-        "listen = \"127.0.0.1:0\"",
-        &format!("listen = \"127.0.0.1:{port}\""),
-    );
-    std::fs::write(&cfg, text).unwrap();
+        "[kafka.exactly_once]\ncommit_timeout = \"3s\"\n[kafka.options]\n\"transaction.timeout.ms\" = \"6000\"",
+    )
+    .await;
     let log = dir.path().join("big.log");
     let daemon = Daemon::start(&cfg, &log);
     wait_for("the slot", Duration::from_secs(30), || async {
@@ -248,7 +259,6 @@ async fn a_refusal_in_a_large_transaction_is_set_aside_within_the_transaction_ti
         .collect();
     assert_eq!(committed.len(), 40_000, "each event once to read_committed");
     assert_eq!(ids.len(), 40_000);
-    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     let (_, body) = get(addr, "/metrics").await;
     let aborted = labelled(&body, "outboxd_kafka_transactions_total{outcome=\"aborted\"}");
     eprintln!("a refusal in a 40,001-row transaction: {aborted} aborted Kafka transactions");

@@ -267,3 +267,56 @@ async fn a_progress_topic_that_deletes_old_records_is_refused() {
     let text = log_text(&log);
     assert!(text.contains("--add-config cleanup.policy=compact"), "{text}");
 }
+
+/// `check` before the first start reads a progress topic that does not
+/// exist yet. Reading it must not make the broker create it (with the
+/// broker's default delete retention): the daemon would then refuse to
+/// start, and a second `check` would fail where the first passed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_before_the_first_start_leaves_the_progress_topic_to_the_daemon() {
+    let db = TestDb::new("hard_firstcheck").await;
+    let dir = tempfile::tempdir().unwrap();
+    let brokers = &broker().brokers;
+    let p = prefix("firstcheck");
+    let progress = format!("{p}.progress");
+    let cfg = daemon_config(
+        dir.path(),
+        "f.toml",
+        &db.superuser_url(),
+        "firstcheck",
+        brokers,
+        &p,
+        "",
+        &format!("progress_topic = \"{progress}\""),
+        "",
+    );
+    for round in ["first", "second"] {
+        let (code, out, _) = super::outboxd_async(&["check", "--config", cfg.to_str().unwrap()]).await;
+        assert_eq!(code, Some(0), "{round} check:\n{out}");
+        assert!(!out.contains("FAIL"), "{round} check:\n{out}");
+    }
+    let b = brokers.clone();
+    let pre = p.clone();
+    let made = tokio::task::spawn_blocking(move || crate::harness::broker::topics_with_prefix(&b, &pre))
+        .await
+        .unwrap();
+    assert!(!made.contains(&progress), "check created {progress}: {made:?}");
+
+    let log = dir.path().join("f.log");
+    let daemon = Daemon::start(&cfg, &log);
+    let client = db.client().await;
+    wait_for("the slot", Duration::from_secs(30), || async {
+        confirmed_flush(&client, "firstcheck").await
+    })
+    .await;
+    let (events, _) = write_events(&client, 3, 1, 1, &["Order"], 0).await;
+    wait_ids(
+        brokers,
+        &[&format!("{p}.order")],
+        &events.iter().map(|e| e.id).collect(),
+    )
+    .await;
+    let (_, out, _) = super::outboxd_async(&["check", "--config", cfg.to_str().unwrap()]).await;
+    assert!(out.contains("ok   retention"), "after the start:\n{out}");
+    assert!(daemon.sigterm().success());
+}
