@@ -420,7 +420,7 @@ async fn postgres_checks(config: &Config, v: &Validated) -> Vec<CheckLine> {
     );
 
     out.push(
-        match crate::postgres::publication::messages(&client, &subject.receiving).await {
+        match crate::postgres::publication::messages(&client, &subject).await {
             Ok(Some(prefix)) => line(
                 "messages",
                 true,

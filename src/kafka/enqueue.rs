@@ -15,7 +15,7 @@ use rdkafka::producer::DeliveryFuture;
 use uuid::Uuid;
 
 use crate::config::{OnPoison, RoutingConfig};
-use crate::kafka::records::{dead_letter_for_row, KafkaRecord, Poison, RecordError};
+use crate::kafka::records::{dead_letter_for_row, dead_letter_stub, KafkaRecord, Poison, RecordError};
 use crate::kafka::sink::{KafkaSink, KafkaSinkError, Refusal, SendOutcome};
 use crate::source::outbox::OutboxRow;
 use crate::Lsn;
@@ -115,13 +115,41 @@ fn dead_letter(
     Ok(dead_letter_for_row(row, &poison, &routing.dead_letter_topic))
 }
 
-/// Enqueues a dead letter, waiting while the queue is full.
+/// The stub of a row's dead letter that Kafka refused (a dead letter keeps
+/// the row's headers, which may be what is too large), enqueued: the id,
+/// the reason and the sizes, small enough for any topic. The caller awaits
+/// it as it would the dead letter.
+pub async fn set_aside_as_stub(
+    sink: &mut KafkaSink,
+    routing: &RoutingConfig,
+    row: &OutboxRow,
+    reason: &'static str,
+    error: String,
+    refused: &str,
+) -> Result<Enqueued, EnqueueError> {
+    let dl = dead_letter(routing, row, reason, error)?;
+    tracing::warn!(id = %row.id, error = refused, "Kafka refused a dead letter; sending its stub (id, reason, sizes) instead");
+    let stub = dead_letter_stub(&dl, refused);
+    Ok(Enqueued::DeadLetter(send(sink, &stub).await?, reason))
+}
+
+/// Enqueues a dead letter, waiting while the queue is full. One that
+/// librdkafka refuses on its own (larger than `message.max.bytes`) goes
+/// as its stub.
 async fn send(sink: &mut KafkaSink, rec: &KafkaRecord) -> Result<DeliveryFuture, KafkaSinkError> {
     sink.ensure_topic(&rec.topic).await?;
+    let mut stub: Option<KafkaRecord> = None;
     loop {
-        match sink.send(rec)? {
-            SendOutcome::Sent(f) => return Ok(f),
-            SendOutcome::QueueFull => tokio::time::sleep(Duration::from_millis(1)).await,
+        match sink.send(stub.as_ref().unwrap_or(rec)) {
+            Ok(SendOutcome::Sent(f)) => return Ok(f),
+            Ok(SendOutcome::QueueFull) => tokio::time::sleep(Duration::from_millis(1)).await,
+            Err(KafkaSinkError::Produce { source, .. })
+                if stub.is_none() && matches!(Refusal::of(&source), Refusal::Record { .. }) =>
+            {
+                tracing::warn!(error = %source, "Kafka refused a dead letter; sending its stub (id, reason, sizes) instead");
+                stub = Some(dead_letter_stub(rec, &source.to_string()));
+            }
+            Err(e) => return Err(e),
         }
     }
 }

@@ -16,7 +16,7 @@
 //! `enable.idempotence=true`, `acks=all`. With idempotence librdkafka
 //! retries without reordering a partition's messages.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, ResourceSpecifier, TopicReplication};
@@ -400,6 +400,13 @@ pub struct KafkaSink {
     /// Topics the session's warm-up found in the metadata: they need no
     /// creation, but still the readiness check before their first record.
     existing_topics: HashSet<String>,
+    /// Each known topic's `max.message.bytes`, where it could be read and
+    /// records go uncompressed: a record larger is refused here, before
+    /// it is sent (see [`KafkaSink::send`]).
+    topic_limits: HashMap<String, usize>,
+    /// Records go uncompressed (no `compression.type` in `kafka.options`),
+    /// so their size in a batch is known before sending.
+    uncompressed: bool,
     create_topics: bool,
     partitions: i32,
     replication_factor: i32,
@@ -468,6 +475,12 @@ impl KafkaSink {
             admin,
             known_topics: HashSet::new(),
             existing_topics: HashSet::new(),
+            topic_limits: HashMap::new(),
+            uncompressed: cfg
+                .options
+                .iter()
+                .filter(|(k, _)| k.as_str() == "compression.type" || k.as_str() == "compression.codec")
+                .all(|(_, v)| v == "none"),
             create_topics: cfg.create_topics,
             partitions: cfg.topic_partitions,
             replication_factor: cfg.topic_replication_factor,
@@ -774,6 +787,16 @@ impl KafkaSink {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+        if self.uncompressed {
+            match self.topic_max_message_bytes(topic).await {
+                Some(limit) => {
+                    self.topic_limits.insert(topic.to_owned(), limit);
+                }
+                None => {
+                    self.topic_limits.remove(topic);
+                }
+            }
+        }
         self.known_topics.insert(topic.to_owned());
         tracing::debug!(topic, took = ?started.elapsed(), "topic ready");
         Ok(())
@@ -819,6 +842,7 @@ impl KafkaSink {
     pub fn forget_topics(&mut self) {
         self.known_topics.clear();
         self.existing_topics.clear();
+        self.topic_limits.clear();
         self.warm_up();
     }
 
@@ -864,7 +888,21 @@ impl KafkaSink {
     /// Enqueues a record without waiting for the broker; with a
     /// transactional producer, inside the open Kafka transaction (opening
     /// one if needed).
+    ///
+    /// A record larger, alone in its batch, than its topic's
+    /// `max.message.bytes` is refused here as the broker would refuse it
+    /// (`MessageSizeTooLarge`), but synchronously: sent, the broker would
+    /// refuse the whole batch around it, and a later batch of the same
+    /// partition could be stored ahead of that batch's other records.
     pub fn send(&mut self, rec: &KafkaRecord) -> Result<SendOutcome, KafkaSinkError> {
+        if let Some(&limit) = self.topic_limits.get(&rec.topic) {
+            if batch_bytes_alone(rec) > limit {
+                return Err(KafkaSinkError::Produce {
+                    topic: rec.topic.clone(),
+                    source: KafkaError::MessageProduction(RDKafkaErrorCode::MessageSizeTooLarge),
+                });
+            }
+        }
         self.begin_if_needed()?;
         let mut headers = OwnedHeaders::new_with_capacity(rec.headers.len());
         for (k, v) in &rec.headers {
@@ -891,11 +929,39 @@ impl KafkaSink {
     }
 }
 
+/// What [`KafkaSink::progress_topic_retention`] says of a topic that is
+/// not there.
+const UNKNOWN_TOPIC: &str = "unknown topic";
+
+/// The bytes of a record batch (format v2, uncompressed) that holds `rec`
+/// alone: what the broker compares with the topic's `max.message.bytes`.
+/// The batch header is 61 bytes; the record is its length, then its
+/// attributes, timestamp and offset deltas (0 alone), key, value and
+/// headers, each length a zigzag varint.
+pub fn batch_bytes_alone(rec: &KafkaRecord) -> usize {
+    fn varint(n: usize) -> usize {
+        let mut zigzag = (n as u64) << 1;
+        let mut bytes = 1;
+        while zigzag >= 0x80 {
+            zigzag >>= 7;
+            bytes += 1;
+        }
+        bytes
+    }
+    let field = |len: usize| varint(len) + len;
+    let headers: usize = rec
+        .headers
+        .iter()
+        .map(|(k, v)| field(k.len()) + field(v.len()))
+        .sum();
+    let body =
+        1 + 1 + 1 + field(rec.key.len()) + field(rec.value.len()) + varint(rec.headers.len()) + headers;
+    61 + varint(body) + body
+}
+
 /// Why a progress topic with these settings would lose its records: each
 /// key (slot) must keep its latest record for good. Compaction does;
 /// `delete` removes records by age or size unless both are unlimited.
-const UNKNOWN_TOPIC: &str = "unknown topic";
-
 pub fn retention_problem(
     topic: &str,
     cleanup_policy: Option<&str>,

@@ -222,14 +222,33 @@ fn emit_fingerprint(prefix: &str, emit: &EmitSetup) -> String {
 }
 
 /// The columns of a reading that say what the database is set up to emit
-/// (the prefix is parameter `$6`): the `outbox_emit` functions and whether
-/// each writes the prefix, whether PUBLIC may call `pg_logical_emit_message`,
-/// and its signatures.
+/// (the outbox table is parameters `$3`.`$4`, the prefix `$6`): the
+/// `outbox_emit` functions and whether each writes the prefix, whether
+/// PUBLIC may call `pg_logical_emit_message`, and its signatures.
+///
+/// An `outbox_emit` counts only when it could write an event: its owner is
+/// a superuser, owns its schema or the outbox table, or was granted
+/// `pg_logical_emit_message` while PUBLIC was not. Any role may create a
+/// `pg_temp.outbox_emit`, and on PostgreSQL before 15 one in `public`; such
+/// a function cannot write a message, and counting it would let any role
+/// stop outboxd (a prefix it does not write, or messages not read).
 const EMIT_SETUP: &str = "
     (SELECT string_agg(n.nspname || '.' || f.proname || '=' || (position(quote_literal($6::text) in f.prosrc) > 0)::text, ','
                        ORDER BY n.nspname)
        FROM pg_catalog.pg_proc f JOIN pg_catalog.pg_namespace n ON n.oid = f.pronamespace
-      WHERE f.proname = 'outbox_emit'),
+      WHERE f.proname = 'outbox_emit'
+        AND n.nspname NOT LIKE 'pg\\_temp\\_%' AND n.nspname NOT LIKE 'pg\\_toast\\_temp\\_%'
+        AND (EXISTS (SELECT 1 FROM pg_catalog.pg_roles r WHERE r.oid = f.proowner AND r.rolsuper)
+             OR f.proowner = n.nspowner
+             OR f.proowner = (SELECT c.relowner FROM pg_catalog.pg_class c
+                                JOIN pg_catalog.pg_namespace tn ON tn.oid = c.relnamespace
+                               WHERE tn.nspname = $3 AND c.relname = $4)
+             OR (EXISTS (SELECT 1 FROM pg_catalog.pg_proc e
+                          WHERE e.proname = 'pg_logical_emit_message' AND e.pronamespace = 'pg_catalog'::regnamespace
+                            AND pg_catalog.has_function_privilege(f.proowner, e.oid, 'EXECUTE'))
+                 AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_proc e
+                          WHERE e.proname = 'pg_logical_emit_message' AND e.pronamespace = 'pg_catalog'::regnamespace
+                            AND pg_catalog.has_function_privilege('public', e.oid, 'EXECUTE'))))),
     (SELECT coalesce(bool_or(pg_catalog.has_function_privilege('public', f.oid, 'EXECUTE')), false)
        FROM pg_catalog.pg_proc f WHERE f.proname = 'pg_logical_emit_message'
         AND f.pronamespace = 'pg_catalog'::regnamespace),
@@ -269,13 +288,15 @@ impl EmitSetup {
 /// What `outboxd check` says about the table-less outbox, whether or not
 /// the publication exists yet: the prefix of the messages read (`None`:
 /// none), or the problem.
-pub async fn messages(client: &Client, receiving: &Receiving) -> Result<Option<String>, AdminError> {
-    // $1..$5 are the reading's; only $6 is used here.
+pub async fn messages(client: &Client, subject: &Subject) -> Result<Option<String>, AdminError> {
+    let receiving = &subject.receiving;
+    // $1, $2 and $5 are the reading's; unused here.
     let sql = format!(
         "SELECT {EMIT_SETUP} FROM (SELECT $1::text, $2::text, $3::text, $4::text, $5::text) AS unused"
     );
+    let (schema, name) = (subject.table.schema.as_str(), subject.table.name.as_str());
     let row = client
-        .query_one(&sql, &[&"", &"", &"", &"", &"", &receiving.prefix.as_str()])
+        .query_one(&sql, &[&"", &"", &schema, &name, &"", &receiving.prefix.as_str()])
         .await?;
     let emit = EmitSetup::from_row(&row, 0);
     match emit_problem(&emit, receiving) {

@@ -60,7 +60,7 @@ use tokio_postgres::Client;
 use uuid::Uuid;
 
 use crate::config::{Config, Validated};
-use crate::kafka::enqueue::{enqueue_row, set_aside, EnqueueError, Enqueued};
+use crate::kafka::enqueue::{enqueue_row, set_aside, set_aside_as_stub, EnqueueError, Enqueued};
 use crate::kafka::records::build_record;
 use crate::kafka::sink::{KafkaSink, KafkaSinkError, Refusal, Report, SinkKind};
 use crate::metrics::Metrics;
@@ -78,6 +78,8 @@ pub enum PollingError {
     Kafka(#[from] KafkaSinkError),
     #[error(transparent)]
     Poison(EnqueueError),
+    #[error("the polling lease lapsed in the middle of a round (this process was stopped or starved longer than postgres.leader_timeout); the rest of the round is left to whichever instance leads now")]
+    LeadershipLost,
     #[error("Kafka refused the batch holding outbox row {id} ({source}); sending the rows from there one at a time, to set aside only the row Kafka refuses")]
     BatchRefused {
         id: Uuid,
@@ -101,7 +103,7 @@ impl PollingError {
             PollingError::Admin(_) => false,
             PollingError::Kafka(e) => e.is_transient(),
             PollingError::Poison(_) => false,
-            PollingError::BatchRefused { .. } => true,
+            PollingError::BatchRefused { .. } | PollingError::LeadershipLost => true,
         }
     }
 }
@@ -385,6 +387,12 @@ impl PollingRelay {
             // One at a time up to the row Kafka refused in a batch, so that
             // a refusal now is the row's own.
             let alone = self.isolate_until.is_some();
+            // No record goes to Kafka without a fresh lease: a leader that
+            // was frozen mid-round stops here; a standby took its rows.
+            if !self.election.still_held() {
+                failure = Some(PollingError::LeadershipLost);
+                break;
+            }
             let enqueued = match self.enqueue(&row).await {
                 Ok(e) => e,
                 Err(e) => {
@@ -431,6 +439,7 @@ impl PollingRelay {
             self.metrics.error(match &e {
                 PollingError::Kafka(k) => k.reason(),
                 PollingError::BatchRefused { .. } => "batch_refused",
+                PollingError::LeadershipLost => "postgres_stream",
                 PollingError::Poison(_) => "poison",
                 PollingError::Admin(_) => "postgres_stream",
             });
@@ -467,7 +476,10 @@ impl PollingRelay {
     ) -> Result<(), PollingError> {
         let mut failure = None;
         for Pending { row, enqueued } in pending.drain(..) {
-            let dead = matches!(enqueued, Enqueued::DeadLetter(..));
+            let dead = match &enqueued {
+                Enqueued::DeadLetter(_, reason) => Some(*reason),
+                Enqueued::Record(_) => None,
+            };
             let report = Report::of(enqueued.into_future().await);
             if failure.is_some() {
                 continue;
@@ -483,30 +495,41 @@ impl PollingRelay {
                     continue;
                 }
             };
-            match Refusal::of(&source) {
-                Refusal::Record { reason, .. } if alone && !dead => {
+            match (Refusal::of(&source), dead) {
+                (Refusal::Record { reason, .. }, None) if alone => {
                     tracing::warn!(id = %row.id, error = %source, "Kafka refused an outbox row on its own");
-                    let dl = set_aside(
+                    let error = format!("Kafka refused it: {source}");
+                    let dl =
+                        set_aside(&mut self.sink, &self.config.routing, &row, reason, error.clone()).await?;
+                    self.metrics.dead_letters.with_label_values(&[reason]).inc();
+                    if let Err(e) = self
+                        .stored_or_stub(dl, &row, reason, error, published, false)
+                        .await
+                    {
+                        failure = Some(e);
+                    }
+                }
+                // A dead letter the broker refused (the row's headers
+                // travel with it): its stub, once the refusal is its own.
+                (Refusal::Record { .. }, Some(reason)) if alone => {
+                    let error = format!("its dead letter was refused: {source}");
+                    let stub = set_aside_as_stub(
                         &mut self.sink,
                         &self.config.routing,
                         &row,
                         reason,
-                        format!("Kafka refused it: {source}"),
+                        error,
+                        &source.to_string(),
                     )
                     .await?;
-                    self.metrics.dead_letters.with_label_values(&[reason]).inc();
-                    match Report::of(dl.into_future().await) {
-                        Report::Stored(_) => published.push(row.id),
-                        Report::Failed(e, _) if Refusal::of(&e) != Refusal::Transient => {
-                            failure = Some(PollingError::Poison(EnqueueError::Poison {
-                                id: row.id,
-                                error: format!("Kafka refused it ({source}), and its dead letter too ({e})"),
-                            }));
-                        }
-                        other => failure = other.into_result().err().map(PollingError::Kafka),
+                    if let Err(e) = self
+                        .stored_or_stub(stub, &row, reason, source.to_string(), published, true)
+                        .await
+                    {
+                        failure = Some(e);
                     }
                 }
-                Refusal::Record { .. } if !dead => {
+                (Refusal::Record { .. }, _) => {
                     self.isolate_until = Some(row.id);
                     failure = Some(PollingError::BatchRefused { id: row.id, source });
                 }
@@ -519,6 +542,50 @@ impl PollingRelay {
             }
         }
         failure.map_or(Ok(()), Err)
+    }
+
+    /// Awaits a row's dead letter (or its stub): stored, the row counts as
+    /// published; a dead letter refused goes again as its stub; a stub
+    /// refused stops polling, naming the row.
+    async fn stored_or_stub(
+        &mut self,
+        sent: Enqueued,
+        row: &OutboxRow,
+        reason: &'static str,
+        error: String,
+        published: &mut Vec<Uuid>,
+        stubbed: bool,
+    ) -> Result<(), PollingError> {
+        let (mut sent, mut stubbed) = (sent, stubbed);
+        loop {
+            match Report::of(sent.into_future().await) {
+                Report::Stored(_) => {
+                    published.push(row.id);
+                    return Ok(());
+                }
+                Report::Failed(e, _) if Refusal::of(&e) != Refusal::Transient => {
+                    if stubbed {
+                        return Err(PollingError::Poison(EnqueueError::Poison {
+                            id: row.id,
+                            error: format!(
+                                "{error}; its dead letter and that dead letter's stub were refused too ({e})"
+                            ),
+                        }));
+                    }
+                    stubbed = true;
+                    sent = set_aside_as_stub(
+                        &mut self.sink,
+                        &self.config.routing,
+                        row,
+                        reason,
+                        error.clone(),
+                        &e.to_string(),
+                    )
+                    .await?;
+                }
+                other => return other.into_result().map(|_| ()).map_err(PollingError::Kafka),
+            }
+        }
     }
 }
 

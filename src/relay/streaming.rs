@@ -486,7 +486,9 @@ impl Relay {
             });
         self.health.set_inflight(inflight, oldest);
         self.health.status_sent(s.received.0, flushed.0, lag);
-        if let Some(register) = &mut s.register {
+        // A leader woken from a freeze past its lease writes no register:
+        // the one that leads now keeps it.
+        if let Some(register) = s.register.as_mut().filter(|_| self.election.still_held()) {
             // The last retired commit lies at or before `flushed` only when
             // nothing (the guard) holds the confirmed position back.
             let last_commit = s.tracker.last_commit().filter(|_| flushed == s.tracker.flushed());

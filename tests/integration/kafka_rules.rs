@@ -584,3 +584,82 @@ async fn aggregate_types_outside_the_allow_list_create_no_topic() {
     );
     stop_relay(handle, stop).await;
 }
+
+/// A record larger than its topic's `max.message.bytes` is refused before
+/// it is sent (so no batch around it is refused), by the size the broker
+/// computes: one at the limit is stored, one byte over is refused here,
+/// and the broker, asked without the check, refuses that one too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_over_its_topics_limit_is_refused_before_it_is_sent() {
+    use outboxd::kafka::records::KafkaRecord;
+    use outboxd::kafka::sink::{batch_bytes_alone, KafkaSink, KafkaSinkError, Report, SendOutcome};
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    let brokers = broker().brokers.clone();
+    let topic = format!("limit{}.order", &Uuid::new_v4().simple().to_string()[..8]);
+    let (b, t) = (brokers.clone(), topic.clone());
+    tokio::task::spawn_blocking(move || {
+        crate::harness::broker::create_topics_with(&b, &[t], &[("max.message.bytes", "20000")])
+    })
+    .await
+    .unwrap();
+    let text = config_text("postgres://unused@127.0.0.1/unused", "limit", &brokers, "", "");
+    let (config, _) = outboxd::config::Config::from_toml(&text, |_| None).unwrap();
+    let mut sink = KafkaSink::new(&config.kafka, Duration::from_secs(10)).unwrap();
+    sink.ensure_topic(&topic).await.unwrap();
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as i64;
+    let record = |len: usize| KafkaRecord {
+        topic: topic.clone(),
+        key: "agg-1".into(),
+        value: vec![b'x'; len],
+        headers: vec![
+            ("id".into(), b"0193a1c2".to_vec()),
+            ("type".into(), vec![b't'; 200]),
+        ],
+        timestamp_ms: now,
+    };
+    let mut len = 19_000;
+    while batch_bytes_alone(&record(len)) < 20_000 {
+        len += 1;
+    }
+    assert_eq!(batch_bytes_alone(&record(len)), 20_000);
+    let SendOutcome::Sent(at_limit) = sink.send(&record(len)).unwrap() else {
+        panic!("queue full");
+    };
+    assert!(
+        matches!(Report::of(at_limit.await), Report::Stored(_)),
+        "a record of exactly max.message.bytes is stored"
+    );
+    let over = record(len + 1);
+    assert!(
+        matches!(sink.send(&over), Err(KafkaSinkError::Produce { .. })),
+        "one byte over is refused before it is sent"
+    );
+    let plain: FutureProducer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", &brokers)
+        .set("linger.ms", "0")
+        .create()
+        .unwrap();
+    let mut headers = rdkafka::message::OwnedHeaders::new();
+    for (k, v) in &over.headers {
+        headers = headers.insert(rdkafka::message::Header {
+            key: k,
+            value: Some(v.as_slice()),
+        });
+    }
+    let sent = plain
+        .send(
+            FutureRecord::to(&topic)
+                .key(over.key.as_str())
+                .payload(over.value.as_slice())
+                .headers(headers)
+                .timestamp(now),
+            Duration::from_secs(10),
+        )
+        .await;
+    let err = sent.expect_err("the broker refuses it too").0;
+    assert_eq!(
+        err.rdkafka_error_code(),
+        Some(rdkafka::types::RDKafkaErrorCode::MessageSizeTooLarge),
+        "{err}"
+    );
+}

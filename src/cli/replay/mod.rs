@@ -41,7 +41,7 @@ use std::time::{Duration, Instant};
 use uuid::Uuid;
 
 use crate::config::{Config, Mode, Validated};
-use crate::kafka::enqueue::{enqueue_row, set_aside, EnqueueError, Enqueued};
+use crate::kafka::enqueue::{enqueue_row, set_aside, set_aside_as_stub, EnqueueError, Enqueued};
 use crate::kafka::records::{build_record, header, KafkaRecord, RecordError};
 use crate::kafka::sink::{KafkaSink, KafkaSinkError, Refusal, Report};
 use crate::postgres::admin::{self, AdminError};
@@ -342,13 +342,16 @@ impl Replay {
                 }
                 continue;
             };
-            let mut dead = matches!(enqueued, Enqueued::DeadLetter(..));
+            let mut dead = match &enqueued {
+                Enqueued::DeadLetter(_, reason) => Some(*reason),
+                Enqueued::Record(_) => None,
+            };
             let mut report = Report::of(enqueued.into_future().await);
             if settled.stopped() {
                 continue;
             }
             if let Report::Failed(source, _) = &report {
-                if let (Refusal::Record { reason, .. }, false) = (Refusal::of(source), dead) {
+                if let (Refusal::Record { reason, .. }, None) = (Refusal::of(source), dead) {
                     if !alone {
                         settled.refused_batch = Some(r.key.id);
                         continue;
@@ -356,7 +359,7 @@ impl Replay {
                     let error = format!("Kafka refused it: {source}");
                     match set_aside(sink, &self.config.routing, &r.row, reason, error).await {
                         Ok(dl) => {
-                            dead = true;
+                            dead = Some(reason);
                             report = Report::of(dl.into_future().await);
                         }
                         Err(e) => {
@@ -366,9 +369,33 @@ impl Replay {
                     }
                 }
             }
+            // A dead letter refused in its turn (the row's headers travel
+            // with it): its stub, once the refusal is its own.
+            let refused_dead_letter = match (&report, dead) {
+                (Report::Failed(source, _), Some(reason))
+                    if matches!(Refusal::of(source), Refusal::Record { .. }) =>
+                {
+                    Some((reason, source.to_string()))
+                }
+                _ => None,
+            };
+            if let Some((reason, refused)) = refused_dead_letter {
+                if !alone {
+                    settled.refused_batch = Some(r.key.id);
+                    continue;
+                }
+                let error = format!("its dead letter was refused: {refused}");
+                match set_aside_as_stub(sink, &self.config.routing, &r.row, reason, error, &refused).await {
+                    Ok(stub) => report = Report::of(stub.into_future().await),
+                    Err(e) => {
+                        settled.failure = Some(e.into());
+                        continue;
+                    }
+                }
+            }
             match report.into_result() {
                 Ok(_) => {
-                    if dead {
+                    if dead.is_some() {
                         state.counts.dead_lettered += 1;
                     } else {
                         state.counts.published += 1;

@@ -287,3 +287,102 @@ async fn events_emitted_before_outbox_emit_is_dropped_still_arrive() {
     wait_ids(brokers, &[&topic], &want).await;
     assert!(d.sigterm().success());
 }
+
+/// Any role may create a `pg_temp.outbox_emit` (and, before 15, one in
+/// `public`): a function that cannot write a message, since its owner may
+/// not call `pg_logical_emit_message`. It must not stop outboxd, neither
+/// a running session nor the next start nor `check`, whether messages
+/// are read or not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outbox_emit_made_by_a_role_that_cannot_emit_stops_nothing() {
+    let db = TestDb::new("hard_emitfake").await;
+    let client = db.client().await;
+    let dir = tempfile::tempdir().unwrap();
+    let brokers = &broker().brokers;
+    let p = prefix("emitfake");
+    let topic = format!("{p}.order");
+    let role = format!("nobody_{}", &Uuid::new_v4().simple().to_string()[..8]);
+    // No table-less outbox here: the intruder's function is the only one.
+    client
+        .batch_execute(&format!(
+            "DROP FUNCTION IF EXISTS outbox_emit(text, text, text, jsonb, jsonb, uuid);
+             CREATE ROLE {role} LOGIN PASSWORD 'nobody-pass'"
+        ))
+        .await
+        .unwrap();
+    let (intruder, conn) = tokio_postgres::connect(
+        &format!(
+            "host=127.0.0.1 port={} user={role} password=nobody-pass dbname={}",
+            crate::harness::server().port,
+            db.name
+        ),
+        tokio_postgres::NoTls,
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+
+    let auto = daemon_config(
+        dir.path(),
+        "a.toml",
+        &db.superuser_url(),
+        "emitfake",
+        brokers,
+        &p,
+        "",
+        "",
+        "",
+    );
+    let off = daemon_config(
+        dir.path(),
+        "o.toml",
+        &db.superuser_url(),
+        "emitfake",
+        brokers,
+        &p,
+        "",
+        "",
+        "",
+    );
+    let text = std::fs::read_to_string(&off)
+        .unwrap()
+        .replace("[postgres]", "[postgres]\nmessages = false");
+    std::fs::write(&off, text).unwrap();
+
+    let log = dir.path().join("a.log");
+    let mut d = Daemon::start(&auto, &log);
+    wait_for("the slot", Duration::from_secs(30), || async {
+        confirmed_flush(&client, "emitfake").await
+    })
+    .await;
+    // A function without the prefix, in the intruder's temporary schema,
+    // kept for as long as its session lives.
+    intruder
+        .batch_execute(
+            "CREATE FUNCTION pg_temp.outbox_emit(a text, b text, c text, d jsonb) RETURNS uuid
+               LANGUAGE sql AS 'SELECT gen_random_uuid()'",
+        )
+        .await
+        .unwrap();
+    let (events, _) = crate::relay::write_events(&client, 3, 1, 1, &["Order"], 0).await;
+    wait_ids(brokers, &[&topic], &events.iter().map(|e| e.id).collect()).await;
+    // Several guard rounds later the session still streams.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(d.try_wait().is_none(), "the relay stopped:\n{}", log_text(&log));
+    assert!(d.sigterm().success());
+
+    for cfg in [&auto, &off] {
+        let (code, out, _) = outboxd_async(&["check", "--config", cfg.to_str().unwrap()]).await;
+        assert_eq!(code, Some(0), "{out}");
+    }
+    let mut again = Daemon::start(&off, &log);
+    wait_for("the slot", Duration::from_secs(30), || async {
+        confirmed_flush(&client, "emitfake").await
+    })
+    .await;
+    let (more, _) = crate::relay::write_events(&client, 2, 1, 1, &["Order"], 3).await;
+    wait_ids(brokers, &[&topic], &more.iter().map(|e| e.id).collect()).await;
+    assert!(again.try_wait().is_none(), "{}", log_text(&log));
+    assert!(again.sigterm().success());
+    drop(intruder);
+}

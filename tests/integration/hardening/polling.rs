@@ -127,6 +127,96 @@ async fn polling_and_replay_set_aside_a_row_the_broker_refuses_and_publish_its_n
     );
 }
 
+/// A dead letter keeps the row's headers, so it can be refused in its
+/// turn: for the dead-letter topic's `max.message.bytes` or by librdkafka
+/// (larger than `message.max.bytes`). Its stub (id, reason, sizes) goes
+/// instead, in polling and in replay, and nothing stops. A record too
+/// large for its topic is refused before it is sent, so the rows around
+/// it keep their order (before, the broker refused their whole batch and
+/// the next batch was stored ahead of them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn polling_and_replay_send_a_stub_when_the_dead_letter_is_refused_too() {
+    let db = TestDb::new("hard_pollstub").await;
+    let client = db.client().await;
+    let dir = tempfile::tempdir().unwrap();
+    let brokers = &broker().brokers;
+    let p = prefix("pollstub");
+    let (topic, dlq) = (format!("{p}.order"), format!("{p}.dlq"));
+    let b = brokers.clone();
+    let topics = vec![topic.clone(), dlq.clone()];
+    tokio::task::spawn_blocking(move || create_topics_with(&b, &topics, &[("max.message.bytes", "20000")]))
+        .await
+        .unwrap();
+    let mut small = Vec::new();
+    small.push(insert(&client, "a", serde_json::json!({"i": 0})).await);
+    // Refused by the broker, and so is its dead letter.
+    let broker_refused = with_headers(&client, 30_000).await;
+    small.push(insert(&client, "a", serde_json::json!({"i": 1})).await);
+    // Refused by librdkafka before sending, and so is its dead letter.
+    let client_refused = with_headers(&client, 1_100_000).await;
+    small.push(insert(&client, "a", serde_json::json!({"i": 2})).await);
+    let routing = format!("on_poison = \"dead-letter\"\ndead_letter_topic = \"{dlq}\"");
+    let cfg = polling_config(dir.path(), "ps.toml", &db, &p, "interval = \"100ms\"", &routing);
+    let log = dir.path().join("ps.log");
+    let mut d = Daemon::start(&cfg, &log);
+    let recs = wait_ids(brokers, &[&topic], &small.iter().copied().collect()).await;
+    let stubs = wait_ids(brokers, &[&dlq], &HashSet::from([broker_refused, client_refused])).await;
+    assert!(
+        stubs
+            .iter()
+            .all(|r| r.header("dlq.payload.omitted") == Some("dead letter too large")),
+        "each dead letter went as its stub"
+    );
+    assert!(
+        d.try_wait().is_none(),
+        "polling goes on:\n{}",
+        super::log_text(&log)
+    );
+    assert_eq!(first_copies(&recs, "a"), small);
+    assert!(d.sigterm().success());
+
+    let replay_cfg = daemon_config(
+        dir.path(),
+        "rs.toml",
+        &db.superuser_url(),
+        "unused_rs",
+        brokers,
+        &p,
+        &routing,
+        "",
+        "",
+    );
+    let state = dir.path().join("replay.json");
+    let (code, out, err) = outboxd_async(&[
+        "replay",
+        "--config",
+        replay_cfg.to_str().unwrap(),
+        "--all",
+        "--state",
+        state.to_str().unwrap(),
+    ])
+    .await;
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(
+        out.contains("published    3") && out.contains("dead-letter  2"),
+        "{out}"
+    );
+}
+
+/// A row whose `headers` hold one header of `bytes` bytes.
+async fn with_headers(client: &tokio_postgres::Client, bytes: i32) -> Uuid {
+    let id = Uuid::now_v7();
+    client
+        .execute(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload, headers)
+             VALUES ($1, 'Order', 'a', 't', '{}', jsonb_build_object('h', repeat('x', $2)))",
+            &[&id, &bytes],
+        )
+        .await
+        .unwrap();
+    id
+}
+
 /// Per aggregate, the ids of the first copies in partition order.
 fn first_copies(recs: &[Consumed], key: &str) -> Vec<Uuid> {
     let mut seen = HashSet::new();
