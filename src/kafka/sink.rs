@@ -407,6 +407,9 @@ pub struct KafkaSink {
     /// Records go uncompressed (no `compression.type` in `kafka.options`),
     /// so their size in a batch is known before sending.
     uncompressed: bool,
+    /// A topic's `max.message.bytes` could not be read: not asked again in
+    /// this session.
+    limits_unreadable: bool,
     create_topics: bool,
     partitions: i32,
     replication_factor: i32,
@@ -481,6 +484,7 @@ impl KafkaSink {
                 .iter()
                 .filter(|(k, _)| k.as_str() == "compression.type" || k.as_str() == "compression.codec")
                 .all(|(_, v)| v == "none"),
+            limits_unreadable: false,
             create_topics: cfg.create_topics,
             partitions: cfg.topic_partitions,
             replication_factor: cfg.topic_replication_factor,
@@ -654,17 +658,32 @@ impl KafkaSink {
     }
 
     /// Makes sure `topic` exists, creating it when allowed, and that every
-    /// partition is served. Cached per session.
+    /// partition is served, and learns its `max.message.bytes` (see
+    /// [`KafkaSink::send`]). Cached per session.
     pub async fn ensure_topic(&mut self, topic: &str) -> Result<(), KafkaSinkError> {
-        self.ensure_topic_with(topic, self.partitions, &[]).await
+        let known = self.known_topics.contains(topic);
+        self.ensure_topic_with(topic, self.partitions, &[]).await?;
+        if !known && self.uncompressed && !self.limits_unreadable {
+            match self.topic_max_message_bytes(topic).await {
+                Some(limit) => {
+                    self.topic_limits.insert(topic.to_owned(), limit);
+                }
+                None => {
+                    // Denied, or a broker without DescribeConfigs: records
+                    // go unchecked, and the broker refuses what it must.
+                    tracing::warn!(topic, "cannot read the topic's max.message.bytes (DescribeConfigs): a record too large for it is refused by the broker with its whole batch, not set aside before it is sent; grant DESCRIBE_CONFIGS on the topics");
+                    self.topic_limits.remove(topic);
+                    self.limits_unreadable = true;
+                }
+            }
+        }
+        Ok(())
     }
 
-    /// Makes sure the exactly-once progress topic exists: one partition,
-    /// compacted (one record per slot is all it must keep).
     /// The `max.message.bytes` of `topic` (the largest record batch the
-    /// broker accepts for it), when it can be read.
+    /// broker accepts for it), when it can be read within a few seconds.
     pub async fn topic_max_message_bytes(&self, topic: &str) -> Option<usize> {
-        let opts = AdminOptions::new().request_timeout(Some(self.timeout));
+        let opts = AdminOptions::new().request_timeout(Some(self.timeout.min(LIMIT_LOOKUP_TIMEOUT)));
         let results = self
             .admin
             .describe_configs([&ResourceSpecifier::Topic(topic)], &opts)
@@ -678,7 +697,7 @@ impl KafkaSink {
     /// progress records for good (`None`: it keeps them); `Err` when its
     /// configuration cannot be read (DescribeConfigs denied, no answer).
     pub async fn progress_topic_retention(&self, topic: &str) -> Result<Option<String>, String> {
-        let opts = AdminOptions::new().request_timeout(Some(self.timeout));
+        let opts = AdminOptions::new().request_timeout(Some(self.timeout.min(LIMIT_LOOKUP_TIMEOUT)));
         let results = self
             .admin
             .describe_configs([&ResourceSpecifier::Topic(topic)], &opts)
@@ -712,6 +731,8 @@ impl KafkaSink {
         error.to_lowercase().contains(UNKNOWN_TOPIC)
     }
 
+    /// Makes sure the progress topic exists: one partition, compacted (one
+    /// record per slot is all it must keep).
     pub async fn ensure_progress_topic(&mut self, topic: &str) -> Result<(), KafkaSinkError> {
         self.ensure_topic_with(topic, 1, &[("cleanup.policy", "compact")])
             .await
@@ -787,16 +808,6 @@ impl KafkaSink {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        if self.uncompressed {
-            match self.topic_max_message_bytes(topic).await {
-                Some(limit) => {
-                    self.topic_limits.insert(topic.to_owned(), limit);
-                }
-                None => {
-                    self.topic_limits.remove(topic);
-                }
-            }
-        }
         self.known_topics.insert(topic.to_owned());
         tracing::debug!(topic, took = ?started.elapsed(), "topic ready");
         Ok(())
@@ -843,6 +854,7 @@ impl KafkaSink {
         self.known_topics.clear();
         self.existing_topics.clear();
         self.topic_limits.clear();
+        self.limits_unreadable = false;
         self.warm_up();
     }
 
@@ -928,6 +940,11 @@ impl KafkaSink {
         }
     }
 }
+
+/// How long a topic's configuration (`max.message.bytes`, the progress
+/// topic's retention) is waited for: a broker that does not answer
+/// DescribeConfigs delays no start by more.
+const LIMIT_LOOKUP_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// What [`KafkaSink::progress_topic_retention`] says of a topic that is
 /// not there.

@@ -28,6 +28,29 @@ fn public_emit(grant: bool) -> String {
     )
 }
 
+/// A new login role `<name>_<random>` with `grants` (`{role}` stands for
+/// its name; may be empty), connected to `db`.
+async fn login_role(db: &TestDb, name: &str, grants: &str) -> tokio_postgres::Client {
+    let role = format!("{name}_{}", &Uuid::new_v4().simple().to_string()[..8]);
+    let setup = format!(
+        "CREATE ROLE {role} LOGIN PASSWORD 'role-pass'; {}",
+        grants.replace("{role}", &role)
+    );
+    db.client().await.batch_execute(&setup).await.unwrap();
+    let (client, conn) = tokio_postgres::connect(
+        &format!(
+            "host=127.0.0.1 port={} user={role} password=role-pass dbname={}",
+            crate::harness::server().port,
+            db.name
+        ),
+        tokio_postgres::NoTls,
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    client
+}
+
 /// What outbox_emit writes, for a forger to copy.
 fn content(id: Uuid, agg: &str) -> String {
     format!(
@@ -128,25 +151,12 @@ async fn a_role_that_may_only_call_outbox_emit_cannot_forge_an_event() {
     let p = prefix("emit7");
     let topic = format!("{p}.order");
     // An application role that may call outbox_emit and nothing else.
-    let role = format!("app_{}", &Uuid::new_v4().simple().to_string()[..8]);
-    client
-        .batch_execute(&format!(
-            "CREATE ROLE {role} LOGIN PASSWORD 'app-pass';
-             GRANT EXECUTE ON FUNCTION outbox_emit(text, text, text, jsonb, jsonb, uuid) TO {role};"
-        ))
-        .await
-        .unwrap();
-    let (app, conn) = tokio_postgres::connect(
-        &format!(
-            "host=127.0.0.1 port={} user={role} password=app-pass dbname={}",
-            crate::harness::server().port,
-            db.name
-        ),
-        tokio_postgres::NoTls,
+    let app = login_role(
+        &db,
+        "app",
+        "GRANT EXECUTE ON FUNCTION outbox_emit(text, text, text, jsonb, jsonb, uuid) TO {role}",
     )
-    .await
-    .unwrap();
-    tokio::spawn(conn);
+    .await;
 
     let cfg = daemon_config(
         dir.path(),
@@ -301,26 +311,12 @@ async fn an_outbox_emit_made_by_a_role_that_cannot_emit_stops_nothing() {
     let brokers = &broker().brokers;
     let p = prefix("emitfake");
     let topic = format!("{p}.order");
-    let role = format!("nobody_{}", &Uuid::new_v4().simple().to_string()[..8]);
     // No table-less outbox here: the intruder's function is the only one.
     client
-        .batch_execute(&format!(
-            "DROP FUNCTION IF EXISTS outbox_emit(text, text, text, jsonb, jsonb, uuid);
-             CREATE ROLE {role} LOGIN PASSWORD 'nobody-pass'"
-        ))
+        .batch_execute("DROP FUNCTION IF EXISTS outbox_emit(text, text, text, jsonb, jsonb, uuid)")
         .await
         .unwrap();
-    let (intruder, conn) = tokio_postgres::connect(
-        &format!(
-            "host=127.0.0.1 port={} user={role} password=nobody-pass dbname={}",
-            crate::harness::server().port,
-            db.name
-        ),
-        tokio_postgres::NoTls,
-    )
-    .await
-    .unwrap();
-    tokio::spawn(conn);
+    let intruder = login_role(&db, "nobody", "").await;
 
     let auto = daemon_config(
         dir.path(),

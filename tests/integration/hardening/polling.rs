@@ -99,27 +99,7 @@ async fn polling_and_replay_set_aside_a_row_the_broker_refuses_and_publish_its_n
     assert!(d.sigterm().success());
 
     // The same rows replayed: published or set aside, never a stop.
-    let replay_cfg = daemon_config(
-        dir.path(),
-        "r9.toml",
-        &db.superuser_url(),
-        "unused_r9",
-        brokers,
-        &p,
-        &routing,
-        "",
-        "",
-    );
-    let state = dir.path().join("replay.json");
-    let (code, out, err) = outboxd_async(&[
-        "replay",
-        "--config",
-        replay_cfg.to_str().unwrap(),
-        "--all",
-        "--state",
-        state.to_str().unwrap(),
-    ])
-    .await;
+    let (code, out, err) = replay_all(dir.path(), &db, &p, &routing, "unused_r9").await;
     assert_eq!(code, Some(0), "{out}{err}");
     assert!(
         out.contains("published    10") && out.contains("dead-letter  1"),
@@ -175,27 +155,7 @@ async fn polling_and_replay_send_a_stub_when_the_dead_letter_is_refused_too() {
     assert_eq!(first_copies(&recs, "a"), small);
     assert!(d.sigterm().success());
 
-    let replay_cfg = daemon_config(
-        dir.path(),
-        "rs.toml",
-        &db.superuser_url(),
-        "unused_rs",
-        brokers,
-        &p,
-        &routing,
-        "",
-        "",
-    );
-    let state = dir.path().join("replay.json");
-    let (code, out, err) = outboxd_async(&[
-        "replay",
-        "--config",
-        replay_cfg.to_str().unwrap(),
-        "--all",
-        "--state",
-        state.to_str().unwrap(),
-    ])
-    .await;
+    let (code, out, err) = replay_all(dir.path(), &db, &p, &routing, "unused_rs").await;
     assert_eq!(code, Some(0), "{out}{err}");
     assert!(
         out.contains("published    3") && out.contains("dead-letter  2"),
@@ -215,6 +175,38 @@ async fn with_headers(client: &tokio_postgres::Client, bytes: i32) -> Uuid {
         .await
         .unwrap();
     id
+}
+
+/// `outboxd replay --all` of `db`'s outbox into `<p>.<type>`, with this
+/// routing: its exit code, stdout and stderr.
+async fn replay_all(
+    dir: &std::path::Path,
+    db: &TestDb,
+    p: &str,
+    routing: &str,
+    slot: &str,
+) -> (Option<i32>, String, String) {
+    let cfg = daemon_config(
+        dir,
+        &format!("{slot}.toml"),
+        &db.superuser_url(),
+        slot,
+        &broker().brokers,
+        p,
+        routing,
+        "",
+        "",
+    );
+    let state = dir.join(format!("{slot}.json"));
+    outboxd_async(&[
+        "replay",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--all",
+        "--state",
+        state.to_str().unwrap(),
+    ])
+    .await
 }
 
 /// Per aggregate, the ids of the first copies in partition order.
