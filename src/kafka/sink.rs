@@ -393,7 +393,7 @@ impl BrokerProbe {
 /// Producer plus admin client, and the topics known to exist.
 pub struct KafkaSink {
     producer: FutureProducer,
-    admin: AdminClient<DefaultClientContext>,
+    admin: std::sync::Arc<AdminClient<DefaultClientContext>>,
     probe: BrokerProbe,
     /// Topics proven served in this session (every partition answered).
     known_topics: HashSet<String>,
@@ -402,14 +402,12 @@ pub struct KafkaSink {
     existing_topics: HashSet<String>,
     /// Each known topic's `max.message.bytes`, where it could be read and
     /// records go uncompressed: a record larger is refused here, before
-    /// it is sent (see [`KafkaSink::send`]).
-    topic_limits: HashMap<String, usize>,
+    /// it is sent (see [`KafkaSink::send`]). Filled by a lookup that
+    /// [`KafkaSink::ensure_topic`] waits for briefly, then lets finish.
+    topic_limits: std::sync::Arc<std::sync::Mutex<TopicLimits>>,
     /// Records go uncompressed (no `compression.type` in `kafka.options`),
     /// so their size in a batch is known before sending.
     uncompressed: bool,
-    /// A topic's `max.message.bytes` could not be read: not asked again in
-    /// this session.
-    limits_unreadable: bool,
     create_topics: bool,
     partitions: i32,
     replication_factor: i32,
@@ -475,16 +473,15 @@ impl KafkaSink {
                 brokers: cfg.brokers.clone(),
             },
             producer,
-            admin,
+            admin: std::sync::Arc::new(admin),
             known_topics: HashSet::new(),
             existing_topics: HashSet::new(),
-            topic_limits: HashMap::new(),
+            topic_limits: std::sync::Arc::default(),
             uncompressed: cfg
                 .options
                 .iter()
                 .filter(|(k, _)| k.as_str() == "compression.type" || k.as_str() == "compression.codec")
                 .all(|(_, v)| v == "none"),
-            limits_unreadable: false,
             create_topics: cfg.create_topics,
             partitions: cfg.topic_partitions,
             replication_factor: cfg.topic_replication_factor,
@@ -663,19 +660,17 @@ impl KafkaSink {
     pub async fn ensure_topic(&mut self, topic: &str) -> Result<(), KafkaSinkError> {
         let known = self.known_topics.contains(topic);
         self.ensure_topic_with(topic, self.partitions, &[]).await?;
-        if !known && self.uncompressed && !self.limits_unreadable {
-            match self.topic_max_message_bytes(topic).await {
-                Some(limit) => {
-                    self.topic_limits.insert(topic.to_owned(), limit);
-                }
-                None => {
-                    // Denied, or a broker without DescribeConfigs: records
-                    // go unchecked, and the broker refuses what it must.
-                    tracing::warn!(topic, "cannot read the topic's max.message.bytes (DescribeConfigs): a record too large for it is refused by the broker with its whole batch, not set aside before it is sent; grant DESCRIBE_CONFIGS on the topics");
-                    self.topic_limits.remove(topic);
-                    self.limits_unreadable = true;
-                }
-            }
+        let unreadable = self.topic_limits.lock().map_or(true, |l| l.unreadable);
+        if !known && self.uncompressed && !unreadable {
+            let lookup = tokio::spawn(learn_limit(
+                self.admin.clone(),
+                self.topic_limits.clone(),
+                topic.to_owned(),
+                self.timeout.min(LIMIT_LOOKUP_TIMEOUT),
+            ));
+            // A broker answers in milliseconds; one that does not answer
+            // DescribeConfigs holds up no record for long.
+            let _ = tokio::time::timeout(LIMIT_WAIT, lookup).await;
         }
         Ok(())
     }
@@ -683,14 +678,7 @@ impl KafkaSink {
     /// The `max.message.bytes` of `topic` (the largest record batch the
     /// broker accepts for it), when it can be read within a few seconds.
     pub async fn topic_max_message_bytes(&self, topic: &str) -> Option<usize> {
-        let opts = AdminOptions::new().request_timeout(Some(self.timeout.min(LIMIT_LOOKUP_TIMEOUT)));
-        let results = self
-            .admin
-            .describe_configs([&ResourceSpecifier::Topic(topic)], &opts)
-            .await
-            .ok()?;
-        let resource = results.into_iter().next()?.ok()?;
-        resource.get("max.message.bytes")?.value.as_deref()?.parse().ok()
+        max_message_bytes(&self.admin, topic, self.timeout.min(LIMIT_LOOKUP_TIMEOUT)).await
     }
 
     /// Why the progress topic would not keep the slot register and the
@@ -853,8 +841,9 @@ impl KafkaSink {
     pub fn forget_topics(&mut self) {
         self.known_topics.clear();
         self.existing_topics.clear();
-        self.topic_limits.clear();
-        self.limits_unreadable = false;
+        if let Ok(mut limits) = self.topic_limits.lock() {
+            *limits = TopicLimits::default();
+        }
         self.warm_up();
     }
 
@@ -907,7 +896,12 @@ impl KafkaSink {
     /// refuse the whole batch around it, and a later batch of the same
     /// partition could be stored ahead of that batch's other records.
     pub fn send(&mut self, rec: &KafkaRecord) -> Result<SendOutcome, KafkaSinkError> {
-        if let Some(&limit) = self.topic_limits.get(&rec.topic) {
+        let limit = self
+            .topic_limits
+            .lock()
+            .ok()
+            .and_then(|l| l.bytes.get(&rec.topic).copied());
+        if let Some(limit) = limit {
             if batch_bytes_alone(rec) > limit {
                 return Err(KafkaSinkError::Produce {
                     topic: rec.topic.clone(),
@@ -940,6 +934,59 @@ impl KafkaSink {
         }
     }
 }
+
+/// The `max.message.bytes` of each topic the session sends to, as far as
+/// known.
+#[derive(Debug, Default)]
+struct TopicLimits {
+    bytes: HashMap<String, usize>,
+    /// One could not be read (denied, or no answer): not asked again in
+    /// this session.
+    unreadable: bool,
+}
+
+/// Reads `topic`'s `max.message.bytes` into `limits`.
+async fn learn_limit(
+    admin: std::sync::Arc<AdminClient<DefaultClientContext>>,
+    limits: std::sync::Arc<std::sync::Mutex<TopicLimits>>,
+    topic: String,
+    timeout: Duration,
+) {
+    let limit = max_message_bytes(&admin, &topic, timeout).await;
+    let Ok(mut limits) = limits.lock() else {
+        return;
+    };
+    match limit {
+        Some(limit) => {
+            limits.bytes.insert(topic, limit);
+        }
+        None => {
+            // Denied, or a broker without DescribeConfigs: records go
+            // unchecked, and the broker refuses what it must.
+            tracing::warn!(topic, "cannot read the topic's max.message.bytes (DescribeConfigs): a record too large for it is refused by the broker with its whole batch, not set aside before it is sent; grant DESCRIBE_CONFIGS on the topics");
+            limits.unreadable = true;
+        }
+    }
+}
+
+/// The `max.message.bytes` of `topic`, when it can be read in `timeout`.
+async fn max_message_bytes(
+    admin: &AdminClient<DefaultClientContext>,
+    topic: &str,
+    timeout: Duration,
+) -> Option<usize> {
+    let opts = AdminOptions::new().request_timeout(Some(timeout));
+    let results = admin
+        .describe_configs([&ResourceSpecifier::Topic(topic)], &opts)
+        .await
+        .ok()?;
+    let resource = results.into_iter().next()?.ok()?;
+    resource.get("max.message.bytes")?.value.as_deref()?.parse().ok()
+}
+
+/// How long [`KafkaSink::ensure_topic`] waits for a topic's
+/// `max.message.bytes` before the first record goes (the lookup goes on).
+const LIMIT_WAIT: Duration = Duration::from_millis(500);
 
 /// How long a topic's configuration (`max.message.bytes`, the progress
 /// topic's retention) is waited for: a broker that does not answer
