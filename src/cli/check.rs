@@ -4,7 +4,7 @@
 use std::fmt;
 
 use crate::config::{Config, Validated};
-use crate::kafka::sink::KafkaSink;
+use crate::kafka::sink::{KafkaSink, Retention};
 use crate::postgres::{admin, failover};
 
 /// The result of one check.
@@ -76,9 +76,9 @@ pub async fn run_checks(config: &Config, v: &Validated) -> Vec<CheckLine> {
 /// exist yet; outboxd creates it compacted).
 async fn retention_check(sink: &KafkaSink, topic: &str) -> Option<CheckLine> {
     match sink.progress_topic_retention(topic).await {
-        Ok(None) => Some(line("retention", true, format!("{topic} keeps each slot's latest record (cleanup.policy)"))),
-        Ok(Some(problem)) => Some(line("retention", false, problem)),
-        Err(e) if KafkaSink::is_unknown_topic(&e) => None,
+        Ok(Retention::Kept) => Some(line("retention", true, format!("{topic} keeps each slot's latest record (cleanup.policy)"))),
+        Ok(Retention::Deletes(problem)) => Some(line("retention", false, problem)),
+        Ok(Retention::Missing) => None,
         Err(e) => Some(CheckLine {
             name: "retention",
             ok: true,

@@ -681,42 +681,40 @@ impl KafkaSink {
         max_message_bytes(&self.admin, topic, self.timeout.min(LIMIT_LOOKUP_TIMEOUT)).await
     }
 
-    /// Why the progress topic would not keep the slot register and the
-    /// progress records for good (`None`: it keeps them); `Err` when its
-    /// configuration cannot be read (DescribeConfigs denied, no answer).
-    pub async fn progress_topic_retention(&self, topic: &str) -> Result<Option<String>, String> {
+    /// Whether the progress topic keeps the slot register and the progress
+    /// records for good; `Err` when its configuration cannot be read
+    /// (DescribeConfigs denied, no answer).
+    pub async fn progress_topic_retention(&self, topic: &str) -> Result<Retention, String> {
         let opts = AdminOptions::new().request_timeout(Some(self.timeout.min(LIMIT_LOOKUP_TIMEOUT)));
         let results = self
             .admin
             .describe_configs([&ResourceSpecifier::Topic(topic)], &opts)
             .await
             .map_err(|e| e.to_string())?;
-        let resource = results
-            .into_iter()
-            .next()
-            .ok_or_else(|| "no answer".to_owned())?
-            .map_err(|code| code.to_string())?;
+        let resource = results.into_iter().next().ok_or_else(|| "no answer".to_owned())?;
+        let resource = match resource {
+            Ok(r) => r,
+            Err(RDKafkaErrorCode::UnknownTopicOrPartition) => return Ok(Retention::Missing),
+            Err(code) => return Err(code.to_string()),
+        };
         // A topic that does not exist (yet, or not on every broker yet)
         // comes back from Kafka 4 as a resource without entries, not as
         // an error: that is no policy, and certainly not `delete`.
         if resource.entries.is_empty() {
-            return Err(format!(
-                "{UNKNOWN_TOPIC}: DescribeConfigs returned no configuration for {topic}"
-            ));
+            return Ok(Retention::Missing);
         }
         let value = |name: &str| resource.get(name).and_then(|e| e.value.clone());
-        Ok(retention_problem(
-            topic,
-            value("cleanup.policy").as_deref(),
-            value("retention.ms").as_deref(),
-            value("retention.bytes").as_deref(),
-        ))
-    }
-
-    /// Whether an error of [`Self::progress_topic_retention`] says the
-    /// topic is not there.
-    pub fn is_unknown_topic(error: &str) -> bool {
-        error.to_lowercase().contains(UNKNOWN_TOPIC)
+        Ok(
+            match retention_problem(
+                topic,
+                value("cleanup.policy").as_deref(),
+                value("retention.ms").as_deref(),
+                value("retention.bytes").as_deref(),
+            ) {
+                None => Retention::Kept,
+                Some(problem) => Retention::Deletes(problem),
+            },
+        )
     }
 
     /// Makes sure the progress topic exists: one partition, compacted (one
@@ -993,9 +991,16 @@ const LIMIT_WAIT: Duration = Duration::from_millis(500);
 /// DescribeConfigs delays no start by more.
 const LIMIT_LOOKUP_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// What [`KafkaSink::progress_topic_retention`] says of a topic that is
-/// not there.
-const UNKNOWN_TOPIC: &str = "unknown topic";
+/// What the progress topic does with old records.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Retention {
+    /// It keeps each slot's latest record for good.
+    Kept,
+    /// It would delete them: why, and the fix.
+    Deletes(String),
+    /// No such topic (yet): outboxd creates it compacted.
+    Missing,
+}
 
 /// The bytes of a record batch (format v2, uncompressed) that holds `rec`
 /// alone: what the broker compares with the topic's `max.message.bytes`.

@@ -578,6 +578,24 @@ pub struct Refused {
     pub stub: bool,
 }
 
+impl Refused {
+    pub fn new(
+        reason: &'static str,
+        error: &rdkafka::error::KafkaError,
+        topic: String,
+        omit_payload: bool,
+        stub: bool,
+    ) -> Self {
+        Refused {
+            reason,
+            error: error.to_string(),
+            topic,
+            omit_payload,
+            stub,
+        }
+    }
+}
+
 /// A row's place in the stream that a replay finds again: the commit LSN
 /// of its transaction (the Begin's final LSN) and its index among that
 /// transaction's outbox rows and messages. An insert's own LSN would not

@@ -90,7 +90,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::config::{Config, Validated};
-use crate::kafka::sink::{KafkaSink, KafkaSinkError, SinkKind};
+use crate::kafka::sink::{KafkaSink, KafkaSinkError, Retention, SinkKind};
 use crate::lsn::Lsn;
 use crate::metrics::Metrics;
 use crate::ops::health::Health;
@@ -735,16 +735,14 @@ impl Relay {
 
     /// The progress topic's retention, asked again while a topic outboxd
     /// has just made is not yet described by the broker answering.
-    async fn progress_topic_retention(&self, topic: &str) -> Result<Option<String>, String> {
+    async fn progress_topic_retention(&self, topic: &str) -> Result<Retention, String> {
         let mut answer = self.sink.progress_topic_retention(topic).await;
         for _ in 0..10 {
-            match &answer {
-                Err(e) if KafkaSink::is_unknown_topic(e) => {
-                    tokio::time::sleep(Duration::from_millis(300)).await;
-                    answer = self.sink.progress_topic_retention(topic).await;
-                }
-                _ => break,
+            if answer != Ok(Retention::Missing) {
+                break;
             }
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            answer = self.sink.progress_topic_retention(topic).await;
         }
         answer
     }
@@ -778,8 +776,11 @@ impl Relay {
             // A topic that deletes old records would lose the register of
             // an idle slot: refused, as a register that cannot be read is.
             Ok(()) => match self.progress_topic_retention(topic).await {
-                Ok(None) => {}
-                Ok(Some(problem)) => return Err(RelayError::ProgressTopicRetention(problem)),
+                Ok(Retention::Kept) => {}
+                Ok(Retention::Deletes(problem)) => return Err(RelayError::ProgressTopicRetention(problem)),
+                Ok(Retention::Missing) => {
+                    tracing::warn!(topic, "the progress topic outboxd just made is not described yet: its cleanup.policy is not verified (it was created compact)")
+                }
                 Err(e) => {
                     tracing::warn!(topic, error = %e, "cannot read the progress topic's cleanup.policy (DescribeConfigs on the topic): it must be compact, or the slot register of an idle slot may be deleted")
                 }

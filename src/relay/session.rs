@@ -78,13 +78,7 @@ fn refused_in_transaction(
     RelayError::RefusedInTransaction {
         lsn,
         pos,
-        refused: Refused {
-            reason,
-            error: e.to_string(),
-            topic,
-            omit_payload,
-            stub,
-        },
+        refused: Refused::new(reason, e, topic, omit_payload, stub),
     }
 }
 
@@ -466,13 +460,7 @@ impl Session {
                 self.refusals.push(HeardRefusal {
                     lsn,
                     pos,
-                    refused: Refused {
-                        reason,
-                        error: e.to_string(),
-                        topic,
-                        omit_payload,
-                        stub: false,
-                    },
+                    refused: Refused::new(reason, &e, topic, omit_payload, false),
                     source: e,
                 });
                 Ok(())
