@@ -1,13 +1,26 @@
 #!/usr/bin/env bash
-# Profiles outboxd draining a backlog under valgrind's callgrind (instruction
-# counts: repeatable on a busy machine). Usage: scripts/profile.sh [ROWS]
-# (default 20000). Prints the functions with the most instructions and
-# leaves the full profile in target/profile/ (callgrind.out, annotate.txt).
+# Profiles outboxd draining a backlog against the real broker (Apache Kafka,
+# scripts/lib/services.sh). Usage: scripts/profile.sh [ROWS] [callgrind|perf]
+# (default 20000 rows, callgrind).
+# * callgrind counts instructions: repeatable on a busy machine, but it
+#   runs outboxd about 50 times slower, so the broker's answers shape other
+#   batches than in a real drain.
+# * perf samples the drain at full speed (call graphs through frame
+#   pointers and DWARF) and also counts context switches and CPU time per
+#   thread (`perf stat --per-thread`), which is where wake-ups show.
+# Prints the functions with the most samples or instructions and leaves the
+# full profile in target/profile/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rows=${1:-20000}
-command -v valgrind >/dev/null || { sudo apt-get install -y valgrind || apt-get install -y valgrind; }
+tool=${2:-callgrind}
+case "$tool" in
+  callgrind) command -v valgrind >/dev/null || { sudo apt-get install -y valgrind || apt-get install -y valgrind; } ;;
+  perf) command -v perf >/dev/null || { sudo apt-get install -y linux-perf || apt-get install -y linux-perf; } ;;
+  *) echo "profile.sh: unknown profiler $tool (callgrind or perf)" >&2; exit 2 ;;
+esac
 cargo build --quiet --release --bin outboxd
+bin=${CARGO_TARGET_DIR:-target}/release/outboxd
 # shellcheck source=lib/services.sh
 source scripts/lib/services.sh
 pid=
@@ -26,13 +39,64 @@ for ((t = 0; t < rows / 100; t++)); do
 done | "${PSQL[@]}" >/dev/null
 end=$("${PSQL[@]}" -At -c "SELECT pg_current_wal_lsn()")
 services_config $'[log]\nlevel = "warn"'
+# PROFILE_KAFKA: extra lines for the [kafka] table, e.g. 'max_inflight = 5000'.
+if [ -n "${PROFILE_KAFKA:-}" ]; then
+  printf '%s\n' "$PROFILE_KAFKA" >"$WORK/kafka-extra.toml"
+  sed -i "/^\[kafka\]$/r $WORK/kafka-extra.toml" "$WORK/outboxd.toml"
+fi
 mkdir -p target/profile
-valgrind --tool=callgrind --callgrind-out-file=target/profile/callgrind.out \
-  target/release/outboxd run --config "$WORK/outboxd.toml" 2>"$WORK/valgrind.log" &
-pid=$!
+out=target/profile
+start=$(date +%s.%N)
+case "$tool" in
+  callgrind)
+    valgrind --tool=callgrind --callgrind-out-file=$out/callgrind.out \
+      "$bin" run --config "$WORK/outboxd.toml" 2>"$WORK/valgrind.log" &
+    pid=$! ;;
+  perf)
+    perf record -F 999 ${PERF_CALL_GRAPH:+--call-graph $PERF_CALL_GRAPH} -o $out/perf.data \
+      "$bin" run --config "$WORK/outboxd.toml" 2>"$WORK/outboxd.log" &
+    rec=$!
+    until pid=$(pgrep -P "$rec" -x outboxd); do sleep 0.01; done
+    perf stat --per-thread -e task-clock,context-switches,cpu-migrations,syscalls:sys_enter_poll -p "$pid" -o $out/perf-stat.txt &
+    stat=$! ;;
+esac
 until [ "$("${PSQL[@]}" -At -c "SELECT confirmed_flush_lsn >= '$end' FROM pg_replication_slots WHERE slot_name = 'outboxd'")" = t ]; do
-  sleep 0.5
+  sleep 0.2
 done
-kill -TERM "$pid"; wait "$pid" || true; pid=
-callgrind_annotate --inclusive=no target/profile/callgrind.out >target/profile/annotate.txt 2>/dev/null
-head -n 40 target/profile/annotate.txt
+took=$(echo "$(date +%s.%N) - $start" | bc)
+if [ "$tool" = perf ]; then
+  cpu=$(awk '{print ($14 + $15) / 100}' "/proc/$pid/stat")
+  kill -INT "$stat"; wait "$stat" 2>/dev/null || true
+  kill -TERM "$pid"; wait "$rec" || true; pid=
+else
+  kill -TERM "$pid"; wait "$pid" || true; pid=
+fi
+echo "drained $rows rows in ${took}s"
+# The record batches the broker stored: how many records each produce
+# carried (librdkafka's batching under this broker's answers).
+python3 - "$WORK"/kafka/data/[!_]*/*.log <<'PY' | tee $out/batches.txt
+import struct, sys
+batches = records = 0
+for path in sys.argv[1:]:
+    data = open(path, "rb").read()
+    at = 0
+    while at + 61 <= len(data):  # a v2 record batch: its count sits at byte 57
+        length = struct.unpack_from(">i", data, at + 8)[0]
+        batches += 1
+        records += struct.unpack_from(">i", data, at + 57)[0]
+        at += 12 + length
+print(f"stored batches: {batches}, {records / max(batches, 1):.0f} records per batch")
+PY
+case "$tool" in
+  callgrind)
+    callgrind_annotate --inclusive=no $out/callgrind.out >$out/annotate.txt 2>/dev/null
+    head -n 40 $out/annotate.txt ;;
+  perf)
+    echo "outboxd CPU: ${cpu}s ($(echo "$cpu * 100000 / $rows" | bc -l | cut -c1-5) core-s per 100k events)"
+    perf report -i $out/perf.data --no-children --sort dso,symbol --stdio 2>/dev/null | grep -v '^$' >$out/report.txt || true
+    perf report -i $out/perf.data --no-children --sort comm --stdio 2>/dev/null | grep -v '^#' | grep -v '^$' >$out/threads.txt || true
+    sort -k2 -t'|' $out/perf-stat.txt >/dev/null 2>&1 || true
+    cat $out/threads.txt | head -20
+    grep -E '^ +[0-9.]+%' $out/report.txt | head -40
+    cat $out/perf-stat.txt ;;
+esac

@@ -620,7 +620,11 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    runtime.block_on(async {
+    // The command runs as a task on the runtime's workers, not on this
+    // thread: a worker that wakes from the I/O driver (the replication
+    // socket) then runs the relay itself, where a future blocked on here
+    // would be woken across threads at every message.
+    let command = runtime.spawn(async move {
         match cli.command {
             Command::Run { config } => run(config).await,
             Command::Check { config, config_only } => check(config, config_only).await,
@@ -642,5 +646,9 @@ fn main() -> ExitCode {
             } => retention(config, older_than, batch, published_only, force, wait).await,
             Command::Replay(args) => replay(args).await,
         }
+    });
+    runtime.block_on(command).unwrap_or_else(|e| {
+        eprintln!("outboxd: the command's task failed: {e}");
+        ExitCode::FAILURE
     })
 }

@@ -28,6 +28,10 @@
 //! e. Start-up: with the slot and topic in place and one event waiting,
 //!    from the relay's process start to the event's arrival at the
 //!    consumer; the median of `--startup-rounds` restarts.
+//! f. The produce ceiling (`ceiling`): the same records through outboxd's
+//!    producer with no PostgreSQL, the Kafka side's limit; its unmeasured
+//!    twin warms the broker before the first drain.
+//! g. With `--scaling`, the cost as work grows (`scaling`).
 //!
 //! Results: markdown tables on stdout and JSON in target/bench/results.json
 //! (`vs_debezium` holds the side-by-side figures). All measures run side by
@@ -36,11 +40,13 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_debug_implementations)]
 
+mod ceiling;
 #[path = "../../tests/integration/harness/mod.rs"]
 #[allow(dead_code)]
 mod harness;
 mod measure;
 mod relays;
+mod scaling;
 mod watch;
 
 use std::collections::HashMap;
@@ -69,6 +75,8 @@ struct Args {
     debezium: bool,
     exactly_once: bool,
     tracing: bool,
+    /// Also the table of cost as work grows (`scaling`).
+    scaling: bool,
     outboxd_kafka: Vec<String>,
     exactly_once_settings: Vec<String>,
 }
@@ -83,6 +91,7 @@ fn args() -> Args {
         debezium: true,
         exactly_once: true,
         tracing: true,
+        scaling: false,
         outboxd_kafka: Vec::new(),
         exactly_once_settings: Vec::new(),
     };
@@ -103,6 +112,7 @@ fn args() -> Args {
             "--skip-debezium" => a.debezium = false,
             "--skip-exactly-once" => a.exactly_once = false,
             "--skip-tracing" => a.tracing = false,
+            "--scaling" => a.scaling = true,
             "--exactly-once-setting" => {
                 a.exactly_once_settings.push(
                     argv.get(i + 1)
@@ -160,25 +170,60 @@ async fn drop_slot(client: &tokio_postgres::Client, slot: &str) {
         .unwrap();
 }
 
+/// What the rows of a backlog look like.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Shape {
+    /// The payload's size in bytes; `None`: the standard ~300-byte order.
+    payload: Option<usize>,
+    /// Aggregate types `T0`.. (one topic each); 1: every row is an `Order`.
+    types: usize,
+}
+
+impl Shape {
+    const STANDARD: Shape = Shape {
+        payload: None,
+        types: 1,
+    };
+}
+
 /// Writes `n` rows, 100 per transaction, ~300-byte payloads, each with a
 /// sampled W3C `traceparent` header (as the SDK writes it). Returns an
 /// LSN read inside the last transaction, after its rows.
 async fn write_backlog(client: &mut tokio_postgres::Client, n: usize) -> Lsn {
+    write_rows(client, n, Shape::STANDARD).await
+}
+
+/// [`write_backlog`] with rows of another shape.
+async fn write_rows(client: &mut tokio_postgres::Client, n: usize, shape: Shape) -> Lsn {
     let mut last = Lsn::ZERO;
     let transactions = n.div_ceil(100);
+    let aggregate_type = if shape.types > 1 {
+        format!("'T' || (g % {})", shape.types)
+    } else {
+        "'Order'".to_owned()
+    };
+    let payload = match shape.payload {
+        None => "jsonb_build_object('orderId', $1::int * 100 + g, 'customerId', md5(g::text),
+                                    'lines', jsonb_build_array(jsonb_build_object('sku', 'SKU-' || g, 'qty', 2, 'price', 1250)),
+                                    'note', repeat('n', 150))"
+            .to_owned(),
+        // {"note": "nn…", "orderId": 1234567}: 32 bytes around the note.
+        Some(bytes) => format!(
+            "jsonb_build_object('orderId', $1::int * 100 + g, 'note', repeat('n', {}))",
+            bytes.saturating_sub(32)
+        ),
+    };
     for t in 0..transactions {
         let rows = (n - t * 100).min(100) as i32;
         let tx = client.transaction().await.unwrap();
         tx.execute(
-            "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload, headers)
-             SELECT gen_random_uuid(), 'Order', 'order-' || ($1::int * 100 + g) % 5000, 'ordering.order-placed.v1',
-                    jsonb_build_object('orderId', $1::int * 100 + g, 'customerId', md5(g::text),
-                                       'lines', jsonb_build_array(jsonb_build_object('sku', 'SKU-' || g, 'qty', 2, 'price', 1250)),
-                                       'note', repeat('n', 150)),
+            &format!("INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload, headers)
+             SELECT gen_random_uuid(), {aggregate_type}, 'order-' || ($1::int * 100 + g) % 5000, 'ordering.order-placed.v1',
+                    {payload},
                     jsonb_build_object('correlationId', md5(($1::int * 100 + g)::text),
                                        'traceparent', '00-' || md5(($1::int * 100 + g)::text || 't') || '-'
                                                       || substr(md5(($1::int * 100 + g)::text || 's'), 1, 16) || '-01')
-               FROM generate_series(1, $2::int) g",
+               FROM generate_series(1, $2::int) g"),
             &[&(t as i32), &rows],
         )
         .await
@@ -239,12 +284,28 @@ async fn drain(
     target: Lsn,
     events: usize,
 ) -> Drain {
+    drain_into(client, s, kind, slot, topic, &[topic.to_owned()], target, events).await
+}
+
+/// [`drain`] with the relay's topic setting (`route`, a template) and the
+/// topics it fills.
+#[allow(clippy::too_many_arguments)]
+async fn drain_into(
+    client: &tokio_postgres::Client,
+    s: &Setting,
+    kind: Kind,
+    slot: &str,
+    route: &str,
+    topics: &[String],
+    target: Lsn,
+    events: usize,
+) -> Drain {
     eprintln!("bench: {} drain", kind.name());
     // Debezium's start returns once its task streams, seconds into the
     // drain: start it beside the sampling.
     let mut starter = Some({
-        let (s, slot, topic) = (s.clone(), slot.to_owned(), topic.to_owned());
-        std::thread::spawn(move || kind.start(&s, &slot, &topic))
+        let (s, slot, route) = (s.clone(), slot.to_owned(), route.to_owned());
+        std::thread::spawn(move || kind.start(&s, &slot, &route))
     });
     let mut running: Option<Running> = None;
     let wm = watch::client(&s.brokers);
@@ -259,7 +320,10 @@ async fn drain(
         }
         if at_kafka.is_none() {
             in_kafka = tokio::task::block_in_place(|| {
-                watch::high_watermarks(&wm, topic, PARTITIONS).iter().sum::<i64>()
+                topics
+                    .iter()
+                    .map(|t| watch::high_watermarks(&wm, t, PARTITIONS).iter().sum::<i64>())
+                    .sum()
             });
             if in_kafka >= events as i64 {
                 at_kafka = Some(unix_now());
@@ -267,7 +331,7 @@ async fn drain(
         }
         assert!(
             Instant::now() < deadline,
-            "{} did not drain within an hour: slot {slot} confirmed {} (target {target}), {in_kafka} of {events} events in Kafka",
+            "{} did not drain within an hour: slot {slot} confirmed {} (target {target}), {in_kafka} of {events} events in Kafka ({route})",
             kind.name(),
             confirmed(client, slot).await
         );
@@ -343,7 +407,17 @@ struct Latency {
     consumed_ms: Vec<f64>,
     appended_ms: Vec<f64>,
     metrics: String,
+    /// The relay's CPU per event (µs) over the measured load, and over a
+    /// further steady 1,000 events/s for `STEADY_SECS`.
+    cpu_us_per_event: f64,
+    steady_cpu_us_per_event: f64,
 }
+
+/// The steady load whose CPU per event is reported on its own: a rate
+/// where a relay mostly waits, so what it spends per event is its
+/// wake-ups, not its batching.
+const STEADY_RATE: u64 = 1_000;
+const STEADY_SECS: u64 = 15;
 
 impl Latency {
     /// Commit → consumed: the figure compared across relays.
@@ -357,6 +431,8 @@ impl Latency {
                    "max": ms.last().copied().unwrap_or(f64::NAN), "samples": ms.len()})
         };
         json!({"achieved_events_per_second": self.achieved, "delivered_events_per_second": self.delivered,
+               "cpu_us_per_event": self.cpu_us_per_event,
+               "steady_1000_per_s_cpu_us_per_event": self.steady_cpu_us_per_event,
                "commit_to_consumed_ms": summary(&self.consumed_ms),
                "commit_to_log_append_ms": summary(&self.appended_ms)})
     }
@@ -410,6 +486,7 @@ async fn latency(
         a.warmup_secs
     );
     let tag = format!("bench.tick.{}", kind.name());
+    let cpu_before = usage(running.pid()).1;
     let achieved = steady_load(pg, a.rate, a.latency_secs, &tag).await;
     let commits: HashMap<String, f64> = client
         .query(
@@ -422,6 +499,21 @@ async fn latency(
         .map(|r| (r.get(0), r.get(1)))
         .collect();
     tokio::task::block_in_place(|| watcher.wait_count(warmed + commits.len(), Duration::from_secs(300)));
+    let cpu_us_per_event = (usage(running.pid()).1 - cpu_before) * 1e6 / commits.len() as f64;
+    // The steady 1,000/s, measured the same way.
+    let cpu_before = usage(running.pid()).1;
+    steady_load(
+        pg,
+        STEADY_RATE,
+        STEADY_SECS,
+        &format!("bench.steady.{}", kind.name()),
+    )
+    .await;
+    let steady = (STEADY_RATE / 4 * 4 * STEADY_SECS) as usize;
+    tokio::task::block_in_place(|| {
+        watcher.wait_count(warmed + commits.len() + steady, Duration::from_secs(300))
+    });
+    let steady_cpu_us_per_event = (usage(running.pid()).1 - cpu_before) * 1e6 / steady as f64;
     let metrics = match running.http_port() {
         Some(port) => tokio::task::spawn_blocking(move || scrape(port)).await.unwrap(),
         None => String::new(),
@@ -445,6 +537,8 @@ async fn latency(
         consumed_ms: sorted_ms(|a| a.consumed),
         appended_ms: sorted_ms(|a| a.appended),
         metrics,
+        cpu_us_per_event,
+        steady_cpu_us_per_event,
     };
     (result, running)
 }
@@ -587,6 +681,10 @@ impl Figures {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
+    if let Ok(spec) = std::env::var(ceiling::ENV) {
+        ceiling::child(&spec).await;
+        return;
+    }
     let a = args();
     let n = a.events;
     // OUTBOXD_BENCH_KEEP=1 keeps the relays' configs and logs;
@@ -630,7 +728,11 @@ async fn main() {
         kinds.push(Kind::Debezium);
     }
     // Every topic exists beforehand, with 3 partitions, for every relay.
-    let mut topics = vec!["drain-polling".to_owned()];
+    let mut topics = vec![
+        "drain-polling".to_owned(),
+        "warm-up".to_owned(),
+        "ceiling".to_owned(),
+    ];
     for k in &kinds {
         topics.push(format!("drain-{}", k.name()));
         topics.push(format!("latency-{}", k.name()));
@@ -663,6 +765,12 @@ async fn main() {
     let wal_mb = end.bytes_since(start_lsn) as f64 / 1048576.0;
     eprintln!("bench: wrote {wal_mb:.0} MB of WAL in {write_secs:.1}s");
 
+    // The broker's first load is slower (its JIT, its page cache): the
+    // ceiling's producer warms it with the same records before anything
+    // is measured, so that the first drain meets a warm broker.
+    eprintln!("bench: warming the broker");
+    let warm = ceiling::run(&s.brokers, "warm-up", n.min(200_000), &s.outboxd_kafka);
+    eprintln!("bench: warm-up: {:.0} events/s", warm.rate());
     // b, then a: pg_recvlogical before and after the relays, so neither
     // side gets the warmer cache; the faster run is the decoding limit.
     eprintln!("bench: pg_recvlogical (before)");
@@ -683,6 +791,9 @@ async fn main() {
     eprintln!("bench: pg_recvlogical (after)");
     let recv_after = recvlogical(&pg, "bench_recv_after", end);
     let recv_secs = recv_before.min(recv_after);
+    // The Kafka side's limit: the same records, no PostgreSQL.
+    eprintln!("bench: produce ceiling (outboxd's producer, records built in memory)");
+    let ceiling = ceiling::run(&s.brokers, "ceiling", n, &s.outboxd_kafka);
     for slot in ["bench_recv", "bench_recv_after"] {
         drop_slot(&client, slot).await;
     }
@@ -721,7 +832,11 @@ async fn main() {
         "pg_recvlogical": {"seconds": recv_secs, "events_per_second": recv_rate,
                            "seconds_before_outboxd": recv_before, "seconds_after_outboxd": recv_after},
         "polling": {"seconds": poll_secs, "events_per_second": poll_rate},
-        "ratios": {"outboxd_to_pg_recvlogical": drain_rate / recv_rate, "outboxd_to_polling": drain_rate / poll_rate},
+        "ratios": {"outboxd_to_pg_recvlogical": drain_rate / recv_rate, "outboxd_to_polling": drain_rate / poll_rate,
+                   "outboxd_to_ceiling": drain_rate / ceiling.rate(),
+                   "outboxd_to_slower_limit": drain_rate / ceiling.rate().min(recv_rate)},
+        "ceiling": ceiling.json(),
+        "warm_up": warm.json(),
         "latency": {"target_events_per_second": a.rate, "achieved_events_per_second": o.latency.achieved, "seconds": a.latency_secs,
                     "commit_to_ack_ms": {"p50": ack_p50, "p99": ack_p99, "samples": hist.last().map_or(0.0, |b| b.1)},
                     "commit_to_consumed_ms": o.latency.json()["commit_to_consumed_ms"],
@@ -802,10 +917,21 @@ async fn main() {
     println!(
         "| pg_recvlogical (decoding limit) | {recv_secs:.2} s, {recv_rate:.0} events/s (runs before/after the relays: {recv_before:.2} s / {recv_after:.2} s) |"
     );
+    println!(
+        "| produce ceiling (outboxd's producer, records in memory, no PostgreSQL) | {:.2} s, {:.0} events/s, {:.2} core-s per 100k events, {:.1} MiB |",
+        ceiling.seconds,
+        ceiling.rate(),
+        ceiling.cpu_per_100k(),
+        ceiling.rss_mib
+    );
     println!("| polling mode (defaults: 500 rows per round) | {poll_secs:.2} s, {poll_rate:.0} events/s |");
     println!(
-        "| outboxd / pg_recvlogical | {:.2} (target ≥ 0.8) |",
+        "| outboxd / pg_recvlogical | {:.2} (target ≥ 1.0) |",
         drain_rate / recv_rate
+    );
+    println!(
+        "| outboxd / slower of pg_recvlogical and the ceiling | {:.2} (target ≥ 0.9) |",
+        drain_rate / ceiling.rate().min(recv_rate)
     );
     println!(
         "| outboxd / polling | {:.1} (target ≥ 10) |",
@@ -813,7 +939,7 @@ async fn main() {
     );
     println!("| outboxd peak RSS | {:.1} MiB |", o.drain.rss_mib);
     println!(
-        "| outboxd CPU | {:.2} s, {:.2} core-s per 100k events (target ≤ 1) |",
+        "| outboxd CPU | {:.2} s, {:.2} core-s per 100k events (target ≤ 0.8) |",
         o.drain.cpu_s,
         o.drain.cpu_per_100k(n)
     );
@@ -822,6 +948,10 @@ async fn main() {
         o.latency.achieved, a.latency_secs
     );
     println!("| commit → Kafka ack (outboxd histogram) | p50 {ack_p50:.1} ms, p99 {ack_p99:.1} ms (target p99 ≤ 25) |");
+    println!(
+        "| outboxd CPU per event under load / at a steady {STEADY_RATE}/s | {:.1} µs / {:.1} µs (target at {STEADY_RATE}/s ≤ 50) |",
+        o.latency.cpu_us_per_event, o.latency.steady_cpu_us_per_event
+    );
     println!(
         "| commit → consumed (per event, upper bound) | p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms |",
         o.latency.p(0.5),
@@ -850,6 +980,14 @@ async fn main() {
     }
     if let Some(d) = fig(Kind::Debezium) {
         side_by_side(n, o, d);
+    }
+    if a.scaling {
+        results["scaling"] = json!(scaling::run(&mut client, &s).await);
+        std::fs::write(
+            out_dir.join("results.json"),
+            serde_json::to_string_pretty(&results).unwrap(),
+        )
+        .unwrap();
     }
     broker.kill();
 }

@@ -30,6 +30,10 @@ pub struct KafkaConfig {
     /// Most events sent but not yet acknowledged; reading pauses above it.
     #[serde(default = "default_max_inflight")]
     pub max_inflight: usize,
+    /// Most bytes (keys, values and headers) sent but not yet
+    /// acknowledged; reading pauses above it too.
+    #[serde(default = "default_max_inflight_bytes")]
+    pub max_inflight_bytes: usize,
     /// Timeout of metadata and admin requests.
     #[serde(default = "default_admin_timeout")]
     pub admin_timeout: HumanDuration,
@@ -68,6 +72,7 @@ impl std::fmt::Debug for KafkaConfig {
             .field("topic_replication_factor", &self.topic_replication_factor)
             .field("topic_config", &self.topic_config)
             .field("max_inflight", &self.max_inflight)
+            .field("max_inflight_bytes", &self.max_inflight_bytes)
             .field("admin_timeout", &self.admin_timeout)
             .field("delivery", &self.delivery)
             .field("exactly_once", &self.exactly_once)
@@ -184,8 +189,16 @@ fn default_replication_factor() -> i32 {
     -1
 }
 
+/// Records past what Kafka acknowledges per round trip only wait in
+/// librdkafka's queue, where they cost CPU (BENCHMARKS.md, "Where the CPU
+/// went against Apache Kafka"): 5,000 records, or 1 MiB, whichever comes
+/// first, keep a local broker's drain rate.
 fn default_max_inflight() -> usize {
-    20_000
+    5_000
+}
+
+fn default_max_inflight_bytes() -> usize {
+    1 << 20
 }
 
 fn default_admin_timeout() -> HumanDuration {

@@ -303,6 +303,9 @@ impl Config {
         if self.kafka.max_inflight == 0 {
             return Err(invalid("kafka.max_inflight", "must be at least 1"));
         }
+        if self.kafka.max_inflight_bytes == 0 {
+            return Err(invalid("kafka.max_inflight_bytes", "must be at least 1"));
+        }
         if self.kafka.topic_partitions < 1 {
             return Err(invalid("kafka.topic_partitions", "must be at least 1"));
         }
@@ -557,7 +560,8 @@ mod tests {
         assert_eq!(c.postgres.table, "public.outbox");
         assert_eq!(v.slot.as_str(), "outboxd");
         assert_eq!(c.routing.value, ValueFormat::Envelope);
-        assert_eq!(c.kafka.max_inflight, 20_000);
+        assert_eq!(c.kafka.max_inflight, 5_000);
+        assert_eq!(c.kafka.max_inflight_bytes, 1 << 20);
         assert_eq!(c.shutdown.drain_timeout.0, Duration::from_secs(30));
         assert_eq!(v.listen.port(), 9187);
     }

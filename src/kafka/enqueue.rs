@@ -11,7 +11,7 @@
 
 use std::time::Duration;
 
-use rdkafka::producer::DeliveryFuture;
+use crate::kafka::delivery::Awaited;
 use uuid::Uuid;
 
 use crate::config::{OnPoison, RoutingConfig};
@@ -35,13 +35,13 @@ pub enum EnqueueError {
 #[allow(missing_debug_implementations)]
 pub enum Enqueued {
     /// The row's record.
-    Record(DeliveryFuture),
+    Record(Awaited),
     /// Its dead letter, for this reason.
-    DeadLetter(DeliveryFuture, &'static str),
+    DeadLetter(Awaited, &'static str),
 }
 
 impl Enqueued {
-    pub fn into_future(self) -> DeliveryFuture {
+    pub fn into_future(self) -> Awaited {
         match self {
             Enqueued::Record(f) | Enqueued::DeadLetter(f, _) => f,
         }
@@ -136,7 +136,7 @@ pub async fn set_aside_as_stub(
 /// Enqueues a dead letter, waiting while the queue is full. One that
 /// librdkafka refuses on its own (larger than `message.max.bytes`) goes
 /// as its stub.
-async fn send(sink: &mut KafkaSink, rec: &KafkaRecord) -> Result<DeliveryFuture, KafkaSinkError> {
+async fn send(sink: &mut KafkaSink, rec: &KafkaRecord) -> Result<Awaited, KafkaSinkError> {
     sink.ensure_topic(&rec.topic).await?;
     let mut stub: Option<KafkaRecord> = None;
     loop {

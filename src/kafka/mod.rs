@@ -1,9 +1,11 @@
-//! The Kafka side: the producer, topics and delivery reports ([`sink`]),
+//! The Kafka side: the producer, topics and broker checks ([`sink`]),
+//! delivery reports in batches and the producer's poller ([`delivery`]),
 //! records and dead letters built from outbox rows ([`records`]),
 //! CloudEvents values ([`cloudevents`]), and table rows handed to the
 //! producer by polling mode and replay ([`enqueue`]).
 
 pub mod cloudevents;
+pub mod delivery;
 pub mod enqueue;
 pub mod records;
 pub mod sink;

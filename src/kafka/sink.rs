@@ -1,10 +1,12 @@
 //! The Kafka side: an idempotent producer, topic creation, broker checks.
 //!
-//! Records are enqueued with `send_result`, which never waits for the
-//! broker: it returns a delivery future at once. The relay keeps those
-//! futures and retires them as acknowledgements arrive, in any order.
-//! When librdkafka's queue is full, `send` says so and the caller first
-//! waits for an acknowledgement (backpressure), instead of blocking a thread.
+//! Records are enqueued with `send_reported` (the relay: the report comes
+//! under a ticket in the sink's report queue, taken in batches) or `send`
+//! (a future per record), neither of which waits for the broker (see
+//! [`crate::kafka::delivery`]). The relay retires records as
+//! acknowledgements arrive, in any order. When librdkafka's queue is full,
+//! the send says so and the caller first waits for an acknowledgement
+//! (backpressure), instead of blocking a thread.
 //!
 //! After a failed session the relay drops the whole sink and builds a new
 //! one: dropping the producer purges what it still queued (so nothing stale
@@ -24,7 +26,10 @@ use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
+use rdkafka::producer::{BaseRecord, Producer as _};
+
+pub use crate::kafka::delivery::Report;
+use crate::kafka::delivery::{Awaited, Producer, ReportQueue, Ticket};
 
 use crate::config::KafkaConfig;
 use crate::kafka::records::KafkaRecord;
@@ -102,54 +107,11 @@ impl KafkaSinkError {
     }
 }
 
-/// A delivery report, read so that an acknowledgement without an offset
-/// is never taken for a stored record.
-///
-/// librdkafka's idempotent producer acknowledges messages *implicitly*
-/// (`rd_kafka_dr_implicit_ack`) when a later Produce request of their
-/// partition succeeds while theirs waits for a retry: the broker accepted
-/// a later sequence, so librdkafka infers that the earlier ones were
-/// stored. Apache Kafka accepts a later sequence when it holds no producer
-/// state for the partition (a new partition, expired producer state), and
-/// then the earlier records were never written. Such reports carry no
-/// offset. A record that Kafka stored always has one (`acks=all`), so a
-/// report without an offset is not proof of durability: every producer
-/// path of outboxd treats it as a failed delivery, which replays (a
-/// duplicate at worst, never a loss).
-#[derive(Debug)]
-pub enum Report {
-    /// Stored at this partition and offset.
-    Stored(rdkafka::producer::future_producer::Delivery),
-    /// Refused or failed; librdkafka hands the message back.
-    Failed(KafkaError, rdkafka::message::OwnedMessage),
-    /// Reported delivered without an offset: not proven stored.
-    Unproven { partition: i32 },
-    /// The producer went away before it reported.
-    Canceled,
-}
-
 impl Report {
-    /// Reads a delivery future's outcome.
-    pub fn of(
-        result: Result<
-            rdkafka::producer::future_producer::OwnedDeliveryResult,
-            futures::channel::oneshot::Canceled,
-        >,
-    ) -> Report {
-        match result {
-            Ok(Ok(d)) if d.offset >= 0 => Report::Stored(d),
-            Ok(Ok(d)) => Report::Unproven {
-                partition: d.partition,
-            },
-            Ok(Err((e, msg))) => Report::Failed(e, msg),
-            Err(_) => Report::Canceled,
-        }
-    }
-
     /// The report as a result: stored, or the error that says why not.
-    pub fn into_result(self) -> Result<rdkafka::producer::future_producer::Delivery, KafkaSinkError> {
+    pub fn into_result(self) -> Result<(i32, i64), KafkaSinkError> {
         match self {
-            Report::Stored(d) => Ok(d),
+            Report::Stored { partition, offset } => Ok((partition, offset)),
             Report::Failed(source, msg) => Err(KafkaSinkError::Delivery {
                 topic: rdkafka::message::Message::topic(&msg).to_owned(),
                 source,
@@ -344,10 +306,11 @@ pub struct SinkKind {
 }
 
 /// Result of enqueueing a record.
-#[allow(missing_debug_implementations)]
-pub enum SendOutcome {
-    /// Enqueued; the future resolves on acknowledgement or failure.
-    Sent(DeliveryFuture),
+#[derive(Debug)]
+pub enum SendOutcome<T = Awaited> {
+    /// Enqueued: its report comes through an [`Awaited`] future, or as its
+    /// [`Ticket`] in the sink's [`ReportQueue`].
+    Sent(T),
     /// librdkafka's queue is full: wait for an acknowledgement, then retry.
     QueueFull,
 }
@@ -392,7 +355,7 @@ impl BrokerProbe {
 
 /// Producer plus admin client, and the topics known to exist.
 pub struct KafkaSink {
-    producer: FutureProducer,
+    producer: Producer,
     admin: std::sync::Arc<AdminClient<DefaultClientContext>>,
     probe: BrokerProbe,
     /// Topics proven served in this session (every partition answered).
@@ -421,7 +384,7 @@ pub struct KafkaSink {
     in_transaction: bool,
     /// Transactional sinks have two producers, used in turn (see
     /// [`KafkaSink::start_commit`]): the one not current, and its id.
-    spare: Option<(FutureProducer, String)>,
+    spare: Option<(Producer, String)>,
 }
 
 impl std::fmt::Debug for KafkaSink {
@@ -451,14 +414,14 @@ impl KafkaSink {
             batch_bytes: kind.batch_bytes,
         };
         let first = ids.as_ref().map(|[a, _]| a);
-        let producer: FutureProducer = producer_config(cfg, &with_id(first))
-            .create()
-            .map_err(bad_config)?;
+        // Both producers report to one queue: the relay follows the sink,
+        // whichever producer is current.
+        let reports = ReportQueue::default();
+        let producer =
+            Producer::create(&producer_config(cfg, &with_id(first)), &reports).map_err(bad_config)?;
         let spare = match &ids {
             Some([_, b]) => Some((
-                producer_config(cfg, &with_id(Some(b)))
-                    .create()
-                    .map_err(bad_config)?,
+                Producer::create(&producer_config(cfg, &with_id(Some(b))), &reports).map_err(bad_config)?,
                 b.clone(),
             )),
             None => None,
@@ -504,8 +467,8 @@ impl KafkaSink {
     /// completes (commits or aborts) whatever transaction it left, so that
     /// a `read_committed` read afterwards sees all it committed.
     pub async fn init_transactions(&self, timeout: Duration) -> Result<(), KafkaSinkError> {
-        let init = |producer: &FutureProducer, id: &str| {
-            let (producer, id) = (producer.clone(), id.to_owned());
+        let init = |producer: &Producer, id: &str| {
+            let (producer, id) = (producer.handle(), id.to_owned());
             tokio::task::spawn_blocking(move || {
                 producer
                     .init_transactions(timeout)
@@ -582,7 +545,7 @@ impl KafkaSink {
     /// their order: one commit at a time, and no record of the next
     /// transaction before every record of this one is acknowledged.
     pub fn start_commit(&mut self, timeout: Duration) -> tokio::task::JoinHandle<Result<(), KafkaSinkError>> {
-        let producer = self.producer.clone();
+        let producer = self.producer.handle();
         let id = self.transactional_id.clone().unwrap_or_default();
         self.in_transaction = false;
         if let Some((spare, spare_id)) = self.spare.take() {
@@ -604,7 +567,7 @@ impl KafkaSink {
             return Ok(());
         }
         self.in_transaction = false;
-        let producer = self.producer.clone();
+        let producer = self.producer.handle();
         tokio::task::spawn_blocking(move || producer.abort_transaction(timeout))
             .await
             .map_err(|_| KafkaSinkError::Canceled)?
@@ -633,7 +596,7 @@ impl KafkaSink {
     /// answers ListOffsets). Asked through the producer's own client, so
     /// that the producer's metadata is current before its first record.
     async fn topic_ready(&self, topic: &str) -> bool {
-        let producer = self.producer.clone();
+        let producer = self.producer.handle();
         let (topic, timeout) = (topic.to_owned(), self.timeout);
         tokio::task::spawn_blocking(move || {
             let client = producer.client();
@@ -852,7 +815,7 @@ impl KafkaSink {
     /// (Topics outboxd creates still wait for [`KafkaSink::ensure_topic`]'s
     /// readiness check.)
     fn warm_up(&mut self) {
-        let producer = self.producer.clone();
+        let producer = self.producer.handle();
         let timeout = self.timeout;
         self.warm_up = Some(tokio::task::spawn_blocking(move || {
             let Ok(md) = producer.client().fetch_metadata(None, timeout) else {
@@ -894,6 +857,31 @@ impl KafkaSink {
     /// refuse the whole batch around it, and a later batch of the same
     /// partition could be stored ahead of that batch's other records.
     pub fn send(&mut self, rec: &KafkaRecord) -> Result<SendOutcome, KafkaSinkError> {
+        self.enqueue(rec, Producer::send_awaited)
+    }
+
+    /// As [`KafkaSink::send`], but the report goes to [`KafkaSink::reports`]
+    /// under the returned ticket: the relay's way, which takes reports in
+    /// batches (see [`crate::kafka::delivery`]).
+    pub fn send_reported(&mut self, rec: &KafkaRecord) -> Result<SendOutcome<Ticket>, KafkaSinkError> {
+        self.enqueue(rec, Producer::send_batched)
+    }
+
+    /// The queue that [`KafkaSink::send_reported`] reports to, for both
+    /// producers of a transactional sink. A new sink has a new queue.
+    pub fn reports(&self) -> ReportQueue {
+        self.producer.reports().clone()
+    }
+
+    #[allow(clippy::result_large_err)]
+    fn enqueue<'a, T>(
+        &mut self,
+        rec: &'a KafkaRecord,
+        send: impl FnOnce(
+            &Producer,
+            BaseRecord<'a, [u8], [u8], usize>,
+        ) -> Result<T, (KafkaError, BaseRecord<'a, [u8], [u8], usize>)>,
+    ) -> Result<SendOutcome<T>, KafkaSinkError> {
         let limit = self
             .topic_limits
             .lock()
@@ -915,12 +903,12 @@ impl KafkaSink {
                 value: Some(v.as_slice()),
             });
         }
-        let record = FutureRecord::to(&rec.topic)
+        let record = BaseRecord::with_opaque_to(&rec.topic, 0)
             .key(rec.key.as_bytes())
             .payload(rec.value.as_slice())
             .headers(headers)
             .timestamp(rec.timestamp_ms);
-        match self.producer.send_result(record) {
+        match send(&self.producer, record) {
             Ok(f) => Ok(SendOutcome::Sent(f)),
             Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => {
                 Ok(SendOutcome::QueueFull)

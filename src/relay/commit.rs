@@ -16,7 +16,6 @@
 
 use std::time::Duration;
 
-use futures::StreamExt;
 use tokio::time::Instant;
 
 use super::session::{Sent, Session};

@@ -20,8 +20,10 @@
 //! Then one `tokio::select!` loop runs, with these priorities (`biased`):
 //!
 //! 1. **shutdown**: stop reading, drain acknowledgements, confirm, exit;
-//! 2. **acknowledgements**: each finished delivery future is applied to the
-//!    [`AckTracker`]; a failed delivery ends the session (see below);
+//! 2. **acknowledgements**: each delivery report is applied to the
+//!    [`AckTracker`]; a failed delivery ends the session (see below).
+//!    Reports arrive in batches, and the loop is woken once per batch
+//!    ([`crate::kafka::delivery`], `deliveries`);
 //! 3. **status timer**: every `postgres.status_interval` a standby status
 //!    update reports write = received LSN, flush = apply = the tracker's
 //!    flushed LSN, even when the stream is busy; when idle it asks the
@@ -29,11 +31,13 @@
 //!    goes out (at most every 100 ms) as soon as acknowledgements move the
 //!    flushed LSN, so confirmation lags Kafka by milliseconds, not seconds;
 //! 4. **the next stream event**, read only while fewer than
-//!    `kafka.max_inflight` events are unacknowledged (backpressure: memory
-//!    stays bounded with any backlog):
+//!    `kafka.max_inflight` events and `kafka.max_inflight_bytes` bytes are
+//!    unacknowledged (backpressure: memory stays bounded with any backlog,
+//!    and librdkafka is not fed more than the broker acknowledges per
+//!    round trip, where the surplus only costs CPU):
 //!    * Begin opens a transaction in the tracker;
 //!    * each outbox Insert becomes a record and is enqueued at once
-//!      (`send_result`, no waiting); a full librdkafka queue waits for an
+//!      (`send_reported`, no waiting); a full librdkafka queue waits for an
 //!      acknowledgement first, and a new topic for its creation. Such waits
 //!      go through [`OutboxStream::keep_alive_while`], which keeps sending
 //!      status updates, so no wait inside a step outlasts the server's
@@ -71,6 +75,7 @@
 //! names the grant to add.
 
 mod commit;
+mod deliveries;
 mod durability;
 pub mod exactly_once;
 pub mod leader;
@@ -85,7 +90,7 @@ mod streaming;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::stream::FuturesUnordered;
+use deliveries::Deliveries;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
@@ -964,7 +969,7 @@ impl Relay {
             guard,
             open_commit_ms: 0,
             isolating: self.isolate_until.is_some(),
-            deliveries: FuturesUnordered::new(),
+            deliveries: Deliveries::new(self.sink.reports()),
             dead_letters: std::collections::VecDeque::new(),
             on_poison: self.config.routing.on_poison,
             dead_letter_topic: self.config.routing.dead_letter_topic.clone(),
@@ -1094,6 +1099,7 @@ impl Relay {
         }
         self.isolate_until = None;
         self.sink = self.new_sink()?;
+        s.deliveries.follow(self.sink.reports());
         if self.validated.transactional_id.is_some() {
             self.sink
                 .init_transactions(self.config.kafka.exactly_once.commit_timeout.0)

@@ -480,12 +480,12 @@ impl PollingRelay {
                 Enqueued::DeadLetter(_, reason) => Some(*reason),
                 Enqueued::Record(_) => None,
             };
-            let report = Report::of(enqueued.into_future().await);
+            let report = enqueued.into_future().await;
             if failure.is_some() {
                 continue;
             }
             let (source, msg) = match report {
-                Report::Stored(_) => {
+                Report::Stored { .. } => {
                     published.push(row.id);
                     continue;
                 }
@@ -558,8 +558,8 @@ impl PollingRelay {
     ) -> Result<(), PollingError> {
         let (mut sent, mut stubbed) = (sent, stubbed);
         loop {
-            match Report::of(sent.into_future().await) {
-                Report::Stored(_) => {
+            match sent.into_future().await {
+                Report::Stored { .. } => {
                     published.push(row.id);
                     return Ok(());
                 }

@@ -4,11 +4,11 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use futures::stream::FuturesUnordered;
 use futures::FutureExt;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use super::deliveries::Deliveries;
 use super::durability::Durability;
 use super::RelayError;
 use crate::config::{KafkaConfig, OnPoison};
@@ -27,16 +27,11 @@ use crate::relay::slot_register::{self, SlotRecord};
 use crate::source::outbox::{OutboxRow, UnreadableRow};
 use crate::source::stream::OutboxStream;
 
-/// What a delivery future resolves to, tagged with its transaction.
-pub(super) type Delivery = (
-    TxnId,
-    Lsn,
-    RowPos,
-    Sent,
-    Result<rdkafka::producer::future_producer::OwnedDeliveryResult, futures::channel::oneshot::Canceled>,
-);
+/// A delivery report, tagged with its record's transaction, LSN,
+/// position and kind.
+pub(super) type Delivery = (TxnId, Lsn, RowPos, Sent, Report);
 
-/// What a delivery future was for.
+/// What a record in flight was sent as.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Sent {
     Event,
@@ -123,7 +118,7 @@ pub(super) struct Session {
     /// [`Relay::isolate_until`]); once the slot passes the refused record,
     /// intake pauses until nothing is in flight, then batching resumes.
     pub(super) isolating: bool,
-    pub(super) deliveries: FuturesUnordered<futures::future::BoxFuture<'static, Delivery>>,
+    pub(super) deliveries: Deliveries,
     /// Dead letters to send after the current step.
     pub(super) dead_letters: std::collections::VecDeque<DeadLetterJob>,
     pub(super) on_poison: OnPoison,
@@ -364,8 +359,8 @@ impl Session {
         metrics: &Metrics,
         (txn, lsn, pos, sent, result): Delivery,
     ) -> Result<(), RelayError> {
-        let (e, msg) = match Report::of(result) {
-            Report::Stored(_) => {
+        let (e, msg) = match result {
+            Report::Stored { .. } => {
                 if let Sent::DeadLetter { reason, .. } = sent {
                     metrics.dead_letters.with_label_values(&[reason]).inc();
                 }

@@ -3,7 +3,6 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use futures::StreamExt;
 use tokio::sync::watch;
 use tokio::time::{Instant, MissedTickBehavior};
 
@@ -32,7 +31,10 @@ impl Relay {
         let mut status = tokio::time::interval(s.status_every);
         status.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut lease = self.election.lease();
-        let max_inflight = self.config.kafka.max_inflight;
+        let (max_inflight, max_inflight_bytes) = (
+            self.config.kafka.max_inflight,
+            self.config.kafka.max_inflight_bytes,
+        );
         if *shutdown.borrow_and_update() {
             return Ok(());
         }
@@ -40,7 +42,11 @@ impl Relay {
             // Backpressure counts records librdkafka holds (its memory),
             // not events waiting for a Kafka commit: a PostgreSQL
             // transaction larger than max_inflight must still be read to
-            // its commit.
+            // its commit. The bytes in flight are bounded too: past about
+            // what the broker acknowledges per round trip, more records
+            // only wait in librdkafka's queue, where a batch that is ready
+            // while a partition has its five requests in flight makes the
+            // broker thread spin (see BENCHMARKS.md).
             // Fencing: nothing is read (so nothing sent) unless the leader
             // lease is fresh; a leader that was stopped finds it stale
             // before anything else (see crate::relay::leader).
@@ -57,6 +63,7 @@ impl Relay {
             let intake = s.pending_failure.is_none()
                 && leading
                 && s.deliveries.len() + s.durability.held_rows() < max_inflight
+                && s.deliveries.bytes() < max_inflight_bytes
                 && self.end_isolation(s).await?;
             let commit_at = s.durability.deadline();
             tokio::select! {
@@ -359,24 +366,14 @@ impl Relay {
             if !self.election.still_held() {
                 return Err(RelayError::LeadershipLost);
             }
-            match self.sink.send(record)? {
-                SendOutcome::Sent(fut) => {
+            match self.sink.send_reported(record)? {
+                SendOutcome::Sent(ticket) => {
                     if count {
                         s.tracker.sent(txn);
                         s.durability.sent(txn, record.size());
                     }
-                    let span = span.take();
-                    s.deliveries.push(Box::pin(async move {
-                        let result = fut.await;
-                        if let Some(span) = span {
-                            span.finish(match &result {
-                                Ok(Ok(d)) => Ok((d.partition, d.offset)),
-                                Ok(Err((e, _))) => Err(e.to_string()),
-                                Err(_) => Err("the delivery was canceled".to_owned()),
-                            });
-                        }
-                        (txn, lsn, pos, sent, result)
-                    }));
+                    s.deliveries
+                        .push(ticket, (txn, lsn, pos, sent), record.size(), span.take());
                     return Ok(());
                 }
                 SendOutcome::QueueFull => match stream

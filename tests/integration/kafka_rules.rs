@@ -626,7 +626,7 @@ async fn a_record_over_its_topics_limit_is_refused_before_it_is_sent() {
         panic!("queue full");
     };
     assert!(
-        matches!(Report::of(at_limit.await), Report::Stored(_)),
+        matches!(at_limit.await, Report::Stored { .. }),
         "a record of exactly max.message.bytes is stored"
     );
     let over = record(len + 1);

@@ -346,7 +346,7 @@ impl Replay {
                 Enqueued::DeadLetter(_, reason) => Some(*reason),
                 Enqueued::Record(_) => None,
             };
-            let mut report = Report::of(enqueued.into_future().await);
+            let mut report = enqueued.into_future().await;
             if settled.stopped() {
                 continue;
             }
@@ -360,7 +360,7 @@ impl Replay {
                     match set_aside(sink, &self.config.routing, &r.row, reason, error).await {
                         Ok(dl) => {
                             dead = Some(reason);
-                            report = Report::of(dl.into_future().await);
+                            report = dl.into_future().await;
                         }
                         Err(e) => {
                             settled.failure = Some(e.into());
@@ -386,7 +386,7 @@ impl Replay {
                 }
                 let error = format!("its dead letter was refused: {refused}");
                 match set_aside_as_stub(sink, &self.config.routing, &r.row, reason, error, &refused).await {
-                    Ok(stub) => report = Report::of(stub.into_future().await),
+                    Ok(stub) => report = stub.into_future().await,
                     Err(e) => {
                         settled.failure = Some(e.into());
                         continue;
