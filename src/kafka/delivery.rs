@@ -28,7 +28,8 @@
 //! **Dropping** a [`Producer`] purges what it still queued or has in
 //! flight, at once and on the dropping thread, so that nothing it held
 //! lands after a replay by its successor. The poller then ends within its
-//! window; librdkafka's handle is freed when it does.
+//! window; librdkafka's handle is freed with the last reference to it (the
+//! poller's, or that of a blocking call still running, such as a commit).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -115,29 +116,13 @@ impl ReportQueue {
 
     /// Moves every report that arrived into `into`, in arrival order.
     pub fn take(&self, into: &mut std::collections::VecDeque<(Ticket, Report)>) {
-        let mut ready = self
-            .shared
-            .ready
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut ready = lock(&self.shared.ready);
         into.extend(ready.drain(..));
-    }
-
-    pub(crate) fn ticket(&self, awaited: bool) -> Ticket {
-        // One counter for the whole process: a ticket never repeats, not
-        // even across sinks, so no report can retire another record.
-        static NEXT: AtomicUsize = AtomicUsize::new(0);
-        (NEXT.fetch_add(1, Ordering::Relaxed) << 1) | usize::from(awaited)
     }
 
     pub(crate) fn deliver(&self, ticket: Ticket, report: Report) {
         if ticket & 1 == 1 {
-            let waiter = self
-                .shared
-                .waiters
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .remove(&ticket);
+            let waiter = lock(&self.shared.waiters).remove(&ticket);
             if let Some(w) = waiter {
                 // Its receiver may be gone: nobody waits any more.
                 let _ = w.send(report);
@@ -151,6 +136,19 @@ impl ReportQueue {
             .push((ticket, report));
         self.shared.arrived.notify_one();
     }
+}
+
+/// A new ticket. One counter for the whole process: a ticket never
+/// repeats, not even across sinks, so no report can retire another record.
+pub(crate) fn ticket(awaited: bool) -> Ticket {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    (NEXT.fetch_add(1, Ordering::Relaxed) << 1) | usize::from(awaited)
+}
+
+/// A lock that a panic elsewhere does not poison for good: what it guards
+/// stays consistent between statements.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// A record librdkafka would not enqueue, handed back with the reason.
@@ -258,7 +256,7 @@ impl Producer {
     /// Enqueues a record whose report goes to [`Producer::reports`].
     #[allow(clippy::result_large_err)]
     pub fn send_batched<'a>(&self, record: BaseRecord<'a, [u8], [u8], usize>) -> Result<Ticket, Refused<'a>> {
-        let ticket = self.queue.ticket(false);
+        let ticket = ticket(false);
         self.inner.send(record.delivery_opaque(ticket))?;
         self.wake_poller();
         Ok(ticket)
@@ -270,21 +268,11 @@ impl Producer {
         &self,
         record: BaseRecord<'a, [u8], [u8], usize>,
     ) -> Result<Awaited, Refused<'a>> {
-        let ticket = self.queue.ticket(true);
+        let ticket = ticket(true);
         let (tx, rx) = oneshot::channel();
-        self.queue
-            .shared
-            .waiters
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .insert(ticket, tx);
+        lock(&self.queue.shared.waiters).insert(ticket, tx);
         if let Err(e) = self.inner.send(record.delivery_opaque(ticket)) {
-            self.queue
-                .shared
-                .waiters
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .remove(&ticket);
+            lock(&self.queue.shared.waiters).remove(&ticket);
             return Err(e);
         }
         self.wake_poller();
@@ -321,12 +309,7 @@ impl Drop for Producer {
         self.stop.store(true, Ordering::SeqCst);
         self.poller.unpark();
         // Awaited sends whose report never comes end as canceled.
-        self.queue
-            .shared
-            .waiters
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clear();
+        lock(&self.queue.shared.waiters).clear();
     }
 }
 

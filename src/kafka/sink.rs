@@ -29,7 +29,7 @@ use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{BaseRecord, Producer as _};
 
 pub use crate::kafka::delivery::Report;
-use crate::kafka::delivery::{Awaited, Producer, ReportQueue, Ticket};
+use crate::kafka::delivery::{Awaited, Producer, Refused, ReportQueue, Ticket};
 
 use crate::config::KafkaConfig;
 use crate::kafka::records::KafkaRecord;
@@ -877,10 +877,7 @@ impl KafkaSink {
     fn enqueue<'a, T>(
         &mut self,
         rec: &'a KafkaRecord,
-        send: impl FnOnce(
-            &Producer,
-            BaseRecord<'a, [u8], [u8], usize>,
-        ) -> Result<T, (KafkaError, BaseRecord<'a, [u8], [u8], usize>)>,
+        send: impl FnOnce(&Producer, BaseRecord<'a, [u8], [u8], usize>) -> Result<T, Refused<'a>>,
     ) -> Result<SendOutcome<T>, KafkaSinkError> {
         let limit = self
             .topic_limits

@@ -146,6 +146,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+    use crate::kafka::delivery::ticket;
 
     fn pos(index: u32) -> RowPos {
         RowPos {
@@ -174,7 +175,7 @@ mod tests {
     async fn reports_come_in_any_order_and_free_their_bytes() {
         let queue = ReportQueue::default();
         let mut d = Deliveries::new(queue.clone());
-        let tickets: Vec<Ticket> = (0..3).map(|_| queue.ticket(false)).collect();
+        let tickets: Vec<Ticket> = (0..3).map(|_| ticket(false)).collect();
         for (i, t) in tickets.iter().enumerate() {
             d.push(*t, entry(i as u32), 100 * (i + 1), None);
         }
@@ -201,11 +202,11 @@ mod tests {
     async fn a_report_after_clear_is_dropped_and_a_cancelled_wait_loses_nothing() {
         let queue = ReportQueue::default();
         let mut d = Deliveries::new(queue.clone());
-        let old = queue.ticket(false);
+        let old = ticket(false);
         d.push(old, entry(0), 10, None);
         d.clear();
         assert_eq!((d.len(), d.bytes()), (0, 0));
-        let new = queue.ticket(false);
+        let new = ticket(false);
         d.push(new, entry(1), 10, None);
         // A wait given up before any report arrives ...
         assert!(tokio::time::timeout(Duration::from_millis(20), d.next())
@@ -223,7 +224,7 @@ mod tests {
     async fn reports_arriving_from_another_thread_wake_the_waiter() {
         let queue = ReportQueue::default();
         let mut d = Deliveries::new(queue.clone());
-        let tickets: Vec<Ticket> = (0..1000).map(|_| queue.ticket(false)).collect();
+        let tickets: Vec<Ticket> = (0..1000).map(|_| ticket(false)).collect();
         for (i, t) in tickets.iter().enumerate() {
             d.push(*t, entry(i as u32), 1, None);
         }
