@@ -56,6 +56,8 @@ pub enum KafkaSinkError {
     Produce { topic: String, source: KafkaError },
     #[error("Kafka did not acknowledge a record for topic {topic:?}: {source}")]
     Delivery { topic: String, source: KafkaError },
+    #[error("a record of {bytes} bytes for topic {topic:?} does not fit librdkafka's queue even when it is empty: raise kafka.options \"queue.buffering.max.kbytes\" above the largest record (or remove it; the default is 1 GiB)")]
+    QueueTooSmall { topic: String, bytes: usize },
     #[error("the Kafka producer shut down with records in flight")]
     Canceled,
     #[error("Kafka reported a record of partition {partition} delivered without an offset, so it may never have been stored (librdkafka's implicit acknowledgement: a later request of the partition succeeded while this one waited for a retry); the session restarts and sends it again from the slot")]
@@ -84,6 +86,7 @@ impl KafkaSinkError {
             // leads (then this one waits as a standby) or takes over.
             KafkaSinkError::Fenced { .. } | KafkaSinkError::Transaction { .. } => true,
             KafkaSinkError::Config(_)
+            | KafkaSinkError::QueueTooSmall { .. }
             | KafkaSinkError::TopicMissing { .. }
             | KafkaSinkError::TransactionDenied { .. } => false,
         }
@@ -92,7 +95,7 @@ impl KafkaSinkError {
     /// A short, bounded label for metrics.
     pub fn reason(&self) -> &'static str {
         match self {
-            KafkaSinkError::Config(_) => "config",
+            KafkaSinkError::Config(_) | KafkaSinkError::QueueTooSmall { .. } => "config",
             KafkaSinkError::Unreachable { .. } => "unreachable",
             KafkaSinkError::TopicMissing { .. } => "topic_missing",
             KafkaSinkError::TopicCreate { .. } | KafkaSinkError::TopicNotVisible { .. } => "topic_create",
@@ -877,7 +880,7 @@ impl KafkaSink {
     fn enqueue<'a, T>(
         &mut self,
         rec: &'a KafkaRecord,
-        send: impl FnOnce(&Producer, BaseRecord<'a, [u8], [u8], usize>) -> Result<T, Refused<'a>>,
+        send: impl Fn(&Producer, BaseRecord<'a, [u8], [u8], usize>) -> Result<T, Refused<'a>>,
     ) -> Result<SendOutcome<T>, KafkaSinkError> {
         let limit = self
             .topic_limits
@@ -905,11 +908,25 @@ impl KafkaSink {
             .payload(rec.value.as_slice())
             .headers(headers)
             .timestamp(rec.timestamp_ms);
+        let full = |e: &KafkaError| matches!(e, KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull));
         match send(&self.producer, record) {
             Ok(f) => Ok(SendOutcome::Sent(f)),
-            Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => {
-                Ok(SendOutcome::QueueFull)
+            // Full with nothing held: tried again at once, the record does
+            // not fit an empty queue, and waiting would never end.
+            Err((e, record)) if full(&e) && self.producer.in_flight_count() == 0 => {
+                match send(&self.producer, record) {
+                    Ok(f) => Ok(SendOutcome::Sent(f)),
+                    Err((e, _)) if full(&e) => Err(KafkaSinkError::QueueTooSmall {
+                        topic: rec.topic.clone(),
+                        bytes: rec.size(),
+                    }),
+                    Err((source, _)) => Err(KafkaSinkError::Produce {
+                        topic: rec.topic.clone(),
+                        source,
+                    }),
+                }
             }
+            Err((e, _)) if full(&e) => Ok(SendOutcome::QueueFull),
             Err((source, _)) => Err(KafkaSinkError::Produce {
                 topic: rec.topic.clone(),
                 source,

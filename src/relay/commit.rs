@@ -228,6 +228,7 @@ impl Relay {
         };
         e.held.clear();
         e.held_rows = 0;
+        e.held_bytes = 0;
         if !e.t.group.is_empty() && !e.t.group.mid_transaction() {
             e.t.closing = true;
         }

@@ -21,7 +21,8 @@
 //!   closing and the commit's start (until every record of the closing
 //!   transaction is acknowledged, and the previous commit is done), the
 //!   stream is read ahead: its events are held ([`ExactlyOnce::held`],
-//!   bounded by `kafka.max_inflight` rows) and handled in order once the
+//!   bounded by `kafka.max_inflight` rows and `kafka.max_inflight_bytes`,
+//!   with the records in flight) and handled in order once the
 //!   commit has started. They never join the transaction being committed,
 //!   and no record of theirs is sent before every record of it is
 //!   acknowledged, so each partition keeps commit order.
@@ -51,8 +52,9 @@ pub(super) struct ExactlyOnce {
     pub(super) t: Transactions,
     /// Stream events read while closing, handled after the commit.
     pub(super) held: VecDeque<StreamEvent>,
-    /// Outbox rows among them (the bound).
+    /// Outbox rows among them, and their bytes (the bounds).
     pub(super) held_rows: usize,
+    pub(super) held_bytes: usize,
     /// The commit running in the background, and the PostgreSQL
     /// transactions it holds.
     pub(super) committing: Option<JoinHandle<Result<(), KafkaSinkError>>>,
@@ -81,6 +83,7 @@ impl ExactlyOnce {
             t,
             held: VecDeque::new(),
             held_rows: 0,
+            held_bytes: 0,
             committing: None,
             committing_group: Group::default(),
             closing_since: None,
@@ -149,8 +152,9 @@ impl Durability {
     /// Holds a stream event read while a commit is under way.
     pub(super) fn hold(&mut self, ev: StreamEvent) {
         if let Durability::ExactlyOnce(e) = self {
-            if matches!(ev, StreamEvent::Insert { .. } | StreamEvent::Unreadable { .. }) {
+            if let Some(bytes) = row_bytes(&ev) {
                 e.held_rows += 1;
+                e.held_bytes += bytes;
             }
             e.held.push_back(ev);
         }
@@ -161,8 +165,9 @@ impl Durability {
         match self {
             Durability::ExactlyOnce(e) if !e.t.closing => {
                 let ev = e.held.pop_front()?;
-                if matches!(ev, StreamEvent::Insert { .. } | StreamEvent::Unreadable { .. }) {
+                if let Some(bytes) = row_bytes(&ev) {
                     e.held_rows -= 1;
+                    e.held_bytes -= bytes;
                 }
                 Some(ev)
             }
@@ -170,12 +175,12 @@ impl Durability {
         }
     }
 
-    /// Rows read ahead and not yet handled (they count against
-    /// `kafka.max_inflight`).
-    pub(super) fn held_rows(&self) -> usize {
+    /// Rows read ahead and not yet handled, and their bytes (they count
+    /// against `kafka.max_inflight` and `kafka.max_inflight_bytes`).
+    pub(super) fn held(&self) -> (usize, usize) {
         match self {
-            Durability::AtLeastOnce => 0,
-            Durability::ExactlyOnce(e) => e.held_rows,
+            Durability::AtLeastOnce => (0, 0),
+            Durability::ExactlyOnce(e) => (e.held_rows, e.held_bytes),
         }
     }
 
@@ -255,5 +260,82 @@ impl Durability {
             Durability::AtLeastOnce => None,
             Durability::ExactlyOnce(e) => Some(e),
         }
+    }
+}
+
+/// An outbox row's bytes as read (its text columns), or `None` for an
+/// event that is not a row.
+fn row_bytes(ev: &StreamEvent) -> Option<usize> {
+    match ev {
+        StreamEvent::Insert { row, .. } => Some(
+            row.aggregate_type.len()
+                + row.aggregate_id.len()
+                + row.event_type.len()
+                + row.payload.len()
+                + row.headers.len(),
+        ),
+        StreamEvent::Unreadable { row, .. } => {
+            Some(row.id.len() + row.aggregate_id.len() + row.columns_json.len())
+        }
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ExactlyOnceConfig;
+    use crate::relay::exactly_once::Identity;
+    use crate::source::outbox::{CreatedAt, OutboxRow};
+
+    fn exactly_once() -> Durability {
+        let identity = Identity {
+            writer: "host/1".into(),
+            slot: "s".into(),
+            database: "db".into(),
+            system_id: "7300000000000000001".into(),
+            timeline: 1,
+        };
+        let t = Transactions::new(&ExactlyOnceConfig::default(), "outboxd.progress".into(), identity);
+        Durability::ExactlyOnce(Box::new(ExactlyOnce::new(t)))
+    }
+
+    fn insert(payload_bytes: usize) -> StreamEvent {
+        StreamEvent::Insert {
+            row: OutboxRow {
+                id: uuid::Uuid::nil(),
+                aggregate_type: "Order".into(),
+                aggregate_id: "o-1".into(),
+                event_type: "t".into(),
+                payload: "x".repeat(payload_bytes),
+                headers: "{}".into(),
+                created_at: CreatedAt::Unrepresentable("infinity".into()),
+            },
+            lsn: Lsn(1),
+        }
+    }
+
+    #[test]
+    fn rows_read_ahead_count_by_row_and_by_byte_until_released() {
+        let mut d = exactly_once();
+        assert_eq!(d.held(), (0, 0));
+        let e = d.exactly_once().unwrap();
+        e.t.closing = true;
+        d.hold(insert(100_000));
+        d.hold(StreamEvent::Keepalive {
+            wal_end: Lsn(2),
+            reply_requested: false,
+        });
+        d.hold(insert(10));
+        let row = |p: usize| "Order".len() + "o-1".len() + "t".len() + p + "{}".len();
+        assert_eq!(d.held(), (2, row(100_000) + row(10)), "a keepalive is no row");
+        assert!(d.release().is_none(), "nothing is released while closing");
+        d.exactly_once().unwrap().t.closing = false;
+        assert!(matches!(d.release(), Some(StreamEvent::Insert { .. })));
+        assert_eq!(d.held(), (1, row(10)));
+        assert!(matches!(d.release(), Some(StreamEvent::Keepalive { .. })));
+        assert!(matches!(d.release(), Some(StreamEvent::Insert { .. })));
+        assert_eq!(d.held(), (0, 0));
+        assert_eq!(Durability::AtLeastOnce.held(), (0, 0));
     }
 }

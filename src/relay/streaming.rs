@@ -60,10 +60,11 @@ impl Relay {
                     }
                 }
             }
+            let (held_rows, held_bytes) = s.durability.held();
             let intake = s.pending_failure.is_none()
                 && leading
-                && s.deliveries.len() + s.durability.held_rows() < max_inflight
-                && s.deliveries.bytes() < max_inflight_bytes
+                && s.deliveries.len() + held_rows < max_inflight
+                && s.deliveries.bytes() + held_bytes < max_inflight_bytes
                 && self.end_isolation(s).await?;
             let commit_at = s.durability.deadline();
             tokio::select! {

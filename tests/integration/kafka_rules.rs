@@ -399,6 +399,39 @@ async fn an_impossible_replication_factor_stops_naming_the_setting() {
     assert_row_still_in_slot(&client, slot).await;
 }
 
+/// A record that does not fit librdkafka's queue even when it is empty
+/// (`queue.buffering.max.kbytes` below the record) used to wait for room
+/// forever: no error, no status update, the slot held. It is a definite
+/// error that names the setting, and nothing is confirmed past the row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_larger_than_the_whole_producer_queue_stops_naming_the_setting() {
+    let db = TestDb::new("rules_queue").await;
+    let client = db.client().await;
+    let slot = "rules_queue";
+    let text = config_text(
+        &db.superuser_url(),
+        slot,
+        &broker().brokers,
+        "topic = \"queue.{aggregate_type}\"",
+        "",
+    );
+    let text = format!("{text}\n[kafka.options]\n\"queue.buffering.max.kbytes\" = \"1\"\n");
+    let row = "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload) \
+               VALUES (gen_random_uuid(), 'Order', 'a', 't', jsonb_build_object('pad', repeat('p', 4000)))";
+    let err = stop_after_one_row(&client, slot, &text, row).await;
+    let text = err.to_string();
+    assert!(
+        matches!(
+            err,
+            RelayError::Kafka(outboxd::kafka::sink::KafkaSinkError::QueueTooSmall { .. })
+        ),
+        "{text}"
+    );
+    assert!(!err.is_transient(), "{text}");
+    assert!(text.contains("queue.buffering.max.kbytes"), "{text}");
+    assert_row_still_in_slot(&client, slot).await;
+}
+
 /// Kafka denying outboxd a topic (TopicAuthorizationFailed on produce) is
 /// an operator problem: outboxd stops naming the grant, sets no valid event
 /// aside as a dead letter, and does not confirm past it. The broker's
