@@ -413,6 +413,9 @@ struct Latency {
     steady_cpu_us_per_event: f64,
 }
 
+/// Most rounds of the broker's warm-up before the first drain.
+const WARM_UP_ROUNDS: usize = 8;
+
 /// The steady load whose CPU per event is reported on its own: a rate
 /// where a relay mostly waits, so what it spends per event is its
 /// wake-ups, not its batching.
@@ -765,12 +768,25 @@ async fn main() {
     let wal_mb = end.bytes_since(start_lsn) as f64 / 1048576.0;
     eprintln!("bench: wrote {wal_mb:.0} MB of WAL in {write_secs:.1}s");
 
-    // The broker's first load is slower (its JIT, its page cache): the
+    // The broker's first loads are slower (its JIT, its page cache): the
     // ceiling's producer warms it with the same records before anything
-    // is measured, so that the first drain meets a warm broker.
+    // is measured, round after round until two rounds in a row agree
+    // within 10% (at most WARM_UP_ROUNDS), so that the first drain meets
+    // a warm broker. One round was not enough: the drains made minutes
+    // later, in the scaling table, ran up to 45% faster on the same rows.
     eprintln!("bench: warming the broker");
-    let warm = ceiling::run(&s.brokers, "warm-up", n.min(200_000), &s.outboxd_kafka);
-    eprintln!("bench: warm-up: {:.0} events/s", warm.rate());
+    let mut warm_rates = Vec::new();
+    let warm = loop {
+        let round = ceiling::run(&s.brokers, "warm-up", n.min(200_000), &s.outboxd_kafka);
+        eprintln!("bench: warm-up: {:.0} events/s", round.rate());
+        let steady = warm_rates
+            .last()
+            .is_some_and(|last: &f64| (round.rate() - last).abs() <= 0.1 * last);
+        warm_rates.push(round.rate());
+        if steady || warm_rates.len() >= WARM_UP_ROUNDS {
+            break round;
+        }
+    };
     // b, then a: pg_recvlogical before and after the relays, so neither
     // side gets the warmer cache; the faster run is the decoding limit.
     eprintln!("bench: pg_recvlogical (before)");
@@ -837,6 +853,7 @@ async fn main() {
                    "outboxd_to_slower_limit": drain_rate / ceiling.rate().min(recv_rate)},
         "ceiling": ceiling.json(),
         "warm_up": warm.json(),
+        "warm_up_rounds_events_per_second": warm_rates,
         "latency": {"target_events_per_second": a.rate, "achieved_events_per_second": o.latency.achieved, "seconds": a.latency_secs,
                     "commit_to_ack_ms": {"p50": ack_p50, "p99": ack_p99, "samples": hist.last().map_or(0.0, |b| b.1)},
                     "commit_to_consumed_ms": o.latency.json()["commit_to_consumed_ms"],
@@ -1054,10 +1071,10 @@ fn exactly_once_beside(n: usize, o: &Figures, e: &Figures) {
     println!("|---|---|---|---|---|");
     let drain = e.drain.rate(n) / o.drain.rate(n);
     println!(
-        "| drain of {n} events | {:.0} events/s | {:.0} events/s | {drain:.2}× | ≥ 0.7× {} |",
+        "| drain of {n} events | {:.0} events/s | {:.0} events/s | {drain:.2}× | ≥ 0.8× {} |",
         o.drain.rate(n),
         e.drain.rate(n),
-        if drain >= 0.7 { "✅" } else { "❌" }
+        if drain >= 0.8 { "✅" } else { "❌" }
     );
     let p99 = e.latency.p(0.99);
     println!(
@@ -1132,7 +1149,7 @@ fn side_by_side(n: usize, o: &Figures, d: &Figures) {
         d.drain.cpu_per_100k(n),
         "s",
         false,
-        Some(5.0),
+        Some(10.0),
     );
     row(
         "commit → consumed p99",

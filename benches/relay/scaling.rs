@@ -36,7 +36,14 @@ const CASES: &[Case] = &[
 /// Runs every case; one JSON object each, and a markdown table on stdout.
 pub async fn run(client: &mut tokio_postgres::Client, s: &Setting) -> Vec<Value> {
     let (mut rows, mut out) = (Vec::new(), Vec::new());
+    // OUTBOXD_BENCH_SCALING_CASES=0,6 runs only those cases (by index).
+    let only: Option<Vec<usize>> = std::env::var("OUTBOXD_BENCH_SCALING_CASES")
+        .ok()
+        .map(|v| v.split(',').filter_map(|i| i.trim().parse().ok()).collect());
     for (i, c) in CASES.iter().enumerate() {
+        if only.as_ref().is_some_and(|o| !o.contains(&i)) {
+            continue;
+        }
         let (slot, route) = (format!("scale_{i}"), format!("scale{i}-{{aggregate_type}}"));
         let topics: Vec<String> = if c.shape.types > 1 {
             (0..c.shape.types).map(|t| format!("scale{i}-t{t}")).collect()

@@ -191,14 +191,15 @@ fn default_replication_factor() -> i32 {
 
 /// Records past what Kafka acknowledges per round trip only wait in
 /// librdkafka's queue, where they cost CPU (BENCHMARKS.md, "Where the CPU
-/// went against Apache Kafka"): 5,000 records, or 1 MiB, whichever comes
-/// first, keep a local broker's drain rate.
+/// went against Apache Kafka"): 5,000 records keep a local broker's drain
+/// rate. The byte bound is for large rows: a tighter one starves many
+/// partitions (1 MiB over 150 partitions drained 40% slower than 16 MiB).
 fn default_max_inflight() -> usize {
     5_000
 }
 
 fn default_max_inflight_bytes() -> usize {
-    1 << 20
+    16 << 20
 }
 
 fn default_admin_timeout() -> HumanDuration {
