@@ -192,14 +192,16 @@ fn default_replication_factor() -> i32 {
 /// Records past what Kafka acknowledges per round trip only wait in
 /// librdkafka's queue, where they cost CPU (BENCHMARKS.md, "Where the CPU
 /// went against Apache Kafka"): 5,000 records keep a local broker's drain
-/// rate. The byte bound is for large rows: a tighter one starves many
-/// partitions (1 MiB over 150 partitions drained 40% slower than 16 MiB).
+/// rate. The byte bound is for large rows: 4 MiB drained 10 KB rows as
+/// fast as 16 MiB at half the memory, and 1 MiB 40% slower; over 150
+/// partitions, 16 MiB drained 25% faster than 4 MiB (BENCHMARKS.md, "Cost
+/// as work grows").
 fn default_max_inflight() -> usize {
     5_000
 }
 
 fn default_max_inflight_bytes() -> usize {
-    16 << 20
+    4 << 20
 }
 
 fn default_admin_timeout() -> HumanDuration {

@@ -561,7 +561,7 @@ mod tests {
         assert_eq!(v.slot.as_str(), "outboxd");
         assert_eq!(c.routing.value, ValueFormat::Envelope);
         assert_eq!(c.kafka.max_inflight, 5_000);
-        assert_eq!(c.kafka.max_inflight_bytes, 16 << 20);
+        assert_eq!(c.kafka.max_inflight_bytes, 4 << 20);
         assert_eq!(c.shutdown.drain_timeout.0, Duration::from_secs(30));
         assert_eq!(v.listen.port(), 9187);
     }
