@@ -37,9 +37,17 @@ const CASES: &[Case] = &[
 pub async fn run(client: &mut tokio_postgres::Client, s: &Setting) -> Vec<Value> {
     let (mut rows, mut out) = (Vec::new(), Vec::new());
     // OUTBOXD_BENCH_SCALING_CASES=0,6 runs only those cases (by index).
-    let only: Option<Vec<usize>> = std::env::var("OUTBOXD_BENCH_SCALING_CASES")
-        .ok()
-        .map(|v| v.split(',').filter_map(|i| i.trim().parse().ok()).collect());
+    let only: Option<Vec<usize>> = std::env::var("OUTBOXD_BENCH_SCALING_CASES").ok().map(|v| {
+        v.split(',')
+            .map(|i| match i.trim().parse::<usize>() {
+                Ok(i) if i < CASES.len() => i,
+                _ => panic!(
+                    "OUTBOXD_BENCH_SCALING_CASES={v:?}: each entry is a case index below {}",
+                    CASES.len()
+                ),
+            })
+            .collect()
+    });
     for (i, c) in CASES.iter().enumerate() {
         if only.as_ref().is_some_and(|o| !o.contains(&i)) {
             continue;

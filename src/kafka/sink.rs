@@ -56,7 +56,7 @@ pub enum KafkaSinkError {
     Produce { topic: String, source: KafkaError },
     #[error("Kafka did not acknowledge a record for topic {topic:?}: {source}")]
     Delivery { topic: String, source: KafkaError },
-    #[error("a record of {bytes} bytes for topic {topic:?} does not fit librdkafka's queue even when it is empty: raise kafka.options \"queue.buffering.max.kbytes\" above the largest record (or remove it; the default is 1 GiB)")]
+    #[error("a record with a value of {bytes} bytes for topic {topic:?} does not fit librdkafka's queue even when it is empty: raise kafka.options \"queue.buffering.max.kbytes\" above the largest record (or remove it; the default is 1 GiB)")]
     QueueTooSmall { topic: String, bytes: usize },
     #[error("the Kafka producer shut down with records in flight")]
     Canceled,
@@ -916,9 +916,10 @@ impl KafkaSink {
             Err((e, record)) if full(&e) && self.producer.in_flight_count() == 0 => {
                 match send(&self.producer, record) {
                     Ok(f) => Ok(SendOutcome::Sent(f)),
+                    // librdkafka counts the value against the queue.
                     Err((e, _)) if full(&e) => Err(KafkaSinkError::QueueTooSmall {
                         topic: rec.topic.clone(),
-                        bytes: rec.size(),
+                        bytes: rec.value.len(),
                     }),
                     Err((source, _)) => Err(KafkaSinkError::Produce {
                         topic: rec.topic.clone(),

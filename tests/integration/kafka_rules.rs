@@ -432,6 +432,37 @@ async fn a_record_larger_than_the_whole_producer_queue_stops_naming_the_setting(
     assert_row_still_in_slot(&client, slot).await;
 }
 
+/// The other side of the test above: a small queue that is merely full
+/// (`queue.buffering.max.kbytes` holds a dozen records, and two thousand
+/// are read) is waited out, never taken for a record that cannot fit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_producer_queue_that_is_only_full_is_waited_out() {
+    let db = TestDb::new("rules_queue_full").await;
+    let client = db.client().await;
+    let slot = "rules_queue_full";
+    let text = config_text(
+        &db.superuser_url(),
+        slot,
+        &broker().brokers,
+        "topic = \"queuefull.{aggregate_type}\"",
+        "",
+    );
+    let text = format!("{text}\n[kafka.options]\n\"queue.buffering.max.kbytes\" = \"64\"\n");
+    let (handle, stop) = spawn_relay_with_slot(&client, slot, &text).await;
+    client
+        .batch_execute(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload)
+             SELECT gen_random_uuid(), 'Order', 'a' || (g % 7), 't', jsonb_build_object('pad', repeat('p', 4000), 'g', g)
+               FROM generate_series(1, 2000) g",
+        )
+        .await
+        .unwrap();
+    let records = read(&["queuefull.order"], 2000).await;
+    assert_eq!(records.len(), 2000, "every row arrives");
+    assert!(!handle.is_finished(), "the relay is still running");
+    stop_relay(handle, stop).await;
+}
+
 /// Kafka denying outboxd a topic (TopicAuthorizationFailed on produce) is
 /// an operator problem: outboxd stops naming the grant, sets no valid event
 /// aside as a dead letter, and does not confirm past it. The broker's
