@@ -909,24 +909,25 @@ impl KafkaSink {
             .headers(headers)
             .timestamp(rec.timestamp_ms);
         let full = |e: &KafkaError| matches!(e, KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull));
-        match send(&self.producer, record) {
-            Ok(f) => Ok(SendOutcome::Sent(f)),
+        let outcome = match send(&self.producer, record) {
             // Full with nothing held: tried again at once, the record does
             // not fit an empty queue, and waiting would never end.
             Err((e, record)) if full(&e) && self.producer.in_flight_count() == 0 => {
                 match send(&self.producer, record) {
-                    Ok(f) => Ok(SendOutcome::Sent(f)),
                     // librdkafka counts the value against the queue.
-                    Err((e, _)) if full(&e) => Err(KafkaSinkError::QueueTooSmall {
-                        topic: rec.topic.clone(),
-                        bytes: rec.value.len(),
-                    }),
-                    Err((source, _)) => Err(KafkaSinkError::Produce {
-                        topic: rec.topic.clone(),
-                        source,
-                    }),
+                    Err((e, _)) if full(&e) => {
+                        return Err(KafkaSinkError::QueueTooSmall {
+                            topic: rec.topic.clone(),
+                            bytes: rec.value.len(),
+                        })
+                    }
+                    other => other,
                 }
             }
+            other => other,
+        };
+        match outcome {
+            Ok(f) => Ok(SendOutcome::Sent(f)),
             Err((e, _)) if full(&e) => Ok(SendOutcome::QueueFull),
             Err((source, _)) => Err(KafkaSinkError::Produce {
                 topic: rec.topic.clone(),

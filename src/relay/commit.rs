@@ -226,9 +226,7 @@ impl Relay {
         let Some(e) = s.durability.exactly_once() else {
             return;
         };
-        e.held.clear();
-        e.held_rows = 0;
-        e.held_bytes = 0;
+        e.drop_held();
         if !e.t.group.is_empty() && !e.t.group.mid_transaction() {
             e.t.closing = true;
         }

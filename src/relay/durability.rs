@@ -78,6 +78,14 @@ impl ExactlyOnce {
         g.due(&self.t.limits, now) && (self.committing.is_none() || g.over_size(&self.t.limits))
     }
 
+    /// Drops the events read ahead (at shutdown: the slot still holds
+    /// them), with their counts.
+    pub(super) fn drop_held(&mut self) {
+        self.held.clear();
+        self.held_rows = 0;
+        self.held_bytes = 0;
+    }
+
     pub(super) fn new(t: Transactions) -> Self {
         ExactlyOnce {
             t,
