@@ -36,6 +36,7 @@ pub mod metrics;
 pub mod ops;
 pub mod postgres;
 pub mod relay;
+pub mod schema;
 pub mod shell;
 pub mod source;
 

@@ -56,7 +56,17 @@ pub struct Metrics {
     /// Exactly-once: PostgreSQL transactions skipped at start because the
     /// progress record says they are in Kafka already.
     pub skipped_transactions: IntCounter,
+    /// Schema Registry requests by outcome (see [`REGISTRY_OUTCOMES`]).
+    pub schema_registry_requests: IntCounterVec,
+    /// Schema look-ups by `result`: `hit` (cached) or `miss` (asked the
+    /// registry).
+    pub schema_cache: IntCounterVec,
+    /// Payloads that did not fit their registered schema.
+    pub schema_mismatches: IntCounter,
 }
+
+/// Every `outcome` of `outboxd_schema_registry_requests_total`.
+pub const REGISTRY_OUTCOMES: &[&str] = &["ok", "unavailable", "unauthorized", "not_found", "refused", "unreadable"];
 
 fn register<M: prometheus::core::Collector + Clone + 'static>(
     registry: &Registry,
@@ -97,6 +107,7 @@ pub const PUBLISH_ERROR_REASONS: &[&str] = &[
     "slot_register",
     "not_stored",
     "publication_unproven",
+    "schema_registry",
 ];
 
 /// Every `reason` of `outboxd_dead_letters_total` (and of a dead letter's
@@ -111,6 +122,7 @@ pub const DEAD_LETTER_REASONS: &[&str] = &[
     "unreadable",
     "aggregate_type_not_allowed",
     "bad_cloudevent",
+    "schema_mismatch",
 ];
 
 impl Metrics {
@@ -201,7 +213,41 @@ impl Metrics {
                 ]),
             )?,
         )?;
+        let schema_registry_requests = register(
+            &registry,
+            IntCounterVec::new(
+                Opts::new(
+                    "outboxd_schema_registry_requests_total",
+                    "Schema Registry requests by outcome (ok, unavailable, unauthorized, not_found, refused, unreadable).",
+                ),
+                &["outcome"],
+            )?,
+        )?;
+        for outcome in REGISTRY_OUTCOMES {
+            schema_registry_requests.with_label_values(&[outcome]);
+        }
+        let schema_cache = register(
+            &registry,
+            IntCounterVec::new(
+                Opts::new(
+                    "outboxd_schema_cache_total",
+                    "Schema look-ups by result: hit (cached) or miss (asked the registry).",
+                ),
+                &["result"],
+            )?,
+        )?;
+        for result in ["hit", "miss"] {
+            schema_cache.with_label_values(&[result]);
+        }
+        let schema_mismatches = counter(
+            &registry,
+            "outboxd_schema_mismatches_total",
+            "Payloads that did not fit their registered schema (each follows routing.on_poison).",
+        )?;
         Ok(Metrics {
+            schema_registry_requests,
+            schema_cache,
+            schema_mismatches,
             events_published: counter(
                 &registry,
                 "outboxd_events_published_total",

@@ -27,12 +27,14 @@ pub mod kafka;
 pub mod ops;
 pub mod polling;
 pub mod postgres;
+pub mod registry;
 pub mod routing;
 
 pub use kafka::{Delivery, ExactlyOnceConfig, KafkaConfig};
 pub use ops::{HealthConfig, HttpConfig, LogConfig, LogFormat, OtelConfig, ShutdownConfig, Thresholds};
 pub use polling::{Mode, PollingConfig};
 pub use postgres::PostgresConfig;
+pub use registry::{SchemaRegistryConfig, SchemaRouting, SchemaRule, SchemaSource, SubjectStrategy};
 pub use routing::{OnPoison, RoutingConfig, ValueFormat};
 
 use crate::config::conninfo::PgConnectConfig;
@@ -123,6 +125,10 @@ pub struct Config {
     /// OpenTelemetry spans of published events (off by default).
     #[serde(default)]
     pub opentelemetry: OtelConfig,
+    /// The Schema Registry of `routing.value` = `avro`, `protobuf` or
+    /// `json-schema`.
+    #[serde(default)]
+    pub schema_registry: Option<SchemaRegistryConfig>,
 }
 
 /// A value that is never printed: `Debug` shows `***`.
@@ -366,6 +372,7 @@ impl Config {
         let source = SourceTemplate::parse(&self.routing.cloudevents_source)
             .map_err(|e| invalid("routing.cloudevents_source", e))?;
         let value = RecordValue::new(self.routing.value, source);
+        self.validate_schemas()?;
         let listen: SocketAddr = self.http.listen.parse().map_err(|_| {
             invalid(
                 "http.listen",
@@ -393,6 +400,108 @@ impl Config {
             value,
             source: None,
         })
+    }
+
+    /// `[schema_registry]` and the schema settings of `[routing]`.
+    fn validate_schemas(&self) -> Result<(), ConfigError> {
+        let format = self.routing.value;
+        let Some(registry) = &self.schema_registry else {
+            if format.uses_registry() {
+                return Err(invalid(
+                    "schema_registry.url",
+                    "routing.value needs a Schema Registry: add [schema_registry] with its url",
+                ));
+            }
+            return Ok(());
+        };
+        match url::Url::parse(&registry.url) {
+            Ok(u) if matches!(u.scheme(), "http" | "https") && u.host().is_some() => {
+                if !u.username().is_empty() || u.password().is_some() {
+                    return Err(invalid(
+                        "schema_registry.url",
+                        "must not hold credentials; use schema_registry.username and password",
+                    ));
+                }
+            }
+            _ => {
+                return Err(invalid(
+                    "schema_registry.url",
+                    "must be an http:// or https:// URL such as http://registry:8081",
+                ))
+            }
+        }
+        match (&registry.username, &registry.password, &registry.token) {
+            (Some(_), None, _) | (None, Some(_), _) => {
+                return Err(invalid(
+                    "schema_registry.password",
+                    "basic authentication needs both username and password",
+                ))
+            }
+            (Some(_), Some(_), Some(_)) => {
+                return Err(invalid(
+                    "schema_registry.token",
+                    "set a token or a username and password, not both",
+                ))
+            }
+            _ => {}
+        }
+        if registry.timeout.0 < Duration::from_millis(100) {
+            return Err(invalid("schema_registry.timeout", "must be at least 100ms"));
+        }
+        if registry.refresh_interval.0 < Duration::from_secs(1) {
+            return Err(invalid("schema_registry.refresh_interval", "must be at least 1s"));
+        }
+        if let Some(ca) = &registry.ca_file {
+            if !Path::new(ca).is_file() {
+                return Err(invalid(
+                    "schema_registry.ca_file",
+                    format!("{ca:?} is not a readable file"),
+                ));
+            }
+        }
+        let inferred_ok = format == ValueFormat::Avro;
+        if self.routing.schema == SchemaSource::Inferred && !inferred_ok {
+            return Err(invalid(
+                "routing.schema",
+                "inferred schemas are made for routing.value = \"avro\" only",
+            ));
+        }
+        for (key, rule) in &self.routing.schemas {
+            let at = |field: &str| format!("routing.schemas.{key}.{field}");
+            if rule.version.is_some() && rule.id.is_some() {
+                return Err(invalid(&at("id"), "pin a version or an id, not both"));
+            }
+            if rule.version == Some(0) {
+                return Err(invalid(&at("version"), "versions start at 1"));
+            }
+            if rule.schema == Some(SchemaSource::Inferred) {
+                if !inferred_ok {
+                    return Err(invalid(
+                        &at("schema"),
+                        "inferred schemas are made for routing.value = \"avro\" only",
+                    ));
+                }
+                if rule.version.is_some() || rule.id.is_some() {
+                    return Err(invalid(
+                        &at("schema"),
+                        "an inferred schema is registered by outboxd: it takes no version or id",
+                    ));
+                }
+            }
+            if rule.subject.as_deref().is_some_and(str::is_empty) || rule.record.as_deref().is_some_and(str::is_empty) {
+                return Err(invalid(&at("subject"), "must not be empty"));
+            }
+        }
+        Ok(())
+    }
+
+    /// The schema settings of `[routing]`, for the registry.
+    pub fn schema_routing(&self) -> SchemaRouting {
+        SchemaRouting {
+            strategy: self.routing.subject_strategy,
+            source: self.routing.schema,
+            rules: self.routing.schemas.clone(),
+        }
     }
 
     /// The delivery mode's own rules.

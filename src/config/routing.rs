@@ -2,6 +2,7 @@
 
 use serde::Deserialize;
 
+use super::registry::{SchemaRule, SchemaSource, SubjectStrategy};
 use super::yes;
 
 fn default_cloudevents_source() -> String {
@@ -23,6 +24,23 @@ pub enum ValueFormat {
     /// A CloudEvent 1.0 in binary mode: `ce_*` headers, the payload as value.
     #[serde(rename = "cloudevents-binary")]
     CloudEventsBinary,
+    /// The payload encoded in Avro against a registry schema, in the
+    /// Confluent wire format (see [`crate::schema`]).
+    Avro,
+    /// The payload encoded in Protobuf against a registry schema, in the
+    /// Confluent wire format (with the message indexes).
+    Protobuf,
+    /// The payload as JSON, validated against a registry JSON Schema, in
+    /// the Confluent wire format.
+    #[serde(rename = "json-schema")]
+    JsonSchema,
+}
+
+impl ValueFormat {
+    /// Whether values of this format are framed with a registry schema id.
+    pub fn uses_registry(self) -> bool {
+        matches!(self, ValueFormat::Avro | ValueFormat::Protobuf | ValueFormat::JsonSchema)
+    }
 }
 
 /// What to do with a row Kafka will never accept.
@@ -46,7 +64,8 @@ pub struct RoutingConfig {
     /// Lowercase the aggregate type in the topic name (`Order` → `order.events`).
     #[serde(default = "yes")]
     pub lowercase_aggregate_type: bool,
-    /// `envelope`, `payload`, `cloudevents` or `cloudevents-binary`.
+    /// `envelope`, `payload`, `cloudevents`, `cloudevents-binary`, `avro`,
+    /// `protobuf` or `json-schema`.
     #[serde(default)]
     pub value: ValueFormat,
     /// The CloudEvents `source`: a URI-reference template over
@@ -64,6 +83,16 @@ pub struct RoutingConfig {
     /// and creates no topic. Unset: any aggregate type.
     #[serde(default)]
     pub allowed_aggregate_types: Option<Vec<String>>,
+    /// With a registry format: how subjects are named (`topic`, `record`
+    /// or `topic-record`).
+    #[serde(default)]
+    pub subject_strategy: SubjectStrategy,
+    /// With a registry format: `registered` (default) or `inferred`.
+    #[serde(default)]
+    pub schema: SchemaSource,
+    /// Per event type (or per topic) schema settings.
+    #[serde(default)]
+    pub schemas: std::collections::BTreeMap<String, SchemaRule>,
 }
 
 impl Default for RoutingConfig {
@@ -76,6 +105,9 @@ impl Default for RoutingConfig {
             on_poison: OnPoison::Stop,
             dead_letter_topic: default_dead_letter_topic(),
             allowed_aggregate_types: None,
+            subject_strategy: SubjectStrategy::Topic,
+            schema: SchemaSource::Registered,
+            schemas: Default::default(),
         }
     }
 }

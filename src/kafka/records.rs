@@ -85,6 +85,9 @@ pub enum RecordError {
     AggregateTypeNotAllowed(String),
     #[error("a CloudEvent needs {0}")]
     CloudEvent(&'static str),
+    /// The payload does not fit its registry schema (see [`crate::schema`]).
+    #[error("{0}")]
+    SchemaMismatch(String),
 }
 
 impl RecordError {
@@ -97,6 +100,7 @@ impl RecordError {
             RecordError::Timestamp(_) => "bad_timestamp",
             RecordError::AggregateTypeNotAllowed(_) => "aggregate_type_not_allowed",
             RecordError::CloudEvent(_) => "bad_cloudevent",
+            RecordError::SchemaMismatch(_) => "schema_mismatch",
         }
     }
 }
@@ -198,7 +202,10 @@ pub fn build_record(
         headers.push((k, v));
     }
     let value = match value.format {
-        ValueFormat::Payload => row.payload.as_bytes().to_vec(),
+        // Registry formats start from the payload: crate::schema encodes it.
+        ValueFormat::Payload | ValueFormat::Avro | ValueFormat::Protobuf | ValueFormat::JsonSchema => {
+            row.payload.as_bytes().to_vec()
+        }
         ValueFormat::Envelope => {
             let at = row
                 .created_at
@@ -819,6 +826,7 @@ mod tests {
             RecordError::EmptyKey,
             RecordError::HeadersNotObject("array".into()),
             RecordError::Timestamp("infinity".into()),
+            RecordError::SchemaMismatch("$.x: missing".into()),
         ];
         for e in errors {
             assert!(DEAD_LETTER_REASONS.contains(&e.reason()), "{}", e.reason());

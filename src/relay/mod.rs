@@ -192,6 +192,10 @@ pub enum RelayError {
     },
     #[error("{0}")]
     ProgressTopicRetention(String),
+    #[error("{0}; the slot has not moved past the event waiting for it")]
+    Schema(#[from] crate::schema::SchemaError),
+    #[error("schema_registry: {0}")]
+    RegistrySetup(String),
 }
 
 impl RelayError {
@@ -218,7 +222,8 @@ impl RelayError {
             RelayError::TransactionTimedOut { .. } => "transaction",
             RelayError::KafkaDenied { .. } => "denied",
             RelayError::DeadLetterFailed(_) => "dead_letter",
-            RelayError::Otel(_) => "config",
+            RelayError::Otel(_) | RelayError::RegistrySetup(_) => "config",
+            RelayError::Schema(_) => "schema_registry",
         }
     }
 
@@ -249,6 +254,8 @@ impl RelayError {
             | RelayError::SlotInvalidated { .. }
             | RelayError::SlotLost(_)
             | RelayError::ProgressTopicRetention(_)
+            | RelayError::Schema(_)
+            | RelayError::RegistrySetup(_)
             | RelayError::Otel(_) => false,
         }
     }
@@ -280,6 +287,9 @@ pub struct Relay {
     /// A session of this process read logical decoding messages: later
     /// ones go on reading them (see `publication::Receiving::read_before`).
     read_messages: bool,
+    /// The Schema Registry of `routing.value` = `avro`, `protobuf` or
+    /// `json-schema` (`None` for the JSON formats).
+    registry: Option<crate::schema::Registry>,
 }
 
 impl std::fmt::Debug for Relay {
@@ -417,7 +427,15 @@ impl Relay {
             config.postgres.leader_timeout.0,
         );
         let otel = PublishTracer::new(&config.opentelemetry)?.map(Arc::new);
+        let registry = crate::schema::Registry::new(
+            config.routing.value,
+            config.schema_registry.as_ref(),
+            config.schema_routing(),
+            Some((*metrics).clone()),
+        )
+        .map_err(RelayError::RegistrySetup)?;
         Ok(Relay {
+            registry,
             config,
             validated,
             sink,

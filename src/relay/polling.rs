@@ -78,6 +78,10 @@ pub enum PollingError {
     Kafka(#[from] KafkaSinkError),
     #[error(transparent)]
     Poison(EnqueueError),
+    #[error("{0}; the row stays unpublished")]
+    Schema(crate::schema::SchemaError),
+    #[error("schema_registry: {0}")]
+    RegistrySetup(String),
     #[error("the polling lease lapsed in the middle of a round (this process was stopped or starved longer than postgres.leader_timeout); the rest of the round is left to whichever instance leads now")]
     LeadershipLost,
     #[error("Kafka refused the batch holding outbox row {id} ({source}); sending the rows from there one at a time, to set aside only the row Kafka refuses")]
@@ -102,7 +106,7 @@ impl PollingError {
             PollingError::Admin(AdminError::Connect { .. } | AdminError::Query(_)) => true,
             PollingError::Admin(_) => false,
             PollingError::Kafka(e) => e.is_transient(),
-            PollingError::Poison(_) => false,
+            PollingError::Poison(_) | PollingError::Schema(_) | PollingError::RegistrySetup(_) => false,
             PollingError::BatchRefused { .. } | PollingError::LeadershipLost => true,
         }
     }
@@ -159,6 +163,8 @@ pub struct PollingRelay {
     /// After Kafka refused a batch: send one row at a time, waiting for
     /// each, up to and including this row.
     isolate_until: Option<Uuid>,
+    /// The Schema Registry of the registry formats.
+    registry: Option<crate::schema::Registry>,
 }
 
 impl std::fmt::Debug for PollingRelay {
@@ -189,6 +195,13 @@ impl PollingRelay {
         health: Arc<Health>,
     ) -> Result<Self, PollingError> {
         let sink = Self::new_sink(&config)?;
+        let registry = crate::schema::Registry::new(
+            config.routing.value,
+            config.schema_registry.as_ref(),
+            config.schema_routing(),
+            Some((*metrics).clone()),
+        )
+        .map_err(PollingError::RegistrySetup)?;
         let election = LeaderElection::new(
             validated.pg.clone(),
             LeaderElection::polling_key(&validated.table.to_string()),
@@ -203,6 +216,7 @@ impl PollingRelay {
             election,
             watermark: Watermark::default(),
             isolate_until: None,
+            registry,
         })
     }
 
@@ -441,6 +455,8 @@ impl PollingRelay {
                 PollingError::BatchRefused { .. } => "batch_refused",
                 PollingError::LeadershipLost => "postgres_stream",
                 PollingError::Poison(_) => "poison",
+                PollingError::Schema(_) => "schema_registry",
+                PollingError::RegistrySetup(_) => "config",
                 PollingError::Admin(_) => "postgres_stream",
             });
             return Err(e);
@@ -452,11 +468,14 @@ impl PollingRelay {
     }
 
     /// The record of `row`, or its dead letter.
-    async fn enqueue(&mut self, row: &OutboxRow) -> Result<Enqueued, EnqueueError> {
+    async fn enqueue(&mut self, row: &OutboxRow) -> Result<Enqueued, PollingError> {
         // No commit time here: a created_at Kafka cannot take gets the
         // time of publishing.
         let now_ms = chrono::Utc::now().timestamp_millis();
-        let record = build_record(row, &self.validated.topic, &self.validated.value, now_ms);
+        let mut record = build_record(row, &self.validated.topic, &self.validated.value, now_ms);
+        if let Some(registry) = self.registry.as_mut() {
+            record = registry.prepare(record, row).await.map_err(PollingError::Schema)?;
+        }
         let enqueued = enqueue_row(&mut self.sink, &self.config.routing, row, record).await?;
         if let Enqueued::DeadLetter(_, reason) = &enqueued {
             self.metrics.dead_letters.with_label_values(&[reason]).inc();

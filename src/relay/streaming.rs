@@ -250,12 +250,19 @@ impl Relay {
             };
             return s.poison_row(txn, row, pos, poison);
         }
-        let record = match build_record(
-            row,
-            &self.validated.topic,
-            &self.validated.value,
-            s.open_commit_ms,
-        ) {
+        let mut built = build_record(row, &self.validated.topic, &self.validated.value, s.open_commit_ms);
+        if let Some(registry) = self.registry.as_mut() {
+            if let Ok(r) = &built {
+                if !registry.ready(&row.event_type, &r.topic) {
+                    let (received, flushed, every) = s.beat();
+                    stream
+                        .keep_alive_while(received, flushed, every, registry.resolve(&row.event_type, &r.topic))
+                        .await??;
+                }
+            }
+            built = registry.apply(built, row)?;
+        }
+        let record = match built {
             Ok(r) => r,
             Err(e) => {
                 let poison = Poison {

@@ -80,6 +80,10 @@ pub enum ReplayError {
     Kafka(#[from] KafkaSinkError),
     #[error(transparent)]
     Poison(EnqueueError),
+    #[error("{0}; the replay stopped there")]
+    Schema(crate::schema::SchemaError),
+    #[error("schema_registry: {0}")]
+    RegistrySetup(String),
     #[error("Kafka did not acknowledge the record of outbox row {id}: {source}; the replay stopped there")]
     Delivery { id: Uuid, source: KafkaSinkError },
 }
@@ -237,6 +241,13 @@ impl Replay {
         // for its answer, up to and including this one, so that a refusal
         // is the row's own (see `crate::relay::polling`, the same rule).
         let mut isolate_until: Option<Uuid> = None;
+        let mut registry = crate::schema::Registry::new(
+            self.config.routing.value,
+            self.config.schema_registry.as_ref(),
+            self.config.schema_routing(),
+            None,
+        )
+        .map_err(ReplayError::RegistrySetup)?;
         'runs: loop {
             let mut refused_batch = None;
             for chunk in ids.chunks(o.batch.max(1)) {
@@ -255,7 +266,16 @@ impl Replay {
                         continue;
                     };
                     throttle.admit().await;
-                    let record = self.record(&r, &state.started_at);
+                    let mut record = self.record(&r, &state.started_at);
+                    if let Some(registry) = registry.as_mut() {
+                        match registry.prepare(record, &r.row).await {
+                            Ok(built) => record = built,
+                            Err(e) => {
+                                failure = Some(ReplayError::Schema(e));
+                                break;
+                            }
+                        }
+                    }
                     match enqueue_row(&mut sink, &self.config.routing, &r.row, record).await {
                         Ok(e) => pending.push(Some((r, e))),
                         Err(e) => {

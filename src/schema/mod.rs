@@ -1,0 +1,457 @@
+//! Schema Registry values: `routing.value` = `avro`, `protobuf` or
+//! `json-schema`, in the Confluent wire format.
+//!
+//! # Flow
+//!
+//! A row becomes a record as in every format ([`crate::kafka::records`]),
+//! with the payload JSON as its value. Before it is sent, the relay asks
+//! the [`Registry`] for the schema of the record's topic and event type:
+//!
+//! 1. [`Registry::ready`]: is a schema for this (event type, topic) in
+//!    the cache? On the hot path it is, and nothing else happens.
+//! 2. Otherwise [`Registry::resolve`] asks the registry (the subject the
+//!    strategy names, at the latest or a pinned version, or a pinned id),
+//!    compiles the schema and caches it. While the registry is
+//!    unreachable it waits and retries: a transient outage is never a
+//!    dead letter, and the relay keeps the replication connection alive
+//!    meanwhile. Refused credentials, a missing subject and a schema
+//!    outboxd cannot use stop the relay with the setting to fix.
+//! 3. [`Registry::encode`] writes the value: magic byte 0, the schema id
+//!    (4 bytes, big-endian), Protobuf's message indexes, then the body. A
+//!    payload that does not fit is a [`SchemaError::Mismatch`] naming the
+//!    first offending field: it follows `routing.on_poison` with the
+//!    reason `schema_mismatch`.
+//!
+//! LSN progress is untouched: encoding happens before the record is sent,
+//! so an event the registry holds up is simply not in flight yet, and the
+//! slot cannot move past it.
+//!
+//! A `latest` schema is looked up again after
+//! `schema_registry.refresh_interval`; a failed look-up keeps the schema in
+//! use. Schemas by id never change and are cached for good.
+
+pub mod avro;
+pub mod client;
+pub mod json_schema;
+pub mod protobuf;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use crate::config::{SchemaRegistryConfig, SchemaRouting, SchemaRule, SubjectStrategy, ValueFormat};
+use crate::kafka::records::{KafkaRecord, RecordError};
+use crate::metrics::Metrics;
+use crate::source::outbox::OutboxRow;
+pub use avro::Misfit;
+use client::{Client, ClientError, Served};
+
+/// The Confluent wire format's first byte.
+pub const MAGIC: u8 = 0;
+
+/// A schema compiled for encoding.
+#[derive(Debug)]
+pub enum Codec {
+    Avro(avro::AvroCodec),
+    Protobuf(protobuf::ProtobufCodec),
+    JsonSchema(json_schema::JsonSchemaCodec),
+}
+
+/// What goes wrong with schemas.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum SchemaError {
+    /// The payload does not fit its schema: the row's own problem.
+    #[error("the payload does not fit schema id {id} of {subject}: {misfit}")]
+    Mismatch { subject: String, id: u32, misfit: Misfit },
+    /// The registry answered, and the answer stops the relay.
+    #[error("{0}")]
+    Registry(ClientError),
+    /// The registry served a schema outboxd cannot encode with.
+    #[error("schema {what} cannot be used for routing.value = {format:?}: {reason}; register a schema of that kind, or pin another in [routing.schemas]")]
+    Unusable {
+        what: String,
+        format: &'static str,
+        reason: String,
+    },
+}
+
+impl SchemaError {
+    /// The row is the cause: `routing.on_poison` applies.
+    pub fn is_row_problem(&self) -> bool {
+        matches!(self, SchemaError::Mismatch { .. })
+    }
+}
+
+/// Where one event type's schema comes from, once resolved.
+#[derive(Debug)]
+struct InUse {
+    /// The subject, or `None` for a pinned id.
+    subject: Option<String>,
+    id: u32,
+    codec: Arc<Codec>,
+    fetched: Instant,
+    /// Looked up as `latest`: refreshed after the refresh interval.
+    latest: bool,
+}
+
+/// A schema in use, as `outboxd status` and the HTTP status show it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct SchemaInUse {
+    pub event_type: String,
+    pub topic: String,
+    pub subject: Option<String>,
+    pub version: Option<u32>,
+    pub id: u32,
+}
+
+/// The schemas the relay encodes with, shared with the HTTP status.
+pub type InUseBoard = Arc<Mutex<BTreeMap<(String, String), SchemaInUse>>>;
+
+/// The registry client with its cache.
+#[derive(Debug)]
+pub struct Registry {
+    client: Client,
+    format: ValueFormat,
+    routing: SchemaRouting,
+    refresh: Duration,
+    /// event type → topic → schema.
+    resolved: HashMap<String, HashMap<String, InUse>>,
+    /// Compiled schemas by (id, message name).
+    compiled: HashMap<(u32, Option<String>), Arc<Codec>>,
+    metrics: Option<Metrics>,
+    board: InUseBoard,
+}
+
+fn format_name(f: ValueFormat) -> &'static str {
+    match f {
+        ValueFormat::Avro => "avro",
+        ValueFormat::Protobuf => "protobuf",
+        ValueFormat::JsonSchema => "json-schema",
+        _ => "json",
+    }
+}
+
+fn outcome(r: &Result<Served, ClientError>) -> &'static str {
+    match r {
+        Ok(_) => "ok",
+        Err(ClientError::Unavailable { .. }) => "unavailable",
+        Err(ClientError::Unauthorized { .. }) => "unauthorized",
+        Err(ClientError::NotFound { .. }) => "not_found",
+        Err(ClientError::Refused { .. }) => "refused",
+        Err(ClientError::Unreadable { .. }) => "unreadable",
+    }
+}
+
+impl Registry {
+    /// A registry for `format`, or `None` when the format uses none.
+    pub fn new(
+        format: ValueFormat,
+        cfg: Option<&SchemaRegistryConfig>,
+        routing: SchemaRouting,
+        metrics: Option<Metrics>,
+    ) -> Result<Option<Registry>, String> {
+        if !format.uses_registry() {
+            return Ok(None);
+        }
+        let cfg = cfg.ok_or("routing.value needs [schema_registry]")?;
+        Ok(Some(Registry {
+            client: Client::new(cfg)?,
+            format,
+            routing,
+            refresh: cfg.refresh_interval.0,
+            resolved: HashMap::new(),
+            compiled: HashMap::new(),
+            metrics,
+            board: Arc::default(),
+        }))
+    }
+
+    /// The schemas in use, for status.
+    pub fn board(&self) -> InUseBoard {
+        self.board.clone()
+    }
+
+    /// The registry's base URL.
+    pub fn url(&self) -> &str {
+        self.client.url()
+    }
+
+    /// The subject an event of `event_type` bound for `topic` uses, or
+    /// `None` with a pinned id.
+    pub fn subject(&self, event_type: &str, topic: &str) -> Option<String> {
+        let rule = self.routing.rule(event_type, topic);
+        if rule.and_then(|r| r.id).is_some() {
+            return None;
+        }
+        if let Some(s) = rule.and_then(|r| r.subject.clone()) {
+            return Some(s);
+        }
+        let record = rule.and_then(|r| r.record.as_deref()).unwrap_or(event_type);
+        Some(match self.routing.strategy {
+            SubjectStrategy::Topic => format!("{topic}-value"),
+            SubjectStrategy::Record => record.to_owned(),
+            SubjectStrategy::TopicRecord => format!("{topic}-{record}"),
+        })
+    }
+
+    fn entry(&self, event_type: &str, topic: &str) -> Option<&InUse> {
+        self.resolved.get(event_type).and_then(|m| m.get(topic))
+    }
+
+    /// Whether a schema for this event type and topic is cached and fresh.
+    pub fn ready(&self, event_type: &str, topic: &str) -> bool {
+        self.entry(event_type, topic)
+            .is_some_and(|e| !e.latest || e.fetched.elapsed() < self.refresh)
+    }
+
+    fn count(&self, outcome: &str) {
+        if let Some(m) = &self.metrics {
+            m.schema_registry_requests.with_label_values(&[outcome]).inc();
+        }
+    }
+
+    async fn ask<T: Send + 'static>(
+        &self,
+        call: impl FnOnce(&Client) -> Result<T, ClientError> + Send + 'static,
+    ) -> Result<T, ClientError> {
+        let client = self.client.clone();
+        tokio::task::spawn_blocking(move || call(&client))
+            .await
+            .unwrap_or_else(|e| {
+                Err(ClientError::Unavailable {
+                    url: String::new(),
+                    reason: format!("the request's thread failed: {e}"),
+                })
+            })
+    }
+
+    /// One look-up of the schema for `rule`: by id, or the subject's
+    /// version.
+    async fn fetch(&self, subject: Option<&str>, rule: Option<&SchemaRule>) -> Result<Served, ClientError> {
+        let r = match (rule.and_then(|r| r.id), subject) {
+            (Some(id), _) => self.ask(move |c| c.by_id(id)).await,
+            (None, Some(subject)) => {
+                let subject = subject.to_owned();
+                let version = rule.and_then(|r| r.version);
+                self.ask(move |c| c.version(&subject, version)).await
+            }
+            (None, None) => unreachable!("a subject is named unless an id is pinned"),
+        };
+        self.count(outcome(&r));
+        r
+    }
+
+    /// Looks the schema for this event type and topic up, waiting out a
+    /// registry that is unreachable (retrying with a growing pause, up to
+    /// 10 s). A `latest` schema already cached is kept when its refresh
+    /// fails.
+    pub async fn resolve(&mut self, event_type: &str, topic: &str) -> Result<(), SchemaError> {
+        if let Some(m) = &self.metrics {
+            m.schema_cache.with_label_values(&["miss"]).inc();
+        }
+        let rule = self.routing.rule(event_type, topic).cloned();
+        let subject = self.subject(event_type, topic);
+        let mut pause = Duration::from_millis(250);
+        let served = loop {
+            match self.fetch(subject.as_deref(), rule.as_ref()).await {
+                Ok(s) => break s,
+                Err(e) if e.is_transient() => {
+                    if self.entry(event_type, topic).is_some() {
+                        tracing::warn!(error = %e, "could not refresh a schema; the one in use stays until the next try");
+                        if let Some(entry) = self.resolved.get_mut(event_type).and_then(|m| m.get_mut(topic)) {
+                            entry.fetched = Instant::now();
+                        }
+                        return Ok(());
+                    }
+                    tracing::warn!(error = %e, subject = subject.as_deref().unwrap_or(""), retry_in = ?pause,
+                        "waiting for the Schema Registry: no event goes to Kafka until its schema is known");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(10));
+                }
+                Err(e) => return Err(SchemaError::Registry(e)),
+            }
+        };
+        let what = match (&subject, served.version) {
+            (Some(s), Some(v)) => format!("{s:?} version {v}"),
+            (Some(s), None) => format!("{s:?}"),
+            (None, _) => format!("id {}", served.id.unwrap_or_default()),
+        };
+        let id = served.id.ok_or_else(|| SchemaError::Unusable {
+            what: what.clone(),
+            format: format_name(self.format),
+            reason: "the registry gave no schema id".into(),
+        })?;
+        let message = rule.as_ref().and_then(|r| r.record.clone());
+        let codec = match self.compiled.get(&(id, message.clone())) {
+            Some(c) => c.clone(),
+            None => {
+                let c = Arc::new(self.compile(&served, message.as_deref()).map_err(|reason| SchemaError::Unusable {
+                    what: what.clone(),
+                    format: format_name(self.format),
+                    reason,
+                })?);
+                self.compiled.insert((id, message), c.clone());
+                c
+            }
+        };
+        let latest = rule.as_ref().is_none_or(|r| r.id.is_none() && r.version.is_none());
+        tracing::info!(subject = subject.as_deref().unwrap_or(""), id, version = served.version, event_type, topic, "schema in use");
+        if let Ok(mut board) = self.board.lock() {
+            board.insert(
+                (event_type.to_owned(), topic.to_owned()),
+                SchemaInUse {
+                    event_type: event_type.to_owned(),
+                    topic: topic.to_owned(),
+                    subject: subject.clone(),
+                    version: served.version,
+                    id,
+                },
+            );
+        }
+        self.resolved.entry(event_type.to_owned()).or_default().insert(
+            topic.to_owned(),
+            InUse {
+                subject,
+                id,
+                codec,
+                fetched: Instant::now(),
+                latest,
+            },
+        );
+        Ok(())
+    }
+
+    fn compile(&self, served: &Served, message: Option<&str>) -> Result<Codec, String> {
+        if !served.references.is_empty() {
+            return Err("it references other schemas, which outboxd does not follow yet".into());
+        }
+        let kind = served.schema_type.as_deref().unwrap_or("AVRO").to_ascii_uppercase();
+        match (self.format, kind.as_str()) {
+            (ValueFormat::Avro, "AVRO") => avro::AvroCodec::parse(&served.schema)
+                .map(Codec::Avro)
+                .map_err(|e| e.to_string()),
+            (ValueFormat::Protobuf, "PROTOBUF") => {
+                protobuf::ProtobufCodec::parse(&served.schema, message).map(Codec::Protobuf)
+            }
+            (ValueFormat::JsonSchema, "JSON") => json_schema::JsonSchemaCodec::parse(&served.schema).map(Codec::JsonSchema),
+            (_, other) => Err(format!("it is a {other} schema")),
+        }
+    }
+
+    /// Replaces the record's value (the payload JSON) with its encoding
+    /// in the Confluent wire format. [`Registry::resolve`] must have made
+    /// the schema [`Registry::ready`]; a stale `latest` one is still used.
+    pub fn encode(&self, record: &mut KafkaRecord, row: &OutboxRow) -> Result<(), SchemaError> {
+        let Some(entry) = self.entry(&row.event_type, &record.topic) else {
+            return Err(SchemaError::Unusable {
+                what: format!("for {:?} on {}", row.event_type, record.topic),
+                format: format_name(self.format),
+                reason: "it was not looked up before encoding (a bug: please report it)".into(),
+            });
+        };
+        if let Some(m) = &self.metrics {
+            m.schema_cache.with_label_values(&["hit"]).inc();
+        }
+        let mismatch = |misfit: Misfit| {
+            if let Some(m) = &self.metrics {
+                m.schema_mismatches.inc();
+            }
+            SchemaError::Mismatch {
+                subject: entry.subject.clone().unwrap_or_else(|| "a pinned id".into()),
+                id: entry.id,
+                misfit,
+            }
+        };
+        let mut out = Vec::with_capacity(row.payload.len() + 8);
+        out.push(MAGIC);
+        out.extend_from_slice(&entry.id.to_be_bytes());
+        match &*entry.codec {
+            Codec::Avro(c) => {
+                let v = parse_payload(&row.payload).map_err(mismatch)?;
+                c.encode(&v, &mut out).map_err(mismatch)?;
+            }
+            Codec::JsonSchema(c) => {
+                let v = parse_payload(&row.payload).map_err(mismatch)?;
+                c.check(&v).map_err(mismatch)?;
+                out.extend_from_slice(row.payload.as_bytes());
+            }
+            Codec::Protobuf(c) => c.encode(&row.payload, &mut out).map_err(mismatch)?,
+        }
+        record.value = out;
+        Ok(())
+    }
+
+    /// A built record with its value encoded, or the built record's own
+    /// error; a payload that does not fit becomes
+    /// [`RecordError::SchemaMismatch`], which `routing.on_poison` handles
+    /// like every row problem. `Err` is an error that stops the relay.
+    /// The schema must be [`Registry::ready`] (or cached, if stale).
+    pub fn apply(
+        &self,
+        built: Result<KafkaRecord, RecordError>,
+        row: &OutboxRow,
+    ) -> Result<Result<KafkaRecord, RecordError>, SchemaError> {
+        let mut record = match built {
+            Ok(r) => r,
+            Err(e) => return Ok(Err(e)),
+        };
+        match self.encode(&mut record, row) {
+            Ok(()) => Ok(Ok(record)),
+            Err(e) if e.is_row_problem() => Ok(Err(RecordError::SchemaMismatch(e.to_string()))),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// [`Registry::resolve`] unless the schema is [`Registry::ready`],
+    /// then [`Registry::apply`]: for callers that need not keep a
+    /// replication connection alive meanwhile.
+    pub async fn prepare(
+        &mut self,
+        built: Result<KafkaRecord, RecordError>,
+        row: &OutboxRow,
+    ) -> Result<Result<KafkaRecord, RecordError>, SchemaError> {
+        if let Ok(r) = &built {
+            if !self.ready(&row.event_type, &r.topic) {
+                self.resolve(&row.event_type, &r.topic).await?;
+            }
+        }
+        self.apply(built, row)
+    }
+
+    /// The subjects configured in `[routing.schemas]` that can be named
+    /// without an event (an explicit subject, a pinned id, or the record
+    /// strategy), looked up once: for `outboxd check` and the start.
+    pub async fn check_configured(&self) -> Vec<(String, Result<String, ClientError>)> {
+        let mut out = Vec::new();
+        for (key, rule) in &self.routing.rules {
+            let subject = match (rule.id, &rule.subject, self.routing.strategy) {
+                (Some(_), _, _) => None,
+                (None, Some(s), _) => Some(s.clone()),
+                (None, None, SubjectStrategy::Record) => Some(rule.record.clone().unwrap_or_else(|| key.clone())),
+                // The subject depends on the topic, known with the event.
+                (None, None, _) => continue,
+            };
+            let label = subject.clone().unwrap_or_else(|| format!("id {}", rule.id.unwrap_or_default()));
+            let r = self.fetch(subject.as_deref(), Some(rule)).await.map(|s| {
+                format!(
+                    "id {}{}",
+                    s.id.or(rule.id).unwrap_or_default(),
+                    s.version.map(|v| format!(", version {v}")).unwrap_or_default()
+                )
+            });
+            out.push((format!("{key} → {label}"), r));
+        }
+        out
+    }
+}
+
+/// The payload as a JSON value. jsonb may hold numbers no `f64` holds
+/// (`1e400`): such a payload fits no schema of these formats.
+fn parse_payload(text: &str) -> Result<Value, Misfit> {
+    serde_json::from_str(text).map_err(|e| Misfit {
+        path: "$".into(),
+        reason: format!("the payload cannot be read as JSON values: {e}"),
+    })
+}
