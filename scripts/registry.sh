@@ -7,6 +7,7 @@
 #                                   (idempotent)
 #   scripts/registry.sh version     the Apicurio version `fetch` installs
 #   scripts/registry.sh java        the Java 21+ it runs on (prints its path)
+#   scripts/registry.sh run --port P  runs it in the foreground (exec java)
 #   scripts/registry.sh start DIR [--port P]
 #                                   runs it in the background, waits until it
 #                                   answers, writes DIR/pid and DIR/url (the
@@ -81,6 +82,22 @@ fetch() {
   ) 9>"$home/.lock"
 }
 
+# Sets JVM_CMD to the registry's java command line on port $1.
+jvm_cmd() {
+  local java; java=$(find_java)
+  JVM_CMD=("$java" -Xmx384m -XX:+UseSerialGC -XX:TieredStopAtLevel=1
+    -Dquarkus.http.host=127.0.0.1 -Dquarkus.http.port="$1"
+    -Dquarkus.log.level=WARN -Dquarkus.banner.enabled=false
+    -jar "$home/app/quarkus-run.jar")
+}
+
+run() {
+  [ "${1:-}" = --port ] && [ -n "${2:-}" ] || die "run --port P"
+  fetch
+  jvm_cmd "$2"
+  cd "$home/app" && exec "${JVM_CMD[@]}"
+}
+
 start() {
   local dir=$1; shift
   local port=""
@@ -91,13 +108,10 @@ start() {
     esac
   done
   fetch
-  local java; java=$(find_java)
   [ -n "$port" ] || port=$(free_port)
   mkdir -p "$dir"
-  (cd "$home/app" && exec "$java" -Xmx384m -XX:+UseSerialGC \
-    -Dquarkus.http.host=127.0.0.1 -Dquarkus.http.port="$port" \
-    -Dquarkus.log.level=WARN -Dquarkus.banner.enabled=false \
-    -jar quarkus-run.jar) >"$dir/registry.log" 2>&1 &
+  jvm_cmd "$port"
+  (cd "$home/app" && exec "${JVM_CMD[@]}") >"$dir/registry.log" 2>&1 &
   echo $! >"$dir/pid"
   local url="http://127.0.0.1:$port/apis/ccompat/v7"
   local i
@@ -127,7 +141,8 @@ case "${1:-}" in
   fetch) fetch ;;
   version) echo "$version" ;;
   java) find_java ;;
+  run) shift; run "$@" ;;
   start) shift; [ $# -ge 1 ] || die "start DIR"; start "$@" ;;
   stop) shift; [ $# -ge 1 ] || die "stop DIR"; stop "$1" ;;
-  *) die "usage: registry.sh fetch|version|java|start DIR [--port P]|stop DIR" ;;
+  *) die "usage: registry.sh fetch|version|java|run --port P|start DIR [--port P]|stop DIR" ;;
 esac

@@ -7,7 +7,9 @@
 # and Maven, and from Maven Central Apache Kafka's jars (the local test
 # broker; scripts/kafka.sh) and Kafka Connect with Debezium (the incumbent
 # the suite and the benchmark compare with; scripts/debezium.sh), and the
-# CloudEvents Python SDK (scripts/lib/cloudevents-sdk.sh), into
+# CloudEvents Python SDK (scripts/lib/cloudevents-sdk.sh), Apicurio
+# Registry and a Java 21+ for it (scripts/registry.sh) with Confluent's
+# Python registry clients (scripts/lib/registry-clients.sh), into
 # ~/.cache/outboxd. Safe to run again:
 # it installs only what is missing.
 #
@@ -97,5 +99,10 @@ if ! command -v python3 >/dev/null || ! python3 -c 'import venv, ensurepip' >/de
   apt_install python3 python3-venv
 fi
 log "CloudEvents SDK: $("$(dirname "$0")/lib/cloudevents-sdk.sh")"
+# The Schema Registry (Apicurio, on a Java 21+ that scripts/registry.sh
+# finds or installs) and the independent clients that decode its records.
+"$(dirname "$0")/registry.sh" fetch
+log "Schema Registry: Apicurio $("$(dirname "$0")/registry.sh" version) on $("$(dirname "$0")/registry.sh" java) (scripts/registry.sh)"
+log "registry clients: $("$(dirname "$0")/lib/registry-clients.sh")"
 "$(dirname "$0")/debezium.sh" fetch
 log "incumbent: Debezium $("$(dirname "$0")/debezium.sh" version) on Kafka Connect (scripts/debezium.sh)"

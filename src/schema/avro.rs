@@ -681,7 +681,8 @@ mod tests {
 
     fn decode(schema: &str, bytes: &[u8]) -> Avro {
         let s = Schema::parse_str(schema).unwrap();
-        apache_avro::from_avro_datum(&s, &mut &bytes[..], None).unwrap()
+        let reader = apache_avro::reader::datum::GenericDatumReader::builder(&s).build().unwrap();
+        reader.read_value(&mut &bytes[..]).unwrap()
     }
 
     fn order() -> Value {

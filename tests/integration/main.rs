@@ -20,4 +20,5 @@ mod otel;
 mod relay;
 mod reliability;
 mod replay;
+mod schema_registry;
 mod sdk;

@@ -5,6 +5,7 @@ pub mod broker;
 pub mod debezium;
 pub mod otlp;
 pub mod postgres;
+pub mod registry;
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU32, Ordering};

@@ -1,0 +1,381 @@
+//! Registry-encoded values (`routing.value` = `avro`, `json-schema`,
+//! `protobuf`) through the real relay, Apache Kafka and Apicurio Registry,
+//! decoded by an independent client: Confluent's Python deserializers,
+//! which read the schema id from each record and fetch the schema from
+//! the registry, as a consumer does.
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use uuid::Uuid;
+
+use crate::harness::broker::{base64url, broker, consume, topics_with_prefix, Consumed};
+use crate::harness::registry::{clients_python, refusing_server, registry, Gate};
+use crate::harness::{wait_for, TestDb};
+use crate::relay::{config_text, confirmed_flush, current_lsn, spawn_relay, spawn_relay_with_slot, stop_relay};
+
+/// Reads `{"topic", "value", "message"}` lines, decodes each value with
+/// the deserializer of `format`, and writes `{"id", "value"}` lines. For
+/// Protobuf, the schema the record names is fetched by id and compiled
+/// with protoc into the class the deserializer needs.
+const DECODE: &str = r#"
+import base64, datetime, decimal, importlib, json, os, sys, tempfile, uuid
+from confluent_kafka.schema_registry import SchemaRegistryClient
+from confluent_kafka.schema_registry.avro import AvroDeserializer
+from confluent_kafka.schema_registry.json_schema import JSONDeserializer
+from confluent_kafka.schema_registry.protobuf import ProtobufDeserializer
+from confluent_kafka.serialization import MessageField, SerializationContext
+from google.protobuf.json_format import MessageToDict
+url, fmt = sys.argv[1], sys.argv[2]
+sr = SchemaRegistryClient({"url": url})
+def unb64(v):
+    return base64.urlsafe_b64decode(v + "=" * (-len(v) % 4))
+def plain(o):
+    if isinstance(o, decimal.Decimal): return str(o)
+    if isinstance(o, (datetime.datetime, datetime.date)): return o.isoformat()
+    if isinstance(o, bytes): return o.decode("latin-1")
+    if isinstance(o, uuid.UUID): return str(o)
+    raise TypeError(repr(o))
+classes = {}
+def proto_class(schema_id, name):
+    if (schema_id, name) not in classes:
+        from grpc_tools import protoc
+        import grpc_tools
+        d = tempfile.mkdtemp()
+        stem = f"s{schema_id}"
+        with open(os.path.join(d, stem + ".proto"), "w") as f:
+            f.write(sr.get_schema(schema_id).schema_str)
+        inc = os.path.join(os.path.dirname(grpc_tools.__file__), "_proto")
+        assert protoc.main(["protoc", f"-I{d}", f"-I{inc}", f"--python_out={d}", stem + ".proto"]) == 0
+        sys.path.insert(0, d)
+        mod = importlib.import_module(stem + "_pb2")
+        cls = mod
+        for part in name[len(mod.DESCRIPTOR.package) + 1:].split("."):
+            cls = getattr(cls, part)
+        classes[(schema_id, name)] = cls
+    return classes[(schema_id, name)]
+for line in sys.stdin:
+    r = json.loads(line)
+    value = unb64(r["value"])
+    assert value[0] == 0, "magic byte"
+    schema_id = int.from_bytes(value[1:5], "big")
+    ctx = SerializationContext(r["topic"], MessageField.VALUE)
+    if fmt == "avro":
+        out = AvroDeserializer(sr)(value, ctx)
+    elif fmt == "json-schema":
+        out = JSONDeserializer(None, schema_registry_client=sr)(value, ctx)
+    else:
+        cls = proto_class(schema_id, r["message"])
+        out = MessageToDict(ProtobufDeserializer(cls, {"use.deprecated.format": False})(value, ctx))
+    print(json.dumps({"id": schema_id, "value": out}, default=plain))
+"#;
+
+/// Each record decoded by Confluent's client: (schema id, value).
+fn decode(format: &str, records: &[&Consumed], message: &str) -> Vec<(u32, Value)> {
+    let mut child = Command::new(clients_python())
+        .args(["-c", DECODE, &registry().url, format])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut input = String::new();
+    for r in records {
+        input.push_str(&json!({"topic": r.topic, "value": base64url(&r.value), "message": message}).to_string());
+        input.push('\n');
+    }
+    child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "Confluent's deserializer refused a record: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: Value = serde_json::from_str(l).unwrap();
+            (v["id"].as_u64().unwrap() as u32, v["value"].clone())
+        })
+        .collect()
+}
+
+const ORDER_AVRO: &str = r#"{
+  "type": "record", "name": "OrderPlaced", "namespace": "shop",
+  "fields": [
+    {"name": "orderId", "type": "string"},
+    {"name": "total", "type": {"type": "bytes", "logicalType": "decimal", "precision": 12, "scale": 2}},
+    {"name": "count", "type": "int"},
+    {"name": "big", "type": "long"},
+    {"name": "status", "type": {"type": "enum", "name": "Status", "symbols": ["PLACED", "PAID"]}},
+    {"name": "note", "type": ["null", "string"], "default": null},
+    {"name": "lines", "type": {"type": "array", "items": {
+      "type": "record", "name": "Line",
+      "fields": [{"name": "sku", "type": "string"}, {"name": "qty", "type": "int"}]}}},
+    {"name": "attrs", "type": {"type": "map", "values": "double"}, "default": {}}
+  ]}"#;
+
+/// One relay over a fresh database, publishing `value` with the registry
+/// at `registry_url`; `routing` is added to `[routing]`.
+struct Setup {
+    client: tokio_postgres::Client,
+    slot: String,
+    prefix: String,
+    _db: TestDb,
+}
+
+impl Setup {
+    async fn new(name: &str) -> Setup {
+        let db = TestDb::new(&format!("sr_{name}")).await;
+        let client = db.client().await;
+        Setup {
+            client,
+            slot: format!("sr_{name}"),
+            prefix: format!("sr{}", Uuid::new_v4().simple()),
+            _db: db,
+        }
+    }
+
+    fn config(&self, db_url: &str, value: &str, registry_url: &str, routing: &str) -> String {
+        config_text(
+            db_url,
+            &self.slot,
+            &broker().brokers,
+            &format!(
+                "topic = \"{p}.{{aggregate_type}}\"\nvalue = \"{value}\"\non_poison = \"dead-letter\"\ndead_letter_topic = \"{p}.dead-letter\"\n{routing}",
+                p = self.prefix
+            ),
+            &format!("\n[schema_registry]\nurl = \"{registry_url}\"\ntimeout = \"2s\"\n"),
+        )
+    }
+
+    fn topic(&self, aggregate_type: &str) -> String {
+        format!("{}.{}", self.prefix, aggregate_type.to_lowercase())
+    }
+
+    async fn insert(&self, aggregate_type: &str, aggregate_id: &str, event_type: &str, payload: &Value) -> Uuid {
+        let id = Uuid::now_v7();
+        self.client
+            .execute(
+                "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload) VALUES ($1, $2, $3, $4, $5)",
+                &[&id, &aggregate_type, &aggregate_id, &event_type, payload],
+            )
+            .await
+            .unwrap();
+        id
+    }
+
+    async fn confirmed_past_now(&self) {
+        let end = current_lsn(&self.client).await;
+        wait_for("the rows confirmed", Duration::from_secs(60), || async {
+            confirmed_flush(&self.client, &self.slot).await.filter(|l| *l >= end)
+        })
+        .await;
+    }
+}
+
+fn orders() -> Vec<Value> {
+    vec![
+        json!({"orderId": "o-1", "total": "12.50", "count": 3, "big": 9_007_199_254_740_993i64, "status": "PLACED",
+               "note": "주문 \"first\"", "lines": [{"sku": "a", "qty": 2}], "attrs": {"w": 1.5}}),
+        // Defaults fill what the payload leaves out; the edges of int and long.
+        json!({"orderId": "", "total": -0.01, "count": i32::MIN, "big": i64::MAX, "status": "PAID", "lines": []}),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn avro_values_decode_with_confluents_deserializer_and_a_misfit_is_dead_lettered_with_its_path() {
+    let s = Setup::new("avro").await;
+    let topic = s.topic("Order");
+    let id = registry().register(&format!("{topic}-value"), "AVRO", ORDER_AVRO);
+    let text = s.config(&s._db.superuser_url(), "avro", &registry().url, "");
+    let (handle, stop) = spawn_relay_with_slot(&s.client, &s.slot, &text).await;
+    let mut ids = Vec::new();
+    for (i, o) in orders().iter().enumerate() {
+        ids.push(s.insert("Order", &format!("order-{i}"), "OrderPlaced", o).await);
+    }
+    // A required field missing, then an enum symbol the schema lacks.
+    let bad = s
+        .insert("Order", "order-0", "OrderPlaced", &json!({"orderId": "o-3", "total": "1", "count": 1, "big": 1, "status": "PLACED"}))
+        .await;
+    let bad_enum = s
+        .insert("Order", "order-1", "OrderPlaced",
+            &json!({"orderId": "o-4", "total": "1", "count": 1, "big": 1, "status": "SHIPPED", "lines": []}))
+        .await;
+    s.confirmed_past_now().await;
+    let dlq = format!("{}.dead-letter", s.prefix);
+    let records = consume(&broker().brokers, &[&topic, &dlq], 4, Duration::from_secs(30));
+    let events: Vec<&Consumed> = records.iter().filter(|r| r.topic == topic).collect();
+    let dead: Vec<&Consumed> = records.iter().filter(|r| r.topic == dlq).collect();
+    assert_eq!(events.len(), 2, "{records:?}");
+    let decoded = decode("avro", &events, "");
+    let expected = [
+        json!({"orderId": "o-1", "total": "12.50", "count": 3, "big": 9_007_199_254_740_993i64, "status": "PLACED",
+               "note": "주문 \"first\"", "lines": [{"sku": "a", "qty": 2}], "attrs": {"w": 1.5}}),
+        json!({"orderId": "", "total": "-0.01", "count": i32::MIN, "big": i64::MAX, "status": "PAID", "note": null,
+               "lines": [], "attrs": {}}),
+    ];
+    for (r, (schema_id, value)) in events.iter().zip(&decoded) {
+        let i = ids.iter().position(|id| r.header("id") == Some(&id.to_string())).unwrap();
+        assert_eq!(*schema_id, id, "the id the topic strategy's subject names");
+        assert_eq!(*value, expected[i], "event {i}");
+        assert_eq!(r.key, format!("order-{i}"), "the key stays the aggregate id");
+    }
+    assert_eq!(registry().latest_id(&format!("{topic}-value")), id);
+    assert_eq!(dead.len(), 2, "{dead:?}");
+    let by_id = |id: Uuid| dead.iter().find(|d| d.header("id") == Some(&id.to_string())).unwrap();
+    let missing = by_id(bad);
+    assert_eq!(missing.header("dlq.reason"), Some("schema_mismatch"));
+    let error = missing.header("dlq.error").unwrap();
+    assert!(error.contains("$.lines") && error.contains("required field is missing"), "{error}");
+    assert!(error.contains(&format!("{topic}-value")), "names the subject: {error}");
+    let error = by_id(bad_enum).header("dlq.error").unwrap();
+    assert!(error.contains("$.status") && error.contains("SHIPPED"), "{error}");
+    stop_relay(handle, stop).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn json_schema_values_are_the_payload_framed_and_checked() {
+    let s = Setup::new("json").await;
+    let topic = s.topic("Order");
+    let schema = r#"{"$schema": "http://json-schema.org/draft-07/schema#", "title": "OrderPlaced", "type": "object",
+        "required": ["orderId", "total"], "additionalProperties": false,
+        "properties": {"orderId": {"type": "string"}, "total": {"type": "number", "minimum": 0},
+                       "lines": {"type": "array", "items": {"type": "object", "properties": {"qty": {"type": "integer"}}}}}}"#;
+    let id = registry().register(&format!("{topic}-value"), "JSON", schema);
+    let text = s.config(&s._db.superuser_url(), "json-schema", &registry().url, "");
+    let (handle, stop) = spawn_relay_with_slot(&s.client, &s.slot, &text).await;
+    let good = json!({"orderId": "o-1", "total": 12.5, "lines": [{"qty": 2}]});
+    s.insert("Order", "o-1", "OrderPlaced", &good).await;
+    let bad = s.insert("Order", "o-1", "OrderPlaced", &json!({"orderId": "o-1", "total": 1, "lines": [{"qty": 1.5}]})).await;
+    s.confirmed_past_now().await;
+    let dlq = format!("{}.dead-letter", s.prefix);
+    let records = consume(&broker().brokers, &[&topic, &dlq], 2, Duration::from_secs(30));
+    let events: Vec<&Consumed> = records.iter().filter(|r| r.topic == topic).collect();
+    assert_eq!(events.len(), 1, "{records:?}");
+    let decoded = decode("json-schema", &events, "");
+    assert_eq!(decoded, vec![(id, good)]);
+    let dead = records.iter().find(|r| r.topic == dlq).unwrap();
+    assert_eq!(dead.header("id"), Some(bad.to_string().as_str()));
+    assert_eq!(dead.header("dlq.reason"), Some("schema_mismatch"));
+    assert!(dead.header("dlq.error").unwrap().contains("$.lines[0].qty"), "{:?}", dead.header("dlq.error"));
+    stop_relay(handle, stop).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn protobuf_values_carry_the_message_indexes_under_the_record_name_strategy_and_a_pinned_version() {
+    let s = Setup::new("proto").await;
+    let schema = |extra: &str| {
+        format!(
+            "syntax = \"proto3\";\npackage shop;\nmessage Header {{ string trace = 1; }}\nmessage OrderPlaced {{\n  string order_id = 1;\n  int64 total_cents = 2;\n  repeated Line lines = 3;\n  message Line {{ string sku = 1; int32 qty = 2; }}\n{extra}}}\n"
+        )
+    };
+    // Version 1, then a version 2 outboxd must not use: the rule pins 1.
+    let subject = format!("{}.OrderPlaced", s.prefix);
+    let v1 = registry().register(&subject, "PROTOBUF", &schema(""));
+    let v2 = registry().register(&subject, "PROTOBUF", &schema("  string coupon = 4;\n"));
+    assert_ne!(v1, v2);
+    let routing = format!(
+        "subject_strategy = \"record\"\n[routing.schemas.\"OrderPlaced\"]\nrecord = \"shop.OrderPlaced\"\nsubject = \"{subject}\"\nversion = 1\n"
+    );
+    let text = s.config(&s._db.superuser_url(), "protobuf", &registry().url, &routing);
+    let (handle, stop) = spawn_relay_with_slot(&s.client, &s.slot, &text).await;
+    let good = json!({"orderId": "o-1", "totalCents": "1250", "lines": [{"sku": "a", "qty": 2}, {"sku": "김", "qty": -1}]});
+    s.insert("Order", "o-1", "OrderPlaced", &good).await;
+    // A field only version 2 has.
+    s.insert("Order", "o-1", "OrderPlaced", &json!({"orderId": "o-2", "coupon": "X"})).await;
+    s.confirmed_past_now().await;
+    let topic = s.topic("Order");
+    let dlq = format!("{}.dead-letter", s.prefix);
+    let records = consume(&broker().brokers, &[&topic, &dlq], 2, Duration::from_secs(30));
+    let events: Vec<&Consumed> = records.iter().filter(|r| r.topic == topic).collect();
+    assert_eq!(events.len(), 1, "{records:?}");
+    assert_eq!(&events[0].value[5..6], &[2], "one message index");
+    assert_eq!(&events[0].value[6..7], &[2], "index 1 (zig-zag): OrderPlaced, the file's second message");
+    let decoded = decode("protobuf", &events, "shop.OrderPlaced");
+    assert_eq!(decoded, vec![(v1, good)]);
+    let dead = records.iter().find(|r| r.topic == dlq).unwrap();
+    assert_eq!(dead.header("dlq.reason"), Some("schema_mismatch"));
+    assert!(dead.header("dlq.error").unwrap().contains("coupon"), "{:?}", dead.header("dlq.error"));
+    stop_relay(handle, stop).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_registry_outage_holds_new_schemas_back_and_loses_nothing() {
+    let s = Setup::new("outage").await;
+    let gate = Gate::to(&registry().url);
+    let order_topic = s.topic("Order");
+    let pay_topic = s.topic("Payment");
+    let order_id = registry().register(&format!("{order_topic}-value"), "AVRO", ORDER_AVRO);
+    let pay_schema = r#"{"type": "record", "name": "PaymentMade", "fields": [{"name": "amount", "type": "long"}]}"#;
+    let pay_id = registry().register(&format!("{pay_topic}-value"), "AVRO", pay_schema);
+    let text = s.config(&s._db.superuser_url(), "avro", &gate.url(&registry().url), "");
+    let (handle, stop) = spawn_relay_with_slot(&s.client, &s.slot, &text).await;
+    let order = orders()[0].clone();
+    s.insert("Order", "o-1", "OrderPlaced", &order).await;
+    s.confirmed_past_now().await;
+    gate.close();
+    // A schema in the cache keeps working while the registry is away.
+    s.insert("Order", "o-1", "OrderPlaced", &order).await;
+    s.confirmed_past_now().await;
+    // A schema outboxd has not seen waits: nothing after it is confirmed.
+    let before = confirmed_flush(&s.client, &s.slot).await.unwrap();
+    s.insert("Payment", "p-1", "PaymentMade", &json!({"amount": 5})).await;
+    s.insert("Order", "o-1", "OrderPlaced", &order).await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(confirmed_flush(&s.client, &s.slot).await.unwrap(), before, "the slot waits for the schema");
+    assert!(!handle.is_finished(), "an outage is waited out, not an error");
+    gate.open();
+    s.confirmed_past_now().await;
+    let dlq = format!("{}.dead-letter", s.prefix);
+    let records = consume(&broker().brokers, &[&order_topic, &pay_topic], 4, Duration::from_secs(30));
+    assert_eq!(records.iter().filter(|r| r.topic == order_topic).count(), 3, "{records:?}");
+    let pay: Vec<&Consumed> = records.iter().filter(|r| r.topic == pay_topic).collect();
+    assert_eq!(decode("avro", &pay, ""), vec![(pay_id, json!({"amount": 5}))]);
+    assert!(
+        !topics_with_prefix(&broker().brokers, &s.prefix).contains(&dlq),
+        "nothing dead-lettered"
+    );
+    let orders: Vec<&Consumed> = records.iter().filter(|r| r.topic == order_topic).collect();
+    assert!(decode("avro", &orders, "").iter().all(|(id, _)| *id == order_id));
+    stop_relay(handle, stop).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn refused_credentials_and_a_missing_subject_stop_with_what_to_fix_and_move_nothing() {
+    for (case, url) in [
+        ("auth", refusing_server(401, r#"{"error_code": 40101, "message": "Unauthorized"}"#)),
+        ("missing", registry().url.clone()),
+    ] {
+        let s = Setup::new(&format!("stop_{case}")).await;
+        let secret = "p@ss:w\"ord}\n#";
+        let mut text = s.config(&s._db.superuser_url(), "avro", &url, "");
+        text = text.replace(
+            "timeout = \"2s\"\n",
+            &format!("timeout = \"2s\"\nusername = \"outboxd\"\npassword = {}\n", toml_string(secret)),
+        );
+        let (handle, _stop) = spawn_relay(&text);
+        wait_for("the slot", Duration::from_secs(30), || async { confirmed_flush(&s.client, &s.slot).await }).await;
+        let before = confirmed_flush(&s.client, &s.slot).await.unwrap();
+        s.insert("Order", "o-1", "OrderPlaced", &orders()[0]).await;
+        let err = tokio::time::timeout(Duration::from_secs(60), handle)
+            .await
+            .expect("the relay stops")
+            .unwrap()
+            .expect_err("a definite error");
+        let text = err.to_string();
+        assert!(!text.contains("p@ss"), "no secret in {text}");
+        match case {
+            "auth" => assert!(text.contains("schema_registry.username"), "{text}"),
+            _ => assert!(text.contains(&format!("{}-value", s.topic("Order"))) && text.contains("not in the Schema Registry"), "{text}"),
+        }
+        assert_eq!(confirmed_flush(&s.client, &s.slot).await.unwrap(), before, "{case}: nothing confirmed");
+    }
+}
+
+fn toml_string(s: &str) -> String {
+    toml::Value::String(s.to_owned()).to_string()
+}
