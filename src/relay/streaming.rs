@@ -253,10 +253,10 @@ impl Relay {
         let mut built = build_record(row, &self.validated.topic, &self.validated.value, s.open_commit_ms);
         if let Some(registry) = self.registry.as_mut() {
             if let Ok(r) = &built {
-                if !registry.ready(&row.event_type, &r.topic) {
+                if !registry.ready(row, &r.topic) {
                     let (received, flushed, every) = s.beat();
                     stream
-                        .keep_alive_while(received, flushed, every, registry.resolve(&row.event_type, &r.topic))
+                        .keep_alive_while(received, flushed, every, registry.resolve(row, &r.topic))
                         .await??;
                 }
             }

@@ -32,6 +32,7 @@
 
 pub mod avro;
 pub mod client;
+pub mod infer;
 pub mod json_schema;
 pub mod protobuf;
 
@@ -41,7 +42,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use crate::config::{SchemaRegistryConfig, SchemaRouting, SchemaRule, SubjectStrategy, ValueFormat};
+use crate::config::{SchemaRegistryConfig, SchemaRouting, SchemaRule, SchemaSource, SubjectStrategy, ValueFormat};
 use crate::kafka::records::{KafkaRecord, RecordError};
 use crate::metrics::Metrics;
 use crate::source::outbox::OutboxRow;
@@ -106,6 +107,15 @@ pub struct SchemaInUse {
     pub id: u32,
 }
 
+/// An inferred schema, once the registry has answered.
+#[derive(Debug)]
+enum Inferred {
+    Registered { id: u32, codec: Arc<Codec> },
+    /// The registry refused it (an incompatible change, say): every
+    /// payload of this shape is a mismatch.
+    Refused(String),
+}
+
 /// The schemas the relay encodes with, shared with the HTTP status.
 pub type InUseBoard = Arc<Mutex<BTreeMap<(String, String), SchemaInUse>>>;
 
@@ -120,6 +130,8 @@ pub struct Registry {
     resolved: HashMap<String, HashMap<String, InUse>>,
     /// Compiled schemas by (id, message name).
     compiled: HashMap<(u32, Option<String>), Arc<Codec>>,
+    /// Inferred schemas: subject → derived schema text → its id.
+    inferred: HashMap<String, HashMap<String, Inferred>>,
     metrics: Option<Metrics>,
     board: InUseBoard,
 }
@@ -136,11 +148,17 @@ fn format_name(f: ValueFormat) -> &'static str {
 fn outcome(r: &Result<Served, ClientError>) -> &'static str {
     match r {
         Ok(_) => "ok",
-        Err(ClientError::Unavailable { .. }) => "unavailable",
-        Err(ClientError::Unauthorized { .. }) => "unauthorized",
-        Err(ClientError::NotFound { .. }) => "not_found",
-        Err(ClientError::Refused { .. }) => "refused",
-        Err(ClientError::Unreadable { .. }) => "unreadable",
+        Err(e) => outcome_of(e),
+    }
+}
+
+fn outcome_of(e: &ClientError) -> &'static str {
+    match e {
+        ClientError::Unavailable { .. } => "unavailable",
+        ClientError::Unauthorized { .. } => "unauthorized",
+        ClientError::NotFound { .. } => "not_found",
+        ClientError::Refused { .. } => "refused",
+        ClientError::Unreadable { .. } => "unreadable",
     }
 }
 
@@ -163,6 +181,7 @@ impl Registry {
             refresh: cfg.refresh_interval.0,
             resolved: HashMap::new(),
             compiled: HashMap::new(),
+            inferred: HashMap::new(),
             metrics,
             board: Arc::default(),
         }))
@@ -200,9 +219,33 @@ impl Registry {
         self.resolved.get(event_type).and_then(|m| m.get(topic))
     }
 
-    /// Whether a schema for this event type and topic is cached and fresh.
-    pub fn ready(&self, event_type: &str, topic: &str) -> bool {
-        self.entry(event_type, topic)
+    /// Whether the row's schema comes from its shape.
+    fn is_inferred(&self, event_type: &str, topic: &str) -> bool {
+        self.routing.rule(event_type, topic).and_then(|r| r.schema).unwrap_or(self.routing.source) == SchemaSource::Inferred
+    }
+
+    /// The root record name of an inferred schema.
+    fn inferred_name(&self, event_type: &str, topic: &str) -> String {
+        self.routing
+            .rule(event_type, topic)
+            .and_then(|r| r.record.clone())
+            .unwrap_or_else(|| infer::record_name(event_type))
+    }
+
+    /// Whether the schema for this row on `topic` is cached and fresh (a
+    /// payload no schema can be inferred from is "ready": encoding
+    /// reports it).
+    pub fn ready(&self, row: &OutboxRow, topic: &str) -> bool {
+        if self.is_inferred(&row.event_type, topic) {
+            let Some(subject) = self.subject(&row.event_type, topic) else {
+                return true;
+            };
+            return match infer::derive(&row.payload, &self.inferred_name(&row.event_type, topic)) {
+                Ok(text) => self.inferred.get(&subject).is_some_and(|m| m.contains_key(&text)),
+                Err(_) => true,
+            };
+        }
+        self.entry(&row.event_type, topic)
             .is_some_and(|e| !e.latest || e.fetched.elapsed() < self.refresh)
     }
 
@@ -247,9 +290,13 @@ impl Registry {
     /// registry that is unreachable (retrying with a growing pause, up to
     /// 10 s). A `latest` schema already cached is kept when its refresh
     /// fails.
-    pub async fn resolve(&mut self, event_type: &str, topic: &str) -> Result<(), SchemaError> {
+    pub async fn resolve(&mut self, row: &OutboxRow, topic: &str) -> Result<(), SchemaError> {
         if let Some(m) = &self.metrics {
             m.schema_cache.with_label_values(&["miss"]).inc();
+        }
+        let event_type = row.event_type.as_str();
+        if self.is_inferred(event_type, topic) {
+            return self.register_inferred(row, topic).await;
         }
         let rule = self.routing.rule(event_type, topic).cloned();
         let subject = self.subject(event_type, topic);
@@ -323,6 +370,65 @@ impl Registry {
         Ok(())
     }
 
+    /// Registers the schema derived from the row's payload (waiting out an
+    /// unreachable registry); a refusal marks the shape as a mismatch.
+    async fn register_inferred(&mut self, row: &OutboxRow, topic: &str) -> Result<(), SchemaError> {
+        let Some(subject) = self.subject(&row.event_type, topic) else {
+            return Ok(());
+        };
+        let Ok(text) = infer::derive(&row.payload, &self.inferred_name(&row.event_type, topic)) else {
+            return Ok(());
+        };
+        let mut pause = Duration::from_millis(250);
+        let answer = loop {
+            let (s, t) = (subject.clone(), text.clone());
+            let r = self.ask(move |c| c.register(&s, &t, "AVRO")).await;
+            self.count(match &r {
+                Ok(_) => "ok",
+                Err(e) => outcome_of(e),
+            });
+            match r {
+                Err(e) if e.is_transient() => {
+                    tracing::warn!(error = %e, subject, retry_in = ?pause,
+                        "waiting for the Schema Registry to register an inferred schema: no event goes to Kafka until it does");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(10));
+                }
+                other => break other,
+            }
+        };
+        let entry = match answer {
+            Ok(id) => {
+                let codec = avro::AvroCodec::parse(&text).map_err(|e| SchemaError::Unusable {
+                    what: format!("inferred for {subject:?}"),
+                    format: "avro",
+                    reason: e.to_string(),
+                })?;
+                tracing::info!(subject, id, event_type = row.event_type, topic, "inferred schema registered");
+                if let Ok(mut board) = self.board.lock() {
+                    board.insert(
+                        (row.event_type.clone(), topic.to_owned()),
+                        SchemaInUse {
+                            event_type: row.event_type.clone(),
+                            topic: topic.to_owned(),
+                            subject: Some(subject.clone()),
+                            version: None,
+                            id,
+                        },
+                    );
+                }
+                Inferred::Registered {
+                    id,
+                    codec: Arc::new(Codec::Avro(codec)),
+                }
+            }
+            Err(e @ ClientError::Unauthorized { .. }) => return Err(SchemaError::Registry(e)),
+            Err(e) => Inferred::Refused(e.to_string()),
+        };
+        self.inferred.entry(subject).or_default().insert(text, entry);
+        Ok(())
+    }
+
     fn compile(&self, served: &Served, message: Option<&str>) -> Result<Codec, String> {
         if !served.references.is_empty() {
             return Err("it references other schemas, which outboxd does not follow yet".into());
@@ -344,6 +450,9 @@ impl Registry {
     /// in the Confluent wire format. [`Registry::resolve`] must have made
     /// the schema [`Registry::ready`]; a stale `latest` one is still used.
     pub fn encode(&self, record: &mut KafkaRecord, row: &OutboxRow) -> Result<(), SchemaError> {
+        if self.is_inferred(&row.event_type, &record.topic) {
+            return self.encode_inferred(record, row);
+        }
         let Some(entry) = self.entry(&row.event_type, &record.topic) else {
             return Err(SchemaError::Unusable {
                 what: format!("for {:?} on {}", row.event_type, record.topic),
@@ -383,6 +492,51 @@ impl Registry {
         Ok(())
     }
 
+    fn encode_inferred(&self, record: &mut KafkaRecord, row: &OutboxRow) -> Result<(), SchemaError> {
+        let subject = self.subject(&row.event_type, &record.topic).unwrap_or_default();
+        let mismatch = |id: u32, misfit: Misfit| {
+            if let Some(m) = &self.metrics {
+                m.schema_mismatches.inc();
+            }
+            SchemaError::Mismatch {
+                subject: subject.clone(),
+                id,
+                misfit,
+            }
+        };
+        let text = infer::derive(&row.payload, &self.inferred_name(&row.event_type, &record.topic))
+            .map_err(|m| mismatch(0, m))?;
+        match self.inferred.get(&subject).and_then(|m| m.get(&text)) {
+            Some(Inferred::Registered { id, codec }) => {
+                if let Some(m) = &self.metrics {
+                    m.schema_cache.with_label_values(&["hit"]).inc();
+                }
+                let Codec::Avro(c) = &**codec else {
+                    return Err(mismatch(*id, Misfit { path: "$".into(), reason: "not an Avro schema".into() }));
+                };
+                let v = parse_payload(&row.payload).map_err(|m| mismatch(*id, m))?;
+                let mut out = Vec::with_capacity(row.payload.len() + 8);
+                out.push(MAGIC);
+                out.extend_from_slice(&id.to_be_bytes());
+                c.encode(&v, &mut out).map_err(|m| mismatch(*id, m))?;
+                record.value = out;
+                Ok(())
+            }
+            Some(Inferred::Refused(why)) => Err(mismatch(
+                0,
+                Misfit {
+                    path: "$".into(),
+                    reason: format!("the registry refused the schema inferred from this payload's shape: {why}"),
+                },
+            )),
+            None => Err(SchemaError::Unusable {
+                what: format!("inferred for {subject:?}"),
+                format: "avro",
+                reason: "it was not registered before encoding (a bug: please report it)".into(),
+            }),
+        }
+    }
+
     /// A built record with its value encoded, or the built record's own
     /// error; a payload that does not fit becomes
     /// [`RecordError::SchemaMismatch`], which `routing.on_poison` handles
@@ -413,8 +567,8 @@ impl Registry {
         row: &OutboxRow,
     ) -> Result<Result<KafkaRecord, RecordError>, SchemaError> {
         if let Ok(r) = &built {
-            if !self.ready(&row.event_type, &r.topic) {
-                self.resolve(&row.event_type, &r.topic).await?;
+            if !self.ready(row, &r.topic) {
+                self.resolve(row, &r.topic).await?;
             }
         }
         self.apply(built, row)

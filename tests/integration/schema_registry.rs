@@ -74,7 +74,10 @@ for line in sys.stdin:
 
 /// Each record decoded by Confluent's client: (schema id, value).
 fn decode(format: &str, records: &[&Consumed], message: &str) -> Vec<(u32, Value)> {
-    let mut child = Command::new(clients_python())
+    // `timeout`: a client that hangs fails the test instead of the run.
+    let mut child = Command::new("timeout")
+        .arg("120")
+        .arg(clients_python())
         .args(["-c", DECODE, &registry().url, format])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -378,4 +381,37 @@ async fn refused_credentials_and_a_missing_subject_stop_with_what_to_fix_and_mov
 
 fn toml_string(s: &str) -> String {
     toml::Value::String(s.to_owned()).to_string()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn inferred_schemas_are_registered_per_shape_and_decode_to_the_payload() {
+    let s = Setup::new("inferred").await;
+    let topic = s.topic("Order");
+    let subject = format!("{topic}-value");
+    let text = s.config(&s._db.superuser_url(), "avro", &registry().url, "schema = \"inferred\"");
+    let (handle, stop) = spawn_relay_with_slot(&s.client, &s.slot, &text).await;
+    let first = json!({"orderId": "o-1", "total": 12.5, "count": 3, "lines": [{"sku": "a", "qty": 2}], "note": null});
+    let same_shape = json!({"orderId": "o-2", "total": 1.25, "count": 4, "lines": [{"sku": "b", "qty": 1}], "note": null});
+    // A new field and a wider number: a new shape, a new version.
+    let wider = json!({"orderId": "o-3", "total": 2.0, "count": 3_000_000_000i64, "lines": [], "note": "gift", "coupon": "X"});
+    let mixed = json!({"orderId": "o-4", "lines": [1, "x"]});
+    for p in [&first, &same_shape, &wider, &mixed] {
+        s.insert("Order", "o", "OrderPlaced", p).await;
+    }
+    s.confirmed_past_now().await;
+    let dlq = format!("{}.dead-letter", s.prefix);
+    let records = consume(&broker().brokers, &[&topic, &dlq], 4, Duration::from_secs(30));
+    let events: Vec<&Consumed> = records.iter().filter(|r| r.topic == topic).collect();
+    assert_eq!(events.len(), 3, "{records:?}");
+    let decoded = decode("avro", &events, "");
+    assert_eq!(decoded[0].0, decoded[1].0, "one shape, one schema");
+    assert_ne!(decoded[0].0, decoded[2].0, "a new shape, a new schema");
+    assert_eq!(registry().latest_id(&subject), decoded[2].0);
+    assert_eq!(decoded[0].1, first);
+    assert_eq!(decoded[1].1, same_shape);
+    assert_eq!(decoded[2].1, wider);
+    let dead = records.iter().find(|r| r.topic == dlq).unwrap();
+    assert_eq!(dead.header("dlq.reason"), Some("schema_mismatch"));
+    assert!(dead.header("dlq.error").unwrap().contains("$.lines[1]"), "{:?}", dead.header("dlq.error"));
+    stop_relay(handle, stop).await;
 }
