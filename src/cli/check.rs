@@ -69,6 +69,64 @@ pub async fn run_checks(config: &Config, v: &Validated) -> Vec<CheckLine> {
     if v.transactional_id.is_some() && kafka_ok {
         out.push(progress_check(config, v).await);
     }
+    out.extend(registry_checks(config, v).await);
+    out
+}
+
+/// The Schema Registry answers and takes the credentials; each rule of
+/// `[routing.schemas]` that names its subject resolves; and so does the
+/// subject of each (aggregate type, event type) the outbox table holds
+/// now (read from up to 10,000 of its rows).
+async fn registry_checks(config: &Config, v: &Validated) -> Vec<CheckLine> {
+    let registry = match crate::schema::Registry::new(
+        config.routing.value,
+        config.schema_registry.as_ref(),
+        config.schema_routing(),
+        None,
+    ) {
+        Ok(Some(r)) => r,
+        Ok(None) => return Vec::new(),
+        Err(e) => return vec![line("registry", false, e)],
+    };
+    let mut out = vec![match registry.reachable().await {
+        Ok(n) => line("registry", true, format!("{} answers, {n} subject(s)", registry.url())),
+        Err(e) => {
+            return vec![line("registry", false, e.to_string())];
+        }
+    }];
+    for (what, r) in registry.check_configured().await {
+        out.push(match r {
+            Ok(found) => line("schema", true, format!("{what}: {found}")),
+            Err(e) => line("schema", false, format!("{what}: {e}")),
+        });
+    }
+    let seen = match admin::connect(&v.pg).await {
+        Ok(client) => client
+            .query(
+                &format!(
+                    "SELECT DISTINCT aggregate_type, type FROM (SELECT aggregate_type, type FROM {} LIMIT 10000) s ORDER BY 1, 2 LIMIT 100",
+                    v.table
+                ),
+                &[],
+            )
+            .await
+            .map(|rows| rows.iter().map(|r| (r.get::<_, String>(0), r.get::<_, String>(1))).collect::<Vec<_>>()),
+        Err(_) => return out,
+    };
+    match seen {
+        Ok(pairs) => {
+            for (aggregate_type, event_type) in pairs {
+                let Ok(topic) = v.topic.render(&aggregate_type, &event_type) else {
+                    continue;
+                };
+                out.push(match registry.check_event(&event_type, &topic).await {
+                    Ok(found) => line("schema", true, format!("{event_type} on {topic} → {found}")),
+                    Err(e) => line("schema", false, format!("{event_type} on {topic}: {e}")),
+                });
+            }
+        }
+        Err(e) => out.push(line("schema", false, format!("cannot read the event types in {}: {e}", v.table))),
+    }
     out
 }
 

@@ -335,6 +335,15 @@ impl StatusReport {
                     s.kafka_transactions_committed, s.kafka_transactions_aborted
                 );
             }
+            for schema in &s.schemas {
+                let subject = schema.subject.as_deref().unwrap_or("pinned id");
+                let version = schema.version.map(|v| format!(" version {v}")).unwrap_or_default();
+                let _ = writeln!(
+                    o,
+                    "schema          {} on {}: {subject}{version}, id {}",
+                    schema.event_type, schema.topic, schema.id
+                );
+            }
         }
         o
     }

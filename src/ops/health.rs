@@ -47,6 +47,8 @@ pub struct Health {
     /// The last failover-protection reading: whether protected, and its
     /// description (`None` before the first poll).
     failover: Mutex<Option<(bool, String)>>,
+    /// The schemas the relay encodes with (registry formats only).
+    schemas: Mutex<Option<crate::schema::InUseBoard>>,
 }
 
 /// A point-in-time view for `/status` and `outboxd status`.
@@ -78,6 +80,10 @@ pub struct Snapshot {
     /// `outboxd check`).
     #[serde(default)]
     pub failover: Option<String>,
+    /// Registry formats: the schema each (event type, topic) is encoded
+    /// with.
+    #[serde(default)]
+    pub schemas: Vec<crate::schema::SchemaInUse>,
 }
 
 const NEVER: u64 = u64::MAX;
@@ -105,6 +111,7 @@ impl Health {
             kafka_commits: AtomicU64::new(0),
             kafka_aborts: AtomicU64::new(0),
             failover: Mutex::new(None),
+            schemas: Mutex::new(None),
         }
     }
 
@@ -307,6 +314,19 @@ impl Health {
             kafka_transactions_committed: self.kafka_commits.load(Ordering::Relaxed),
             kafka_transactions_aborted: self.kafka_aborts.load(Ordering::Relaxed),
             failover: self.failover().map(|(_, why)| why),
+            schemas: self
+                .schemas
+                .lock()
+                .ok()
+                .and_then(|b| b.as_ref().and_then(|b| b.lock().ok().map(|m| m.values().cloned().collect())))
+                .unwrap_or_default(),
+        }
+    }
+
+    /// Shows `board` (the schemas in use) in `/status`.
+    pub fn show_schemas(&self, board: crate::schema::InUseBoard) {
+        if let Ok(mut s) = self.schemas.lock() {
+            *s = Some(board);
         }
     }
 }

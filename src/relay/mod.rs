@@ -434,6 +434,9 @@ impl Relay {
             Some((*metrics).clone()),
         )
         .map_err(RelayError::RegistrySetup)?;
+        if let Some(r) = &registry {
+            health.show_schemas(r.board());
+        }
         Ok(Relay {
             registry,
             config,
@@ -453,6 +456,9 @@ impl Relay {
 
     /// Runs sessions until shutdown or a definite error.
     pub async fn run(&mut self, shutdown: watch::Receiver<bool>) -> Result<(), RelayError> {
+        if let Some(registry) = &self.registry {
+            registry.check_at_start().await?;
+        }
         let poller = tokio::spawn(poll_slot_and_brokers(
             self.validated.clone(),
             self.sink.probe(),

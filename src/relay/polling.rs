@@ -202,6 +202,9 @@ impl PollingRelay {
             Some((*metrics).clone()),
         )
         .map_err(PollingError::RegistrySetup)?;
+        if let Some(r) = &registry {
+            health.show_schemas(r.board());
+        }
         let election = LeaderElection::new(
             validated.pg.clone(),
             LeaderElection::polling_key(&validated.table.to_string()),
@@ -230,6 +233,9 @@ impl PollingRelay {
 
     /// Polls until shutdown or a definite error.
     pub async fn run(&mut self, mut shutdown: watch::Receiver<bool>) -> Result<(), PollingError> {
+        if let Some(registry) = &self.registry {
+            registry.check_at_start().await.map_err(PollingError::Schema)?;
+        }
         let mut client: Option<Client> = None;
         let mut backoff = Duration::from_millis(500);
         let mut announced_standby = false;

@@ -167,6 +167,15 @@ impl Client {
         Ok(s)
     }
 
+    /// `GET /subjects`: how many subjects the registry holds (proves it
+    /// answers and takes outboxd's credentials).
+    pub fn subjects(&self) -> Result<usize, ClientError> {
+        let what = "the list of subjects".to_owned();
+        let body = self.call("GET", "/subjects", None, &what)?;
+        let list: Vec<String> = self.read(&body, &what)?;
+        Ok(list.len())
+    }
+
     /// `POST /subjects/{subject}/versions`: registers `schema` (or finds it
     /// registered) and returns its id.
     pub fn register(&self, subject: &str, schema: &str, schema_type: &str) -> Result<u32, ClientError> {

@@ -98,7 +98,7 @@ struct InUse {
 }
 
 /// A schema in use, as `outboxd status` and the HTTP status show it.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct SchemaInUse {
     pub event_type: String,
     pub topic: String,
@@ -572,6 +572,53 @@ impl Registry {
             }
         }
         self.apply(built, row)
+    }
+
+    /// The start-up check: refused credentials, or a subject named in
+    /// `[routing.schemas]` that does not exist, stop outboxd before it
+    /// streams; an unreachable registry only warns (cached schemas are
+    /// fetched when first needed, and waited for).
+    pub async fn check_at_start(&self) -> Result<(), SchemaError> {
+        match self.reachable().await {
+            Err(e @ ClientError::Unauthorized { .. }) => return Err(SchemaError::Registry(e)),
+            Err(e) => {
+                tracing::warn!(error = %e, "the Schema Registry is not reachable at start; events wait for it");
+                return Ok(());
+            }
+            Ok(_) => {}
+        }
+        for (what, r) in self.check_configured().await {
+            match r {
+                Ok(found) => tracing::info!(rule = what, found, "schema rule resolves"),
+                Err(e) if e.is_transient() => tracing::warn!(rule = what, error = %e, "could not check a schema rule at start"),
+                Err(e) => return Err(SchemaError::Registry(e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the registry answers and takes outboxd's credentials: the
+    /// number of subjects it holds.
+    pub async fn reachable(&self) -> Result<usize, ClientError> {
+        self.ask(Client::subjects).await
+    }
+
+    /// What an event of `event_type` bound for `topic` will use, looked
+    /// up once: `subject: id N, version V`, or that its schema will be
+    /// inferred.
+    pub async fn check_event(&self, event_type: &str, topic: &str) -> Result<String, ClientError> {
+        let subject = self.subject(event_type, topic);
+        let label = subject.clone().unwrap_or_else(|| "a pinned id".into());
+        if self.is_inferred(event_type, topic) {
+            return Ok(format!("{label}: inferred from each payload, registered on first use"));
+        }
+        let rule = self.routing.rule(event_type, topic);
+        let s = self.fetch(subject.as_deref(), rule).await?;
+        Ok(format!(
+            "{label}: id {}{}",
+            s.id.or(rule.and_then(|r| r.id)).unwrap_or_default(),
+            s.version.map(|v| format!(", version {v}")).unwrap_or_default()
+        ))
     }
 
     /// The subjects configured in `[routing.schemas]` that can be named

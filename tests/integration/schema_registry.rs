@@ -93,8 +93,10 @@ fn decode(format: &str, records: &[&Consumed], message: &str) -> Vec<(u32, Value
     let out = child.wait_with_output().unwrap();
     assert!(
         out.status.success(),
-        "Confluent's deserializer refused a record: {}",
-        String::from_utf8_lossy(&out.stderr)
+        "Confluent's deserializer refused a record ({}): {} {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr),
+        String::from_utf8_lossy(&out.stdout)
     );
     String::from_utf8(out.stdout)
         .unwrap()
@@ -361,9 +363,15 @@ async fn refused_credentials_and_a_missing_subject_stop_with_what_to_fix_and_mov
             &format!("timeout = \"2s\"\nusername = \"outboxd\"\npassword = {}\n", toml_string(secret)),
         );
         let (handle, _stop) = spawn_relay(&text);
-        wait_for("the slot", Duration::from_secs(30), || async { confirmed_flush(&s.client, &s.slot).await }).await;
-        let before = confirmed_flush(&s.client, &s.slot).await.unwrap();
-        s.insert("Order", "o-1", "OrderPlaced", &orders()[0]).await;
+        let before = if case == "missing" {
+            wait_for("the slot", Duration::from_secs(30), || async { confirmed_flush(&s.client, &s.slot).await }).await;
+            let before = confirmed_flush(&s.client, &s.slot).await;
+            s.insert("Order", "o-1", "OrderPlaced", &orders()[0]).await;
+            before
+        } else {
+            // Refused credentials stop the start, before any slot.
+            None
+        };
         let err = tokio::time::timeout(Duration::from_secs(60), handle)
             .await
             .expect("the relay stops")
@@ -375,8 +383,24 @@ async fn refused_credentials_and_a_missing_subject_stop_with_what_to_fix_and_mov
             "auth" => assert!(text.contains("schema_registry.username"), "{text}"),
             _ => assert!(text.contains(&format!("{}-value", s.topic("Order"))) && text.contains("not in the Schema Registry"), "{text}"),
         }
-        assert_eq!(confirmed_flush(&s.client, &s.slot).await.unwrap(), before, "{case}: nothing confirmed");
+        assert_eq!(confirmed_flush(&s.client, &s.slot).await, before, "{case}: nothing confirmed");
     }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_configured_subject_that_does_not_exist_stops_the_start() {
+    let s = Setup::new("start").await;
+    let rule = format!("[routing.schemas.\"OrderPlaced\"]\nsubject = \"{}.missing\"\nversion = 2\n", s.prefix);
+    let text = s.config(&s._db.superuser_url(), "avro", &registry().url, &rule);
+    let (handle, _stop) = spawn_relay(&text);
+    let err = tokio::time::timeout(Duration::from_secs(30), handle)
+        .await
+        .expect("the relay stops at start")
+        .unwrap()
+        .expect_err("a definite error");
+    let text = err.to_string();
+    assert!(text.contains(&format!("{}.missing", s.prefix)) && text.contains("version 2"), "{text}");
+    assert!(confirmed_flush(&s.client, &s.slot).await.is_none(), "no slot was made: it stopped before streaming");
 }
 
 fn toml_string(s: &str) -> String {
@@ -414,4 +438,32 @@ async fn inferred_schemas_are_registered_per_shape_and_decode_to_the_payload() {
     assert_eq!(dead.header("dlq.reason"), Some("schema_mismatch"));
     assert!(dead.header("dlq.error").unwrap().contains("$.lines[1]"), "{:?}", dead.header("dlq.error"));
     stop_relay(handle, stop).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn check_lists_the_subject_each_event_type_uses_and_whether_it_resolves() {
+    let s = Setup::new("check").await;
+    let order_topic = s.topic("Order");
+    let id = registry().register(&format!("{order_topic}-value"), "AVRO", ORDER_AVRO);
+    s.insert("Order", "o-1", "OrderPlaced", &orders()[0]).await;
+    s.insert("Payment", "p-1", "PaymentMade", &json!({"amount": 1})).await;
+    let pinned = format!("[routing.schemas.\"Pinned\"]\nsubject = \"{}.nowhere\"\n", s.prefix);
+    let text = s.config(&s._db.superuser_url(), "avro", &registry().url, &pinned);
+    let (config, validated) = outboxd::config::Config::from_toml(&text, |_| None).unwrap();
+    let lines = outboxd::cli::check::run_checks(&config, &validated).await;
+    let shown: Vec<String> = lines.iter().map(ToString::to_string).collect();
+    let find = |needle: &str| {
+        lines
+            .iter()
+            .find(|l| l.detail.contains(needle))
+            .unwrap_or_else(|| panic!("no line with {needle:?} in {shown:#?}"))
+    };
+    let registry_line = lines.iter().find(|l| l.name == "registry").unwrap();
+    assert!(registry_line.ok, "{registry_line}");
+    let order = find(&format!("OrderPlaced on {order_topic}"));
+    assert!(order.ok && order.detail.contains(&format!("id {id}")), "{order}");
+    let payment = find(&format!("PaymentMade on {}", s.topic("Payment")));
+    assert!(!payment.ok && payment.detail.contains("not in the Schema Registry"), "{payment}");
+    let rule = find("Pinned");
+    assert!(!rule.ok && rule.detail.contains("nowhere"), "{rule}");
 }
