@@ -66,7 +66,14 @@ pub struct Metrics {
 }
 
 /// Every `outcome` of `outboxd_schema_registry_requests_total`.
-pub const REGISTRY_OUTCOMES: &[&str] = &["ok", "unavailable", "unauthorized", "not_found", "refused", "unreadable"];
+pub const REGISTRY_OUTCOMES: &[&str] = &[
+    "ok",
+    "unavailable",
+    "unauthorized",
+    "not_found",
+    "refused",
+    "unreadable",
+];
 
 fn register<M: prometheus::core::Collector + Clone + 'static>(
     registry: &Registry,

@@ -75,6 +75,8 @@ struct Args {
     debezium: bool,
     exactly_once: bool,
     tracing: bool,
+    /// The Avro run (a registered schema, Apicurio).
+    avro: bool,
     /// Also the table of cost as work grows (`scaling`).
     scaling: bool,
     outboxd_kafka: Vec<String>,
@@ -91,6 +93,7 @@ fn args() -> Args {
         debezium: true,
         exactly_once: true,
         tracing: true,
+        avro: true,
         scaling: false,
         outboxd_kafka: Vec::new(),
         exactly_once_settings: Vec::new(),
@@ -112,6 +115,7 @@ fn args() -> Args {
             "--skip-debezium" => a.debezium = false,
             "--skip-exactly-once" => a.exactly_once = false,
             "--skip-tracing" => a.tracing = false,
+            "--skip-avro" => a.avro = false,
             "--scaling" => a.scaling = true,
             "--exactly-once-setting" => {
                 a.exactly_once_settings.push(
@@ -185,6 +189,14 @@ impl Shape {
         types: 1,
     };
 }
+
+/// The Avro schema of the backlog's payload (see [`write_rows`]), which the
+/// Avro run encodes against.
+const BENCH_AVRO_SCHEMA: &str = r#"{"type": "record", "name": "OrderPlaced", "namespace": "bench", "fields": [
+  {"name": "orderId", "type": "long"}, {"name": "customerId", "type": "string"},
+  {"name": "lines", "type": {"type": "array", "items": {"type": "record", "name": "Line", "fields": [
+    {"name": "sku", "type": "string"}, {"name": "qty", "type": "int"}, {"name": "price", "type": "long"}]}}},
+  {"name": "note", "type": "string"}]}"#;
 
 /// Writes `n` rows, 100 per transaction, ~300-byte payloads, each with a
 /// sampled W3C `traceparent` header (as the SDK writes it). Returns an
@@ -716,6 +728,7 @@ async fn main() {
         publication: "bench_pub".into(),
         outboxd_kafka: a.outboxd_kafka.clone(),
         exactly_once_settings: a.exactly_once_settings.clone(),
+        registry_url: a.avro.then(|| harness::registry::registry().url.clone()),
     };
     let mut kinds = vec![Kind::Outboxd];
     if a.exactly_once {
@@ -723,6 +736,13 @@ async fn main() {
     }
     if a.tracing {
         kinds.push(Kind::OutboxdTraced);
+    }
+    if let Some(url) = &s.registry_url {
+        kinds.push(Kind::OutboxdAvro);
+        eprintln!("bench: Schema Registry at {url}");
+        for topic in ["drain-outboxd_avro", "latency-outboxd_avro"] {
+            harness::registry::registry().register(&format!("{topic}-value"), "AVRO", BENCH_AVRO_SCHEMA);
+        }
     }
     if relays::reference_binary().is_some() {
         kinds.push(Kind::Reference);
@@ -889,6 +909,17 @@ async fn main() {
             "this_p99_ms": o.latency.p(0.99), "reference_p99_ms": r.latency.p(0.99),
         });
     }
+    if let Some(v) = fig(Kind::OutboxdAvro) {
+        results["avro"] = v.json(n);
+        results["avro_vs_json"] = json!({
+            "events": n,
+            "json_drain_events_per_s": o.drain.rate(n), "avro_drain_events_per_s": v.drain.rate(n),
+            "drain_ratio": v.drain.rate(n) / o.drain.rate(n),
+            "json_cpu_s_per_100k": o.drain.cpu_per_100k(n), "avro_cpu_s_per_100k": v.drain.cpu_per_100k(n),
+            "json_peak_rss_mib": o.drain.rss_mib, "avro_peak_rss_mib": v.drain.rss_mib,
+            "json_p99_ms": o.latency.p(0.99), "avro_p99_ms": v.latency.p(0.99),
+        });
+    }
     if let Some(t) = fig(Kind::OutboxdTraced) {
         results["tracing"] = t.json(n);
         results["tracing_vs_off"] = json!({
@@ -991,6 +1022,14 @@ async fn main() {
     }
     if let Some(t) = fig(Kind::OutboxdTraced) {
         tracing_beside(n, o, t, spans_received);
+    }
+    if let Some(v) = fig(Kind::OutboxdAvro) {
+        beside(
+            n,
+            "Avro (registered schema) vs JSON (envelope)",
+            ("JSON", o),
+            ("Avro", v),
+        );
     }
     if let Some(r) = fig(Kind::Reference) {
         reference_beside(n, o, r);

@@ -37,6 +37,8 @@ pub struct Setting {
     pub exactly_once_settings: Vec<String>,
     /// The OTLP/HTTP endpoint of the traced run's span receiver.
     pub otlp_endpoint: String,
+    /// The Schema Registry of the Avro run (`None`: no Avro run).
+    pub registry_url: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -46,6 +48,8 @@ pub enum Kind {
     OutboxdExactlyOnce,
     /// outboxd with `[opentelemetry] enabled = true`: a span per event.
     OutboxdTraced,
+    /// outboxd with `routing.value = "avro"` against a registered schema.
+    OutboxdAvro,
     /// Another outboxd binary (`OUTBOXD_BENCH_REFERENCE`, for example an
     /// earlier release) with the plain run's configuration: a before/after
     /// comparison on the same backlog, in the same run.
@@ -60,6 +64,7 @@ impl Kind {
             Kind::Outboxd => "outboxd",
             Kind::OutboxdExactlyOnce => "outboxd_eo",
             Kind::OutboxdTraced => "outboxd_otel",
+            Kind::OutboxdAvro => "outboxd_avro",
             Kind::Reference => "reference",
             Kind::Polling => "polling",
             Kind::Debezium => "debezium",
@@ -74,6 +79,7 @@ impl Kind {
             Kind::Outboxd
             | Kind::OutboxdExactlyOnce
             | Kind::OutboxdTraced
+            | Kind::OutboxdAvro
             | Kind::Reference
             | Kind::Polling => {
                 let http_port = free_port();
@@ -95,6 +101,7 @@ topic_replication_factor = 1
 {kafka_extra}
 [routing]
 topic = "{topic}"
+{avro}
 [http]
 listen = "127.0.0.1:{http_port}"
 [log]
@@ -108,6 +115,11 @@ level = "{level}"
                         )
                     } else {
                         String::new()
+                    },
+                    avro = match (self, &s.registry_url) {
+                        (Kind::OutboxdAvro, Some(url)) =>
+                            format!("value = \"avro\"\n[schema_registry]\nurl = \"{url}\""),
+                        _ => String::new(),
                     },
                     level = std::env::var("OUTBOXD_BENCH_LOG").unwrap_or_else(|_| "info".into()),
                     pg = s.pg_port,

@@ -89,7 +89,11 @@ async fn registry_checks(config: &Config, v: &Validated) -> Vec<CheckLine> {
         Err(e) => return vec![line("registry", false, e)],
     };
     let mut out = vec![match registry.reachable().await {
-        Ok(n) => line("registry", true, format!("{} answers, {n} subject(s)", registry.url())),
+        Ok(n) => line(
+            "registry",
+            true,
+            format!("{} answers, {n} subject(s)", registry.url()),
+        ),
         Err(e) => {
             return vec![line("registry", false, e.to_string())];
         }
@@ -125,7 +129,11 @@ async fn registry_checks(config: &Config, v: &Validated) -> Vec<CheckLine> {
                 });
             }
         }
-        Err(e) => out.push(line("schema", false, format!("cannot read the event types in {}: {e}", v.table))),
+        Err(e) => out.push(line(
+            "schema",
+            false,
+            format!("cannot read the event types in {}: {e}", v.table),
+        )),
     }
     out
 }

@@ -337,7 +337,10 @@ impl StatusReport {
             }
             for schema in &s.schemas {
                 let subject = schema.subject.as_deref().unwrap_or("pinned id");
-                let version = schema.version.map(|v| format!(" version {v}")).unwrap_or_default();
+                let version = schema
+                    .version
+                    .map(|v| format!(" version {v}"))
+                    .unwrap_or_default();
                 let _ = writeln!(
                     o,
                     "schema          {} on {}: {subject}{version}, id {}",

@@ -488,7 +488,9 @@ impl Config {
                     ));
                 }
             }
-            if rule.subject.as_deref().is_some_and(str::is_empty) || rule.record.as_deref().is_some_and(str::is_empty) {
+            if rule.subject.as_deref().is_some_and(str::is_empty)
+                || rule.record.as_deref().is_some_and(str::is_empty)
+            {
                 return Err(invalid(&at("subject"), "must not be empty"));
             }
         }

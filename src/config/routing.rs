@@ -39,7 +39,10 @@ pub enum ValueFormat {
 impl ValueFormat {
     /// Whether values of this format are framed with a registry schema id.
     pub fn uses_registry(self) -> bool {
-        matches!(self, ValueFormat::Avro | ValueFormat::Protobuf | ValueFormat::JsonSchema)
+        matches!(
+            self,
+            ValueFormat::Avro | ValueFormat::Protobuf | ValueFormat::JsonSchema
+        )
     }
 }
 

@@ -318,7 +318,10 @@ impl Health {
                 .schemas
                 .lock()
                 .ok()
-                .and_then(|b| b.as_ref().and_then(|b| b.lock().ok().map(|m| m.values().cloned().collect())))
+                .and_then(|b| {
+                    b.as_ref()
+                        .and_then(|b| b.lock().ok().map(|m| m.values().cloned().collect()))
+                })
                 .unwrap_or_default(),
         }
     }

@@ -416,7 +416,7 @@ impl PollingRelay {
             let enqueued = match self.enqueue(&row).await {
                 Ok(e) => e,
                 Err(e) => {
-                    failure = Some(e.into());
+                    failure = Some(e);
                     break;
                 }
             };
@@ -480,7 +480,10 @@ impl PollingRelay {
         let now_ms = chrono::Utc::now().timestamp_millis();
         let mut record = build_record(row, &self.validated.topic, &self.validated.value, now_ms);
         if let Some(registry) = self.registry.as_mut() {
-            record = registry.prepare(record, row).await.map_err(PollingError::Schema)?;
+            record = registry
+                .prepare(record, row)
+                .await
+                .map_err(PollingError::Schema)?;
         }
         let enqueued = enqueue_row(&mut self.sink, &self.config.routing, row, record).await?;
         if let Enqueued::DeadLetter(_, reason) = &enqueued {

@@ -250,7 +250,12 @@ impl Relay {
             };
             return s.poison_row(txn, row, pos, poison);
         }
-        let mut built = build_record(row, &self.validated.topic, &self.validated.value, s.open_commit_ms);
+        let mut built = build_record(
+            row,
+            &self.validated.topic,
+            &self.validated.value,
+            s.open_commit_ms,
+        );
         if let Some(registry) = self.registry.as_mut() {
             if let Ok(r) = &built {
                 if !registry.ready(row, &r.topic) {

@@ -117,7 +117,9 @@ impl AvroCodec {
         };
         let root = c.compile(&schema)?;
         let name = match &c.nodes[root] {
-            Node::Record { name, .. } | Node::Enum { name, .. } | Node::Fixed { name, .. } => Some(name.clone()),
+            Node::Record { name, .. } | Node::Enum { name, .. } | Node::Fixed { name, .. } => {
+                Some(name.clone())
+            }
             _ => None,
         };
         Ok(AvroCodec {
@@ -133,7 +135,14 @@ impl AvroCodec {
         self.write(self.root, value, &mut path, out, false)
     }
 
-    fn write(&self, node: usize, v: &Value, path: &mut Path, out: &mut Vec<u8>, default: bool) -> Result<(), Misfit> {
+    fn write(
+        &self,
+        node: usize,
+        v: &Value,
+        path: &mut Path,
+        out: &mut Vec<u8>,
+        default: bool,
+    ) -> Result<(), Misfit> {
         match (&self.nodes[node], v) {
             (Node::Null, Value::Null) => Ok(()),
             (Node::Boolean, Value::Bool(b)) => {
@@ -147,17 +156,23 @@ impl AvroCodec {
                 Ok(())
             }
             (Node::Long, Value::Number(n)) => {
-                let i = n.as_i64().ok_or_else(|| path.misfit(format!("{n} is not a long (a 64-bit integer)")))?;
+                let i = n
+                    .as_i64()
+                    .ok_or_else(|| path.misfit(format!("{n} is not a long (a 64-bit integer)")))?;
                 zigzag(i, out);
                 Ok(())
             }
             (Node::Float, Value::Number(n)) => {
-                let f = n.as_f64().ok_or_else(|| path.misfit(format!("{n} is not a number")))?;
+                let f = n
+                    .as_f64()
+                    .ok_or_else(|| path.misfit(format!("{n} is not a number")))?;
                 out.extend_from_slice(&(f as f32).to_le_bytes());
                 Ok(())
             }
             (Node::Double, Value::Number(n)) => {
-                let f = n.as_f64().ok_or_else(|| path.misfit(format!("{n} is not a number")))?;
+                let f = n
+                    .as_f64()
+                    .ok_or_else(|| path.misfit(format!("{n} is not a number")))?;
                 out.extend_from_slice(&f.to_le_bytes());
                 Ok(())
             }
@@ -169,12 +184,15 @@ impl AvroCodec {
                 Ok(())
             }
             (Node::Bytes, Value::String(s)) => {
-                let b = code_points(s).ok_or_else(|| path.misfit("bytes are written as a string of code points 0 to 255"))?;
+                let b = code_points(s)
+                    .ok_or_else(|| path.misfit("bytes are written as a string of code points 0 to 255"))?;
                 bytes(&b, out);
                 Ok(())
             }
             (Node::Fixed { size, .. }, Value::String(s)) => {
-                let b = code_points(s).ok_or_else(|| path.misfit("fixed bytes are written as a string of code points 0 to 255"))?;
+                let b = code_points(s).ok_or_else(|| {
+                    path.misfit("fixed bytes are written as a string of code points 0 to 255")
+                })?;
                 if b.len() != *size {
                     return Err(path.misfit(format!("{} bytes where the fixed type holds {size}", b.len())));
                 }
@@ -189,7 +207,14 @@ impl AvroCodec {
                 out.extend_from_slice(u.as_bytes());
                 Ok(())
             }
-            (Node::Decimal { scale, precision, fixed }, Value::Number(_) | Value::String(_)) => {
+            (
+                Node::Decimal {
+                    scale,
+                    precision,
+                    fixed,
+                },
+                Value::Number(_) | Value::String(_),
+            ) => {
                 let text = match v {
                     Value::String(s) => s.clone(),
                     other => other.to_string(),
@@ -226,7 +251,9 @@ impl AvroCodec {
                 Ok(())
             }
             (Node::TimeMicros | Node::Timestamp(_), Value::Number(n)) => {
-                let i = n.as_i64().ok_or_else(|| path.misfit(format!("{n} is not a long")))?;
+                let i = n
+                    .as_i64()
+                    .ok_or_else(|| path.misfit(format!("{n} is not a long")))?;
                 zigzag(i, out);
                 Ok(())
             }
@@ -238,14 +265,19 @@ impl AvroCodec {
                     1_000_000 => Some(t.timestamp_micros()),
                     _ => t.timestamp_nanos_opt(),
                 };
-                zigzag(units.ok_or_else(|| path.misfit(format!("{s} is out of range")))?, out);
+                zigzag(
+                    units.ok_or_else(|| path.misfit(format!("{s} is out of range")))?,
+                    out,
+                );
                 Ok(())
             }
             (Node::Enum { symbols, .. }, Value::String(s)) => {
-                let i = symbols
-                    .iter()
-                    .position(|x| x == s)
-                    .ok_or_else(|| path.misfit(format!("{s:?} is not a symbol of the enum ({})", symbols.join(", "))))?;
+                let i = symbols.iter().position(|x| x == s).ok_or_else(|| {
+                    path.misfit(format!(
+                        "{s:?} is not a symbol of the enum ({})",
+                        symbols.join(", ")
+                    ))
+                })?;
                 zigzag(i as i64, out);
                 Ok(())
             }
@@ -284,7 +316,9 @@ impl AvroCodec {
                     match (m.get(&f.name), &f.default) {
                         (Some(v), _) => self.write(f.node, v, path, out, default)?,
                         (None, Some(d)) => self.write(f.node, d, path, out, true)?,
-                        (None, None) => return Err(path.misfit("a required field is missing (it has no default)")),
+                        (None, None) => {
+                            return Err(path.misfit("a required field is missing (it has no default)"))
+                        }
                     }
                     path.pop();
                 }
@@ -341,7 +375,11 @@ impl AvroCodec {
         }
         Err(first_misfit.unwrap_or_else(|| {
             let names: Vec<&str> = branches.iter().map(|(n, _)| n.as_str()).collect();
-            path.misfit(format!("{} fits no branch of the union [{}]", json_kind(v), names.join(", ")))
+            path.misfit(format!(
+                "{} fits no branch of the union [{}]",
+                json_kind(v),
+                names.join(", ")
+            ))
         }))
     }
 }
@@ -371,11 +409,16 @@ impl Node {
         match self {
             Node::Null => v.is_null(),
             Node::Boolean => v.is_boolean(),
-            Node::Int | Node::Long | Node::Float | Node::Double | Node::TimeMillis | Node::TimeMicros => v.is_number(),
-            Node::Date | Node::Timestamp(_) | Node::Decimal { .. } => v.is_number() || v.is_string(),
-            Node::Bytes | Node::Fixed { .. } | Node::String | Node::UuidString | Node::UuidBytes(_) | Node::Enum { .. } => {
-                v.is_string()
+            Node::Int | Node::Long | Node::Float | Node::Double | Node::TimeMillis | Node::TimeMicros => {
+                v.is_number()
             }
+            Node::Date | Node::Timestamp(_) | Node::Decimal { .. } => v.is_number() || v.is_string(),
+            Node::Bytes
+            | Node::Fixed { .. }
+            | Node::String
+            | Node::UuidString
+            | Node::UuidBytes(_)
+            | Node::Enum { .. } => v.is_string(),
             Node::Array(_) => v.is_array(),
             Node::Map(_) | Node::Record { .. } => v.is_object(),
             Node::Union(_) | Node::Pending => true,
@@ -610,7 +653,11 @@ fn code_points(s: &str) -> Option<Vec<u8>> {
 /// A decimal text as its unscaled integer at `scale`, within `precision`
 /// digits.
 fn unscaled(text: &str, scale: usize, precision: usize) -> Result<i128, String> {
-    let bad = || format!("{text} is not a decimal with at most {scale} fractional digits and {precision} digits in all");
+    let bad = || {
+        format!(
+            "{text} is not a decimal with at most {scale} fractional digits and {precision} digits in all"
+        )
+    };
     let (neg, digits) = match text.strip_prefix('-') {
         Some(rest) => (true, rest),
         None => (false, text),
@@ -631,7 +678,11 @@ fn unscaled(text: &str, scale: usize, precision: usize) -> Result<i128, String> 
     if significant.len() > precision || significant.len() > 38 {
         return Err(bad());
     }
-    let n: i128 = if significant.is_empty() { 0 } else { significant.parse().map_err(|_| bad())? };
+    let n: i128 = if significant.is_empty() {
+        0
+    } else {
+        significant.parse().map_err(|_| bad())?
+    };
     Ok(if neg { -n } else { n })
 }
 
@@ -681,7 +732,9 @@ mod tests {
 
     fn decode(schema: &str, bytes: &[u8]) -> Avro {
         let s = Schema::parse_str(schema).unwrap();
-        let reader = apache_avro::reader::datum::GenericDatumReader::builder(&s).build().unwrap();
+        let reader = apache_avro::reader::datum::GenericDatumReader::builder(&s)
+            .build()
+            .unwrap();
         reader.read_value(&mut &bytes[..]).unwrap()
     }
 
@@ -698,7 +751,9 @@ mod tests {
     #[test]
     fn what_it_writes_apache_avro_reads_back() {
         let bytes = encode(ORDER, order()).unwrap();
-        let Avro::Record(fields) = decode(ORDER, &bytes) else { panic!() };
+        let Avro::Record(fields) = decode(ORDER, &bytes) else {
+            panic!()
+        };
         let f: HashMap<_, _> = fields.into_iter().collect();
         assert_eq!(f["orderId"], Avro::String("o-1".into()));
         assert_eq!(f["count"], Avro::Int(3));
@@ -706,21 +761,33 @@ mod tests {
         assert_eq!(f["note"], Avro::Union(0, Box::new(Avro::Null)));
         assert_eq!(f["tags"], Avro::Map(Default::default()));
         assert_eq!(f["placedAt"], Avro::TimestampMicros(1_796_205_600_123_456));
-        let Avro::Decimal(d) = &f["total"] else { panic!("{:?}", f["total"]) };
+        let Avro::Decimal(d) = &f["total"] else {
+            panic!("{:?}", f["total"])
+        };
         assert_eq!(<Vec<u8>>::try_from(d.clone()).unwrap(), vec![0x04, 0xe2], "1250");
         let Avro::Array(items) = &f["items"] else { panic!() };
         assert_eq!(
             items[1],
-            Avro::Record(vec![("sku".into(), Avro::String("김".into())), ("qty".into(), Avro::Long(-9007199254740993))])
+            Avro::Record(vec![
+                ("sku".into(), Avro::String("김".into())),
+                ("qty".into(), Avro::Long(-9007199254740993))
+            ])
         );
-        let Avro::Union(1, next) = &f["next"] else { panic!("{:?}", f["next"]) };
+        let Avro::Union(1, next) = &f["next"] else {
+            panic!("{:?}", f["next"])
+        };
         assert!(matches!(**next, Avro::Record(_)));
     }
 
     #[test]
     fn a_misfit_names_the_first_offending_field() {
         let cases = [
-            ("orderId", json!(null), "$.orderId", "expected a string, found null"),
+            (
+                "orderId",
+                json!(null),
+                "$.orderId",
+                "expected a string, found null",
+            ),
             ("count", json!(1u64 << 40), "$.count", "is not an int"),
             ("status", json!("SHIPPED"), "$.status", "not a symbol of the enum"),
             ("total", json!("1.234"), "$.total", "at most 2 fractional digits"),
@@ -755,7 +822,9 @@ mod tests {
             {"name":"day","type":{"type":"int","logicalType":"date"}}]}"#;
         let v = json!({"i": i32::MIN, "l": i64::MAX, "d": 1e308, "f": 0.5, "b": "\u{0}\u{ff}",
                        "x": "ab", "dec": -1, "day": "1969-12-31"});
-        let Avro::Record(f) = decode(s, &encode(s, v).unwrap()) else { panic!() };
+        let Avro::Record(f) = decode(s, &encode(s, v).unwrap()) else {
+            panic!()
+        };
         assert_eq!(f[0].1, Avro::Int(i32::MIN));
         assert_eq!(f[1].1, Avro::Long(i64::MAX));
         assert_eq!(f[3].1, Avro::Float(0.5));
@@ -772,7 +841,8 @@ mod tests {
         assert_eq!(encode(s, wide).unwrap_err().path, "$.b");
         let short = json!({"i": 0, "l": 0, "d": 0, "f": 0, "b": "", "x": "a", "dec": 0, "day": 0});
         assert_eq!(encode(s, short).unwrap_err().path, "$.x");
-        let huge = json!({"i": 0, "l": 0, "d": 0, "f": 0, "b": "", "x": "ab", "dec": 9_999_999_999u64, "day": 0});
+        let huge =
+            json!({"i": 0, "l": 0, "d": 0, "f": 0, "b": "", "x": "ab", "dec": 9_999_999_999u64, "day": 0});
         assert_eq!(encode(s, huge).unwrap_err().path, "$.dec");
     }
 
@@ -785,7 +855,9 @@ mod tests {
         assert!(matches!(decode(s, &bytes), Avro::Record(_)));
         let a = r#"{"type":"array","items":"long"}"#;
         let v = Value::Array((0..300).map(|i| json!(i * 1000)).collect());
-        let Avro::Array(items) = decode(a, &encode(a, v).unwrap()) else { panic!() };
+        let Avro::Array(items) = decode(a, &encode(a, v).unwrap()) else {
+            panic!()
+        };
         assert_eq!(items.len(), 300);
         assert_eq!(items[299], Avro::Long(299_000));
     }
@@ -808,6 +880,9 @@ mod tests {
     #[test]
     fn schemas_it_cannot_use_are_named() {
         assert!(matches!(AvroCodec::parse("{"), Err(AvroSchemaError::Parse(_))));
-        assert_eq!(AvroCodec::parse(ORDER).unwrap().name.as_deref(), Some("shop.OrderPlaced"));
+        assert_eq!(
+            AvroCodec::parse(ORDER).unwrap().name.as_deref(),
+            Some("shop.OrderPlaced")
+        );
     }
 }

@@ -45,7 +45,11 @@ pub enum ClientError {
     #[error("the Schema Registry at {url} refused outboxd's credentials (HTTP {status}); check schema_registry.username and schema_registry.password, or schema_registry.token")]
     Unauthorized { url: String, status: u16 },
     #[error("{what} is not in the Schema Registry at {url}: {message}")]
-    NotFound { url: String, what: String, message: String },
+    NotFound {
+        url: String,
+        what: String,
+        message: String,
+    },
     #[error("the Schema Registry at {url} refused {what} (HTTP {status}, error code {code}): {message}")]
     Refused {
         url: String,
@@ -55,7 +59,11 @@ pub enum ClientError {
         message: String,
     },
     #[error("the Schema Registry at {url} answered {what} with something outboxd cannot read: {reason}")]
-    Unreadable { url: String, what: String, reason: String },
+    Unreadable {
+        url: String,
+        what: String,
+        reason: String,
+    },
 }
 
 impl ClientError {
@@ -87,7 +95,9 @@ pub struct Client {
 
 impl std::fmt::Debug for Client {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Client").field("base", &self.base).finish_non_exhaustive()
+        f.debug_struct("Client")
+            .field("base", &self.base)
+            .finish_non_exhaustive()
     }
 }
 
@@ -112,7 +122,8 @@ impl Client {
             .unversioned_rustls_crypto_provider(Arc::new(rustls::crypto::ring::default_provider()));
         let roots: Vec<ureq::tls::Certificate<'static>> = match &cfg.ca_file {
             Some(path) => {
-                let pem = std::fs::read(path).map_err(|e| format!("schema_registry.ca_file {path:?}: {e}"))?;
+                let pem =
+                    std::fs::read(path).map_err(|e| format!("schema_registry.ca_file {path:?}: {e}"))?;
                 let certs: Vec<_> = ureq::tls::parse_pem(&pem)
                     .filter_map(|item| match item {
                         Ok(ureq::tls::PemItem::Certificate(c)) => Some(c),
@@ -120,7 +131,9 @@ impl Client {
                     })
                     .collect();
                 if certs.is_empty() {
-                    return Err(format!("schema_registry.ca_file {path:?} holds no PEM certificate"));
+                    return Err(format!(
+                        "schema_registry.ca_file {path:?} holds no PEM certificate"
+                    ));
                 }
                 certs
             }
@@ -154,7 +167,12 @@ impl Client {
     pub fn version(&self, subject: &str, version: Option<u32>) -> Result<Served, ClientError> {
         let v = version.map_or_else(|| "latest".to_owned(), |v| v.to_string());
         let what = format!("version {v} of subject {subject:?}");
-        let body = self.call("GET", &format!("/subjects/{}/versions/{v}", segment(subject)), None, &what)?;
+        let body = self.call(
+            "GET",
+            &format!("/subjects/{}/versions/{v}", segment(subject)),
+            None,
+            &what,
+        )?;
         self.read(&body, &what)
     }
 
@@ -181,7 +199,12 @@ impl Client {
     pub fn register(&self, subject: &str, schema: &str, schema_type: &str) -> Result<u32, ClientError> {
         let what = format!("registering a schema under subject {subject:?}");
         let body = serde_json::json!({"schema": schema, "schemaType": schema_type}).to_string();
-        let answer = self.call("POST", &format!("/subjects/{}/versions", segment(subject)), Some(body), &what)?;
+        let answer = self.call(
+            "POST",
+            &format!("/subjects/{}/versions", segment(subject)),
+            Some(body),
+            &what,
+        )?;
         let r: Registered = self.read(&answer, &what)?;
         Ok(r.id)
     }
@@ -194,27 +217,35 @@ impl Client {
         })
     }
 
-    fn call(&self, method: &str, path: &str, body: Option<String>, what: &str) -> Result<String, ClientError> {
+    fn call(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<String>,
+        what: &str,
+    ) -> Result<String, ClientError> {
         let url = format!("{}{path}", self.base);
         let unavailable = |reason: String| ClientError::Unavailable {
             url: self.base.clone(),
             reason,
         };
-        let mut req = http::Request::builder()
-            .method(method)
-            .uri(&url)
-            .header("Accept", "application/vnd.schemaregistry.v1+json, application/json");
+        let mut req = http::Request::builder().method(method).uri(&url).header(
+            "Accept",
+            "application/vnd.schemaregistry.v1+json, application/json",
+        );
         if let Some(a) = &self.auth {
             req = req.header("Authorization", a.as_ref());
         }
         if body.is_some() {
             req = req.header("Content-Type", "application/vnd.schemaregistry.v1+json");
         }
-        let req = req.body(body.unwrap_or_default()).map_err(|e| ClientError::Unreadable {
-            url: self.base.clone(),
-            what: what.to_owned(),
-            reason: e.to_string(),
-        })?;
+        let req = req
+            .body(body.unwrap_or_default())
+            .map_err(|e| ClientError::Unreadable {
+                url: self.base.clone(),
+                what: what.to_owned(),
+                reason: e.to_string(),
+            })?;
         let mut resp = self.agent.run(req).map_err(|e| unavailable(e.to_string()))?;
         let status = resp.status().as_u16();
         let text = resp

@@ -119,9 +119,7 @@ fn misfit(path: &str, reason: impl Into<String>) -> Misfit {
 
 fn avro_name(s: &str) -> bool {
     let mut chars = s.chars();
-    chars
-        .next()
-        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+    chars.next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
         && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
 }
 
@@ -130,7 +128,13 @@ fn avro_name(s: &str) -> bool {
 pub fn record_name(event_type: &str) -> String {
     let mut out: String = event_type
         .chars()
-        .map(|c| if c.is_ascii_alphanumeric() || c == '_' { c } else { '_' })
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
         .collect();
     if !out.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_') {
         out.insert(0, '_');
@@ -144,7 +148,12 @@ fn shape_of(v: &Ordered, path: &str) -> Result<Shape, Misfit> {
         Ordered::Bool => Shape::Bool,
         Ordered::Int(i) if i32::try_from(*i).is_ok() => Shape::Int,
         Ordered::Int(_) => Shape::Long,
-        Ordered::Huge(n) => return Err(misfit(path, format!("{n} is beyond a 64-bit integer; no inferred Avro type holds it exactly"))),
+        Ordered::Huge(n) => {
+            return Err(misfit(
+                path,
+                format!("{n} is beyond a 64-bit integer; no inferred Avro type holds it exactly"),
+            ))
+        }
         Ordered::Float => Shape::Double,
         Ordered::Str => Shape::Str,
         Ordered::Array(items) => {
@@ -190,7 +199,9 @@ fn merge(a: Shape, b: Shape, path: &str) -> Result<Shape, Misfit> {
         (a, b) if a == b => a,
         (Shape::Null, x) | (x, Shape::Null) => x,
         (Shape::Int, Shape::Long) | (Shape::Long, Shape::Int) => Shape::Long,
-        (Shape::Int | Shape::Long, Shape::Double) | (Shape::Double, Shape::Int | Shape::Long) => Shape::Double,
+        (Shape::Int | Shape::Long, Shape::Double) | (Shape::Double, Shape::Int | Shape::Long) => {
+            Shape::Double
+        }
         (Shape::Array(x), Shape::Array(y)) => Shape::Array(match (x, y) {
             (Some(x), Some(y)) => Some(Box::new(merge(*x, *y, &format!("{path}[]"))?)),
             (x, y) => x.or(y),
@@ -210,7 +221,11 @@ fn merge(a: Shape, b: Shape, path: &str) -> Result<Shape, Misfit> {
         (a, b) => {
             return Err(misfit(
                 path,
-                format!("the array mixes {} and {}; an Avro array holds one type", kind(&a), kind(&b)),
+                format!(
+                    "the array mixes {} and {}; an Avro array holds one type",
+                    kind(&a),
+                    kind(&b)
+                ),
             ))
         }
     })
@@ -264,7 +279,10 @@ pub fn derive(payload: &str, name: &str) -> Result<String, Misfit> {
     let v: Ordered = serde_json::from_str(payload)
         .map_err(|e| misfit("$", format!("the payload cannot be read as JSON values: {e}")))?;
     if !matches!(v, Ordered::Object(_)) {
-        return Err(misfit("$", "an inferred schema is a record: the payload must be a JSON object"));
+        return Err(misfit(
+            "$",
+            "an inferred schema is a record: the payload must be a JSON object",
+        ));
     }
     let shape = shape_of(&v, "$")?;
     Ok(avro(&shape, name).to_string())
@@ -293,21 +311,41 @@ mod tests {
             .map(|f| (f["name"].as_str().unwrap(), &f["type"]))
             .collect();
         let names: Vec<&str> = fields.iter().map(|(n, _)| *n).collect();
-        assert_eq!(names, ["z", "a", "big", "f", "ok", "none", "tags", "nums", "lines", "nested"]);
+        assert_eq!(
+            names,
+            ["z", "a", "big", "f", "ok", "none", "tags", "nums", "lines", "nested"]
+        );
         assert_eq!(*fields[0].1, json!(["null", "string"]));
         assert_eq!(*fields[1].1, json!(["null", "int"]));
         assert_eq!(*fields[2].1, json!(["null", "long"]));
         assert_eq!(*fields[3].1, json!(["null", "double"]));
         assert_eq!(*fields[4].1, json!(["null", "boolean"]));
         assert_eq!(*fields[5].1, json!("null"));
-        assert_eq!(*fields[6].1, json!(["null", {"type": "array", "items": ["null", "string"]}]));
-        assert_eq!(*fields[7].1, json!(["null", {"type": "array", "items": ["null", "double"]}]));
+        assert_eq!(
+            *fields[6].1,
+            json!(["null", {"type": "array", "items": ["null", "string"]}])
+        );
+        assert_eq!(
+            *fields[7].1,
+            json!(["null", {"type": "array", "items": ["null", "double"]}])
+        );
         let lines = &fields[8].1[1]["items"][1];
         assert_eq!(lines["name"], "OrderPlaced_lines");
-        assert_eq!(lines["fields"].as_array().unwrap().len(), 2, "merged: sku and qty");
-        assert_eq!(fields[9].1[1]["fields"][0]["type"][1]["name"], "OrderPlaced_nested_deep");
+        assert_eq!(
+            lines["fields"].as_array().unwrap().len(),
+            2,
+            "merged: sku and qty"
+        );
+        assert_eq!(
+            fields[9].1[1]["fields"][0]["type"][1]["name"],
+            "OrderPlaced_nested_deep"
+        );
         // Every field has its default, and the schema compiles and encodes.
-        assert!(v["fields"].as_array().unwrap().iter().all(|f| f["default"].is_null() && f.get("default").is_some()));
+        assert!(v["fields"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|f| f["default"].is_null() && f.get("default").is_some()));
         let codec = AvroCodec::parse(&text).unwrap();
         let payload: Value = serde_json::from_str(
             r#"{"z": "s", "a": 1, "big": 3000000000, "f": 1.5, "ok": true, "none": null, "tags": [],
@@ -322,16 +360,30 @@ mod tests {
         let e = derive(r#"{"a": [1, "x"]}"#, "E").unwrap_err();
         assert_eq!(e.path, "$.a[1]");
         assert!(e.reason.contains("mixes numbers and strings"), "{e}");
-        assert_eq!(derive(r#"{"n": 18446744073709551615}"#, "E").unwrap_err().path, "$.n");
-        assert_eq!(derive(r#"{"first-name": "x"}"#, "E").unwrap_err().path, "$[\"first-name\"]");
+        assert_eq!(
+            derive(r#"{"n": 18446744073709551615}"#, "E").unwrap_err().path,
+            "$.n"
+        );
+        assert_eq!(
+            derive(r#"{"first-name": "x"}"#, "E").unwrap_err().path,
+            "$[\"first-name\"]"
+        );
         assert_eq!(derive(r#"[1]"#, "E").unwrap_err().path, "$");
         assert_eq!(derive(r#"{"a": 1e400}"#, "E").unwrap_err().path, "$");
-        assert_eq!(derive(r#"{"a": {"b": [{"c": 1}, {"c": "x"}]}}"#, "E").unwrap_err().path, "$.a.b[1].c");
+        assert_eq!(
+            derive(r#"{"a": {"b": [{"c": 1}, {"c": "x"}]}}"#, "E")
+                .unwrap_err()
+                .path,
+            "$.a.b[1].c"
+        );
     }
 
     #[test]
     fn record_names_are_avro_names() {
-        assert_eq!(record_name("ordering.order-placed.v1"), "ordering_order_placed_v1");
+        assert_eq!(
+            record_name("ordering.order-placed.v1"),
+            "ordering_order_placed_v1"
+        );
         assert_eq!(record_name("1st"), "_1st");
         assert_eq!(record_name("OrderPlaced"), "OrderPlaced");
     }

@@ -18,7 +18,8 @@ pub struct JsonSchemaCodec {
 impl JsonSchemaCodec {
     pub fn parse(text: &str) -> Result<Self, String> {
         let schema: Value = serde_json::from_str(text).map_err(|e| format!("not JSON: {e}"))?;
-        let validator = jsonschema::validator_for(&schema).map_err(|e| format!("not a usable JSON Schema: {e}"))?;
+        let validator =
+            jsonschema::validator_for(&schema).map_err(|e| format!("not a usable JSON Schema: {e}"))?;
         Ok(JsonSchemaCodec {
             validator,
             name: schema.get("title").and_then(Value::as_str).map(str::to_owned),
@@ -67,7 +68,9 @@ mod tests {
         .unwrap();
         assert_eq!(c.name.as_deref(), Some("OrderPlaced"));
         c.check(&json!({"orderId": "o", "items": [{"qty": 1}]})).unwrap();
-        let m = c.check(&json!({"orderId": "o", "items": [{"qty": 1}, {"qty": "x"}]})).unwrap_err();
+        let m = c
+            .check(&json!({"orderId": "o", "items": [{"qty": 1}, {"qty": "x"}]}))
+            .unwrap_err();
         assert_eq!(m.path, "$.items[1].qty", "{m}");
         let m = c.check(&json!({"items": []})).unwrap_err();
         assert_eq!(m.path, "$");

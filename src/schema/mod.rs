@@ -42,7 +42,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use crate::config::{SchemaRegistryConfig, SchemaRouting, SchemaRule, SchemaSource, SubjectStrategy, ValueFormat};
+use crate::config::{
+    SchemaRegistryConfig, SchemaRouting, SchemaRule, SchemaSource, SubjectStrategy, ValueFormat,
+};
 use crate::kafka::records::{KafkaRecord, RecordError};
 use crate::metrics::Metrics;
 use crate::source::outbox::OutboxRow;
@@ -65,7 +67,11 @@ pub enum Codec {
 pub enum SchemaError {
     /// The payload does not fit its schema: the row's own problem.
     #[error("the payload does not fit schema id {id} of {subject}: {misfit}")]
-    Mismatch { subject: String, id: u32, misfit: Misfit },
+    Mismatch {
+        subject: String,
+        id: u32,
+        misfit: Misfit,
+    },
     /// The registry answered, and the answer stops the relay.
     #[error("{0}")]
     Registry(ClientError),
@@ -110,7 +116,10 @@ pub struct SchemaInUse {
 /// An inferred schema, once the registry has answered.
 #[derive(Debug)]
 enum Inferred {
-    Registered { id: u32, codec: Arc<Codec> },
+    Registered {
+        id: u32,
+        codec: Arc<Codec>,
+    },
     /// The registry refused it (an incompatible change, say): every
     /// payload of this shape is a mismatch.
     Refused(String),
@@ -132,8 +141,17 @@ pub struct Registry {
     compiled: HashMap<(u32, Option<String>), Arc<Codec>>,
     /// Inferred schemas: subject → derived schema text → its id.
     inferred: HashMap<String, HashMap<String, Inferred>>,
-    metrics: Option<Metrics>,
+    counters: Option<Counters>,
     board: InUseBoard,
+}
+
+/// The registry's metrics, resolved once: a cache hit is one atomic add.
+#[derive(Debug)]
+struct Counters {
+    requests: prometheus::IntCounterVec,
+    hit: prometheus::IntCounter,
+    miss: prometheus::IntCounter,
+    mismatches: prometheus::IntCounter,
 }
 
 fn format_name(f: ValueFormat) -> &'static str {
@@ -182,7 +200,12 @@ impl Registry {
             resolved: HashMap::new(),
             compiled: HashMap::new(),
             inferred: HashMap::new(),
-            metrics,
+            counters: metrics.map(|m| Counters {
+                hit: m.schema_cache.with_label_values(&["hit"]),
+                miss: m.schema_cache.with_label_values(&["miss"]),
+                requests: m.schema_registry_requests.clone(),
+                mismatches: m.schema_mismatches.clone(),
+            }),
             board: Arc::default(),
         }))
     }
@@ -221,7 +244,11 @@ impl Registry {
 
     /// Whether the row's schema comes from its shape.
     fn is_inferred(&self, event_type: &str, topic: &str) -> bool {
-        self.routing.rule(event_type, topic).and_then(|r| r.schema).unwrap_or(self.routing.source) == SchemaSource::Inferred
+        self.routing
+            .rule(event_type, topic)
+            .and_then(|r| r.schema)
+            .unwrap_or(self.routing.source)
+            == SchemaSource::Inferred
     }
 
     /// The root record name of an inferred schema.
@@ -250,8 +277,8 @@ impl Registry {
     }
 
     fn count(&self, outcome: &str) {
-        if let Some(m) = &self.metrics {
-            m.schema_registry_requests.with_label_values(&[outcome]).inc();
+        if let Some(c) = &self.counters {
+            c.requests.with_label_values(&[outcome]).inc();
         }
     }
 
@@ -291,8 +318,8 @@ impl Registry {
     /// 10 s). A `latest` schema already cached is kept when its refresh
     /// fails.
     pub async fn resolve(&mut self, row: &OutboxRow, topic: &str) -> Result<(), SchemaError> {
-        if let Some(m) = &self.metrics {
-            m.schema_cache.with_label_values(&["miss"]).inc();
+        if let Some(c) = &self.counters {
+            c.miss.inc();
         }
         let event_type = row.event_type.as_str();
         if self.is_inferred(event_type, topic) {
@@ -307,7 +334,8 @@ impl Registry {
                 Err(e) if e.is_transient() => {
                     if self.entry(event_type, topic).is_some() {
                         tracing::warn!(error = %e, "could not refresh a schema; the one in use stays until the next try");
-                        if let Some(entry) = self.resolved.get_mut(event_type).and_then(|m| m.get_mut(topic)) {
+                        if let Some(entry) = self.resolved.get_mut(event_type).and_then(|m| m.get_mut(topic))
+                        {
                             entry.fetched = Instant::now();
                         }
                         return Ok(());
@@ -334,17 +362,28 @@ impl Registry {
         let codec = match self.compiled.get(&(id, message.clone())) {
             Some(c) => c.clone(),
             None => {
-                let c = Arc::new(self.compile(&served, message.as_deref()).map_err(|reason| SchemaError::Unusable {
-                    what: what.clone(),
-                    format: format_name(self.format),
-                    reason,
+                let c = Arc::new(self.compile(&served, message.as_deref()).map_err(|reason| {
+                    SchemaError::Unusable {
+                        what: what.clone(),
+                        format: format_name(self.format),
+                        reason,
+                    }
                 })?);
                 self.compiled.insert((id, message), c.clone());
                 c
             }
         };
-        let latest = rule.as_ref().is_none_or(|r| r.id.is_none() && r.version.is_none());
-        tracing::info!(subject = subject.as_deref().unwrap_or(""), id, version = served.version, event_type, topic, "schema in use");
+        let latest = rule
+            .as_ref()
+            .is_none_or(|r| r.id.is_none() && r.version.is_none());
+        tracing::info!(
+            subject = subject.as_deref().unwrap_or(""),
+            id,
+            version = served.version,
+            event_type,
+            topic,
+            "schema in use"
+        );
         if let Ok(mut board) = self.board.lock() {
             board.insert(
                 (event_type.to_owned(), topic.to_owned()),
@@ -404,7 +443,13 @@ impl Registry {
                     format: "avro",
                     reason: e.to_string(),
                 })?;
-                tracing::info!(subject, id, event_type = row.event_type, topic, "inferred schema registered");
+                tracing::info!(
+                    subject,
+                    id,
+                    event_type = row.event_type,
+                    topic,
+                    "inferred schema registered"
+                );
                 if let Ok(mut board) = self.board.lock() {
                     board.insert(
                         (row.event_type.clone(), topic.to_owned()),
@@ -433,7 +478,11 @@ impl Registry {
         if !served.references.is_empty() {
             return Err("it references other schemas, which outboxd does not follow yet".into());
         }
-        let kind = served.schema_type.as_deref().unwrap_or("AVRO").to_ascii_uppercase();
+        let kind = served
+            .schema_type
+            .as_deref()
+            .unwrap_or("AVRO")
+            .to_ascii_uppercase();
         match (self.format, kind.as_str()) {
             (ValueFormat::Avro, "AVRO") => avro::AvroCodec::parse(&served.schema)
                 .map(Codec::Avro)
@@ -441,7 +490,9 @@ impl Registry {
             (ValueFormat::Protobuf, "PROTOBUF") => {
                 protobuf::ProtobufCodec::parse(&served.schema, message).map(Codec::Protobuf)
             }
-            (ValueFormat::JsonSchema, "JSON") => json_schema::JsonSchemaCodec::parse(&served.schema).map(Codec::JsonSchema),
+            (ValueFormat::JsonSchema, "JSON") => {
+                json_schema::JsonSchemaCodec::parse(&served.schema).map(Codec::JsonSchema)
+            }
             (_, other) => Err(format!("it is a {other} schema")),
         }
     }
@@ -460,12 +511,12 @@ impl Registry {
                 reason: "it was not looked up before encoding (a bug: please report it)".into(),
             });
         };
-        if let Some(m) = &self.metrics {
-            m.schema_cache.with_label_values(&["hit"]).inc();
+        if let Some(c) = &self.counters {
+            c.hit.inc();
         }
         let mismatch = |misfit: Misfit| {
-            if let Some(m) = &self.metrics {
-                m.schema_mismatches.inc();
+            if let Some(c) = &self.counters {
+                c.mismatches.inc();
             }
             SchemaError::Mismatch {
                 subject: entry.subject.clone().unwrap_or_else(|| "a pinned id".into()),
@@ -495,8 +546,8 @@ impl Registry {
     fn encode_inferred(&self, record: &mut KafkaRecord, row: &OutboxRow) -> Result<(), SchemaError> {
         let subject = self.subject(&row.event_type, &record.topic).unwrap_or_default();
         let mismatch = |id: u32, misfit: Misfit| {
-            if let Some(m) = &self.metrics {
-                m.schema_mismatches.inc();
+            if let Some(c) = &self.counters {
+                c.mismatches.inc();
             }
             SchemaError::Mismatch {
                 subject: subject.clone(),
@@ -508,11 +559,17 @@ impl Registry {
             .map_err(|m| mismatch(0, m))?;
         match self.inferred.get(&subject).and_then(|m| m.get(&text)) {
             Some(Inferred::Registered { id, codec }) => {
-                if let Some(m) = &self.metrics {
-                    m.schema_cache.with_label_values(&["hit"]).inc();
+                if let Some(c) = &self.counters {
+                    c.hit.inc();
                 }
                 let Codec::Avro(c) = &**codec else {
-                    return Err(mismatch(*id, Misfit { path: "$".into(), reason: "not an Avro schema".into() }));
+                    return Err(mismatch(
+                        *id,
+                        Misfit {
+                            path: "$".into(),
+                            reason: "not an Avro schema".into(),
+                        },
+                    ));
                 };
                 let v = parse_payload(&row.payload).map_err(|m| mismatch(*id, m))?;
                 let mut out = Vec::with_capacity(row.payload.len() + 8);
@@ -526,7 +583,9 @@ impl Registry {
                 0,
                 Misfit {
                     path: "$".into(),
-                    reason: format!("the registry refused the schema inferred from this payload's shape: {why}"),
+                    reason: format!(
+                        "the registry refused the schema inferred from this payload's shape: {why}"
+                    ),
                 },
             )),
             None => Err(SchemaError::Unusable {
@@ -590,7 +649,9 @@ impl Registry {
         for (what, r) in self.check_configured().await {
             match r {
                 Ok(found) => tracing::info!(rule = what, found, "schema rule resolves"),
-                Err(e) if e.is_transient() => tracing::warn!(rule = what, error = %e, "could not check a schema rule at start"),
+                Err(e) if e.is_transient() => {
+                    tracing::warn!(rule = what, error = %e, "could not check a schema rule at start")
+                }
                 Err(e) => return Err(SchemaError::Registry(e)),
             }
         }
@@ -610,7 +671,9 @@ impl Registry {
         let subject = self.subject(event_type, topic);
         let label = subject.clone().unwrap_or_else(|| "a pinned id".into());
         if self.is_inferred(event_type, topic) {
-            return Ok(format!("{label}: inferred from each payload, registered on first use"));
+            return Ok(format!(
+                "{label}: inferred from each payload, registered on first use"
+            ));
         }
         let rule = self.routing.rule(event_type, topic);
         let s = self.fetch(subject.as_deref(), rule).await?;
@@ -630,11 +693,15 @@ impl Registry {
             let subject = match (rule.id, &rule.subject, self.routing.strategy) {
                 (Some(_), _, _) => None,
                 (None, Some(s), _) => Some(s.clone()),
-                (None, None, SubjectStrategy::Record) => Some(rule.record.clone().unwrap_or_else(|| key.clone())),
+                (None, None, SubjectStrategy::Record) => {
+                    Some(rule.record.clone().unwrap_or_else(|| key.clone()))
+                }
                 // The subject depends on the topic, known with the event.
                 (None, None, _) => continue,
             };
-            let label = subject.clone().unwrap_or_else(|| format!("id {}", rule.id.unwrap_or_default()));
+            let label = subject
+                .clone()
+                .unwrap_or_else(|| format!("id {}", rule.id.unwrap_or_default()));
             let r = self.fetch(subject.as_deref(), Some(rule)).await.map(|s| {
                 format!(
                     "id {}{}",

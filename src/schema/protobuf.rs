@@ -51,7 +51,8 @@ impl ProtobufCodec {
             .open_file(FILE)
             .map_err(|e| format!("not a valid Protobuf schema: {e}"))?;
         let fds = compiler.file_descriptor_set();
-        let pool = DescriptorPool::from_file_descriptor_set(fds).map_err(|e| format!("not a valid Protobuf schema: {e}"))?;
+        let pool = DescriptorPool::from_file_descriptor_set(fds)
+            .map_err(|e| format!("not a valid Protobuf schema: {e}"))?;
         let file = pool
             .get_file_by_name(FILE)
             .ok_or_else(|| "the compiled schema is missing".to_owned())?;
@@ -61,9 +62,13 @@ impl ProtobufCodec {
                 .get_message_by_name(name)
                 .filter(|m| m.parent_file().name() == FILE)
                 .ok_or_else(|| format!("the schema defines no message {name:?}"))?,
-            None => top.first().cloned().ok_or_else(|| "the schema defines no message".to_owned())?,
+            None => top
+                .first()
+                .cloned()
+                .ok_or_else(|| "the schema defines no message".to_owned())?,
         };
-        let path = index_path(&top, &chosen).ok_or_else(|| format!("message {} is not reachable", chosen.full_name()))?;
+        let path = index_path(&top, &chosen)
+            .ok_or_else(|| format!("message {} is not reachable", chosen.full_name()))?;
         let mut indexes = Vec::new();
         if path == [0] {
             indexes.push(0);
@@ -169,9 +174,16 @@ mod tests {
     #[test]
     fn a_misfit_names_the_field() {
         let c = ProtobufCodec::parse(SCHEMA, Some("shop.OrderPlaced")).unwrap();
-        let m = c.encode(r#"{"orderId":"o","items":[{"sku":"a","qty":"x"}]}"#, &mut Vec::new()).unwrap_err();
+        let m = c
+            .encode(
+                r#"{"orderId":"o","items":[{"sku":"a","qty":"x"}]}"#,
+                &mut Vec::new(),
+            )
+            .unwrap_err();
         assert_eq!(m.path, "$.items[0].qty", "{m}");
-        let m = c.encode(r#"{"orderId":"o","bogus":1}"#, &mut Vec::new()).unwrap_err();
+        let m = c
+            .encode(r#"{"orderId":"o","bogus":1}"#, &mut Vec::new())
+            .unwrap_err();
         assert!(m.reason.contains("bogus"), "{m}");
         let m = c.encode(r#"{"status":"SHIPPED"}"#, &mut Vec::new()).unwrap_err();
         assert_eq!(m.path, "$.status", "{m}");

@@ -14,7 +14,9 @@ use uuid::Uuid;
 use crate::harness::broker::{base64url, broker, consume, topics_with_prefix, Consumed};
 use crate::harness::registry::{clients_python, refusing_server, registry, Gate};
 use crate::harness::{wait_for, TestDb};
-use crate::relay::{config_text, confirmed_flush, current_lsn, spawn_relay, spawn_relay_with_slot, stop_relay};
+use crate::relay::{
+    config_text, confirmed_flush, current_lsn, spawn_relay, spawn_relay_with_slot, stop_relay,
+};
 
 /// Reads `{"topic", "value", "message"}` lines, decodes each value with
 /// the deserializer of `format`, and writes `{"id", "value"}` lines. For
@@ -86,7 +88,9 @@ fn decode(format: &str, records: &[&Consumed], message: &str) -> Vec<(u32, Value
         .unwrap();
     let mut input = String::new();
     for r in records {
-        input.push_str(&json!({"topic": r.topic, "value": base64url(&r.value), "message": message}).to_string());
+        input.push_str(
+            &json!({"topic": r.topic, "value": base64url(&r.value), "message": message}).to_string(),
+        );
         input.push('\n');
     }
     child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
@@ -161,7 +165,13 @@ impl Setup {
         format!("{}.{}", self.prefix, aggregate_type.to_lowercase())
     }
 
-    async fn insert(&self, aggregate_type: &str, aggregate_id: &str, event_type: &str, payload: &Value) -> Uuid {
+    async fn insert(
+        &self,
+        aggregate_type: &str,
+        aggregate_id: &str,
+        event_type: &str,
+        payload: &Value,
+    ) -> Uuid {
         let id = Uuid::now_v7();
         self.client
             .execute(
@@ -176,7 +186,9 @@ impl Setup {
     async fn confirmed_past_now(&self) {
         let end = current_lsn(&self.client).await;
         wait_for("the rows confirmed", Duration::from_secs(60), || async {
-            confirmed_flush(&self.client, &self.slot).await.filter(|l| *l >= end)
+            confirmed_flush(&self.client, &self.slot)
+                .await
+                .filter(|l| *l >= end)
         })
         .await;
     }
@@ -204,11 +216,20 @@ async fn avro_values_decode_with_confluents_deserializer_and_a_misfit_is_dead_le
     }
     // A required field missing, then an enum symbol the schema lacks.
     let bad = s
-        .insert("Order", "order-0", "OrderPlaced", &json!({"orderId": "o-3", "total": "1", "count": 1, "big": 1, "status": "PLACED"}))
+        .insert(
+            "Order",
+            "order-0",
+            "OrderPlaced",
+            &json!({"orderId": "o-3", "total": "1", "count": 1, "big": 1, "status": "PLACED"}),
+        )
         .await;
     let bad_enum = s
-        .insert("Order", "order-1", "OrderPlaced",
-            &json!({"orderId": "o-4", "total": "1", "count": 1, "big": 1, "status": "SHIPPED", "lines": []}))
+        .insert(
+            "Order",
+            "order-1",
+            "OrderPlaced",
+            &json!({"orderId": "o-4", "total": "1", "count": 1, "big": 1, "status": "SHIPPED", "lines": []}),
+        )
         .await;
     s.confirmed_past_now().await;
     let dlq = format!("{}.dead-letter", s.prefix);
@@ -224,19 +245,32 @@ async fn avro_values_decode_with_confluents_deserializer_and_a_misfit_is_dead_le
                "lines": [], "attrs": {}}),
     ];
     for (r, (schema_id, value)) in events.iter().zip(&decoded) {
-        let i = ids.iter().position(|id| r.header("id") == Some(&id.to_string())).unwrap();
+        let i = ids
+            .iter()
+            .position(|id| r.header("id") == Some(&id.to_string()))
+            .unwrap();
         assert_eq!(*schema_id, id, "the id the topic strategy's subject names");
         assert_eq!(*value, expected[i], "event {i}");
         assert_eq!(r.key, format!("order-{i}"), "the key stays the aggregate id");
     }
     assert_eq!(registry().latest_id(&format!("{topic}-value")), id);
     assert_eq!(dead.len(), 2, "{dead:?}");
-    let by_id = |id: Uuid| dead.iter().find(|d| d.header("id") == Some(&id.to_string())).unwrap();
+    let by_id = |id: Uuid| {
+        dead.iter()
+            .find(|d| d.header("id") == Some(&id.to_string()))
+            .unwrap()
+    };
     let missing = by_id(bad);
     assert_eq!(missing.header("dlq.reason"), Some("schema_mismatch"));
     let error = missing.header("dlq.error").unwrap();
-    assert!(error.contains("$.lines") && error.contains("required field is missing"), "{error}");
-    assert!(error.contains(&format!("{topic}-value")), "names the subject: {error}");
+    assert!(
+        error.contains("$.lines") && error.contains("required field is missing"),
+        "{error}"
+    );
+    assert!(
+        error.contains(&format!("{topic}-value")),
+        "names the subject: {error}"
+    );
     let error = by_id(bad_enum).header("dlq.error").unwrap();
     assert!(error.contains("$.status") && error.contains("SHIPPED"), "{error}");
     stop_relay(handle, stop).await;
@@ -255,7 +289,14 @@ async fn json_schema_values_are_the_payload_framed_and_checked() {
     let (handle, stop) = spawn_relay_with_slot(&s.client, &s.slot, &text).await;
     let good = json!({"orderId": "o-1", "total": 12.5, "lines": [{"qty": 2}]});
     s.insert("Order", "o-1", "OrderPlaced", &good).await;
-    let bad = s.insert("Order", "o-1", "OrderPlaced", &json!({"orderId": "o-1", "total": 1, "lines": [{"qty": 1.5}]})).await;
+    let bad = s
+        .insert(
+            "Order",
+            "o-1",
+            "OrderPlaced",
+            &json!({"orderId": "o-1", "total": 1, "lines": [{"qty": 1.5}]}),
+        )
+        .await;
     s.confirmed_past_now().await;
     let dlq = format!("{}.dead-letter", s.prefix);
     let records = consume(&broker().brokers, &[&topic, &dlq], 2, Duration::from_secs(30));
@@ -266,7 +307,11 @@ async fn json_schema_values_are_the_payload_framed_and_checked() {
     let dead = records.iter().find(|r| r.topic == dlq).unwrap();
     assert_eq!(dead.header("id"), Some(bad.to_string().as_str()));
     assert_eq!(dead.header("dlq.reason"), Some("schema_mismatch"));
-    assert!(dead.header("dlq.error").unwrap().contains("$.lines[0].qty"), "{:?}", dead.header("dlq.error"));
+    assert!(
+        dead.header("dlq.error").unwrap().contains("$.lines[0].qty"),
+        "{:?}",
+        dead.header("dlq.error")
+    );
     stop_relay(handle, stop).await;
 }
 
@@ -291,7 +336,13 @@ async fn protobuf_values_carry_the_message_indexes_under_the_record_name_strateg
     let good = json!({"orderId": "o-1", "totalCents": "1250", "lines": [{"sku": "a", "qty": 2}, {"sku": "김", "qty": -1}]});
     s.insert("Order", "o-1", "OrderPlaced", &good).await;
     // A field only version 2 has.
-    s.insert("Order", "o-1", "OrderPlaced", &json!({"orderId": "o-2", "coupon": "X"})).await;
+    s.insert(
+        "Order",
+        "o-1",
+        "OrderPlaced",
+        &json!({"orderId": "o-2", "coupon": "X"}),
+    )
+    .await;
     s.confirmed_past_now().await;
     let topic = s.topic("Order");
     let dlq = format!("{}.dead-letter", s.prefix);
@@ -299,12 +350,20 @@ async fn protobuf_values_carry_the_message_indexes_under_the_record_name_strateg
     let events: Vec<&Consumed> = records.iter().filter(|r| r.topic == topic).collect();
     assert_eq!(events.len(), 1, "{records:?}");
     assert_eq!(&events[0].value[5..6], &[2], "one message index");
-    assert_eq!(&events[0].value[6..7], &[2], "index 1 (zig-zag): OrderPlaced, the file's second message");
+    assert_eq!(
+        &events[0].value[6..7],
+        &[2],
+        "index 1 (zig-zag): OrderPlaced, the file's second message"
+    );
     let decoded = decode("protobuf", &events, "shop.OrderPlaced");
     assert_eq!(decoded, vec![(v1, good)]);
     let dead = records.iter().find(|r| r.topic == dlq).unwrap();
     assert_eq!(dead.header("dlq.reason"), Some("schema_mismatch"));
-    assert!(dead.header("dlq.error").unwrap().contains("coupon"), "{:?}", dead.header("dlq.error"));
+    assert!(
+        dead.header("dlq.error").unwrap().contains("coupon"),
+        "{:?}",
+        dead.header("dlq.error")
+    );
     stop_relay(handle, stop).await;
 }
 
@@ -315,7 +374,8 @@ async fn a_registry_outage_holds_new_schemas_back_and_loses_nothing() {
     let order_topic = s.topic("Order");
     let pay_topic = s.topic("Payment");
     let order_id = registry().register(&format!("{order_topic}-value"), "AVRO", ORDER_AVRO);
-    let pay_schema = r#"{"type": "record", "name": "PaymentMade", "fields": [{"name": "amount", "type": "long"}]}"#;
+    let pay_schema =
+        r#"{"type": "record", "name": "PaymentMade", "fields": [{"name": "amount", "type": "long"}]}"#;
     let pay_id = registry().register(&format!("{pay_topic}-value"), "AVRO", pay_schema);
     let text = s.config(&s._db.superuser_url(), "avro", &gate.url(&registry().url), "");
     let (handle, stop) = spawn_relay_with_slot(&s.client, &s.slot, &text).await;
@@ -328,16 +388,30 @@ async fn a_registry_outage_holds_new_schemas_back_and_loses_nothing() {
     s.confirmed_past_now().await;
     // A schema outboxd has not seen waits: nothing after it is confirmed.
     let before = confirmed_flush(&s.client, &s.slot).await.unwrap();
-    s.insert("Payment", "p-1", "PaymentMade", &json!({"amount": 5})).await;
+    s.insert("Payment", "p-1", "PaymentMade", &json!({"amount": 5}))
+        .await;
     s.insert("Order", "o-1", "OrderPlaced", &order).await;
     tokio::time::sleep(Duration::from_secs(4)).await;
-    assert_eq!(confirmed_flush(&s.client, &s.slot).await.unwrap(), before, "the slot waits for the schema");
+    assert_eq!(
+        confirmed_flush(&s.client, &s.slot).await.unwrap(),
+        before,
+        "the slot waits for the schema"
+    );
     assert!(!handle.is_finished(), "an outage is waited out, not an error");
     gate.open();
     s.confirmed_past_now().await;
     let dlq = format!("{}.dead-letter", s.prefix);
-    let records = consume(&broker().brokers, &[&order_topic, &pay_topic], 4, Duration::from_secs(30));
-    assert_eq!(records.iter().filter(|r| r.topic == order_topic).count(), 3, "{records:?}");
+    let records = consume(
+        &broker().brokers,
+        &[&order_topic, &pay_topic],
+        4,
+        Duration::from_secs(30),
+    );
+    assert_eq!(
+        records.iter().filter(|r| r.topic == order_topic).count(),
+        3,
+        "{records:?}"
+    );
     let pay: Vec<&Consumed> = records.iter().filter(|r| r.topic == pay_topic).collect();
     assert_eq!(decode("avro", &pay, ""), vec![(pay_id, json!({"amount": 5}))]);
     assert!(
@@ -352,7 +426,10 @@ async fn a_registry_outage_holds_new_schemas_back_and_loses_nothing() {
 #[tokio::test(flavor = "multi_thread")]
 async fn refused_credentials_and_a_missing_subject_stop_with_what_to_fix_and_move_nothing() {
     for (case, url) in [
-        ("auth", refusing_server(401, r#"{"error_code": 40101, "message": "Unauthorized"}"#)),
+        (
+            "auth",
+            refusing_server(401, r#"{"error_code": 40101, "message": "Unauthorized"}"#),
+        ),
         ("missing", registry().url.clone()),
     ] {
         let s = Setup::new(&format!("stop_{case}")).await;
@@ -360,11 +437,17 @@ async fn refused_credentials_and_a_missing_subject_stop_with_what_to_fix_and_mov
         let mut text = s.config(&s._db.superuser_url(), "avro", &url, "");
         text = text.replace(
             "timeout = \"2s\"\n",
-            &format!("timeout = \"2s\"\nusername = \"outboxd\"\npassword = {}\n", toml_string(secret)),
+            &format!(
+                "timeout = \"2s\"\nusername = \"outboxd\"\npassword = {}\n",
+                toml_string(secret)
+            ),
         );
         let (handle, _stop) = spawn_relay(&text);
         let before = if case == "missing" {
-            wait_for("the slot", Duration::from_secs(30), || async { confirmed_flush(&s.client, &s.slot).await }).await;
+            wait_for("the slot", Duration::from_secs(30), || async {
+                confirmed_flush(&s.client, &s.slot).await
+            })
+            .await;
             let before = confirmed_flush(&s.client, &s.slot).await;
             s.insert("Order", "o-1", "OrderPlaced", &orders()[0]).await;
             before
@@ -381,16 +464,27 @@ async fn refused_credentials_and_a_missing_subject_stop_with_what_to_fix_and_mov
         assert!(!text.contains("p@ss"), "no secret in {text}");
         match case {
             "auth" => assert!(text.contains("schema_registry.username"), "{text}"),
-            _ => assert!(text.contains(&format!("{}-value", s.topic("Order"))) && text.contains("not in the Schema Registry"), "{text}"),
+            _ => assert!(
+                text.contains(&format!("{}-value", s.topic("Order")))
+                    && text.contains("not in the Schema Registry"),
+                "{text}"
+            ),
         }
-        assert_eq!(confirmed_flush(&s.client, &s.slot).await, before, "{case}: nothing confirmed");
+        assert_eq!(
+            confirmed_flush(&s.client, &s.slot).await,
+            before,
+            "{case}: nothing confirmed"
+        );
     }
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_configured_subject_that_does_not_exist_stops_the_start() {
     let s = Setup::new("start").await;
-    let rule = format!("[routing.schemas.\"OrderPlaced\"]\nsubject = \"{}.missing\"\nversion = 2\n", s.prefix);
+    let rule = format!(
+        "[routing.schemas.\"OrderPlaced\"]\nsubject = \"{}.missing\"\nversion = 2\n",
+        s.prefix
+    );
     let text = s.config(&s._db.superuser_url(), "avro", &registry().url, &rule);
     let (handle, _stop) = spawn_relay(&text);
     let err = tokio::time::timeout(Duration::from_secs(30), handle)
@@ -399,8 +493,14 @@ async fn a_configured_subject_that_does_not_exist_stops_the_start() {
         .unwrap()
         .expect_err("a definite error");
     let text = err.to_string();
-    assert!(text.contains(&format!("{}.missing", s.prefix)) && text.contains("version 2"), "{text}");
-    assert!(confirmed_flush(&s.client, &s.slot).await.is_none(), "no slot was made: it stopped before streaming");
+    assert!(
+        text.contains(&format!("{}.missing", s.prefix)) && text.contains("version 2"),
+        "{text}"
+    );
+    assert!(
+        confirmed_flush(&s.client, &s.slot).await.is_none(),
+        "no slot was made: it stopped before streaming"
+    );
 }
 
 fn toml_string(s: &str) -> String {
@@ -412,10 +512,17 @@ async fn inferred_schemas_are_registered_per_shape_and_decode_to_the_payload() {
     let s = Setup::new("inferred").await;
     let topic = s.topic("Order");
     let subject = format!("{topic}-value");
-    let text = s.config(&s._db.superuser_url(), "avro", &registry().url, "schema = \"inferred\"");
+    let text = s.config(
+        &s._db.superuser_url(),
+        "avro",
+        &registry().url,
+        "schema = \"inferred\"",
+    );
     let (handle, stop) = spawn_relay_with_slot(&s.client, &s.slot, &text).await;
-    let first = json!({"orderId": "o-1", "total": 12.5, "count": 3, "lines": [{"sku": "a", "qty": 2}], "note": null});
-    let same_shape = json!({"orderId": "o-2", "total": 1.25, "count": 4, "lines": [{"sku": "b", "qty": 1}], "note": null});
+    let first =
+        json!({"orderId": "o-1", "total": 12.5, "count": 3, "lines": [{"sku": "a", "qty": 2}], "note": null});
+    let same_shape =
+        json!({"orderId": "o-2", "total": 1.25, "count": 4, "lines": [{"sku": "b", "qty": 1}], "note": null});
     // A new field and a wider number: a new shape, a new version.
     let wider = json!({"orderId": "o-3", "total": 2.0, "count": 3_000_000_000i64, "lines": [], "note": "gift", "coupon": "X"});
     let mixed = json!({"orderId": "o-4", "lines": [1, "x"]});
@@ -436,7 +543,11 @@ async fn inferred_schemas_are_registered_per_shape_and_decode_to_the_payload() {
     assert_eq!(decoded[2].1, wider);
     let dead = records.iter().find(|r| r.topic == dlq).unwrap();
     assert_eq!(dead.header("dlq.reason"), Some("schema_mismatch"));
-    assert!(dead.header("dlq.error").unwrap().contains("$.lines[1]"), "{:?}", dead.header("dlq.error"));
+    assert!(
+        dead.header("dlq.error").unwrap().contains("$.lines[1]"),
+        "{:?}",
+        dead.header("dlq.error")
+    );
     stop_relay(handle, stop).await;
 }
 
@@ -446,8 +557,12 @@ async fn check_lists_the_subject_each_event_type_uses_and_whether_it_resolves() 
     let order_topic = s.topic("Order");
     let id = registry().register(&format!("{order_topic}-value"), "AVRO", ORDER_AVRO);
     s.insert("Order", "o-1", "OrderPlaced", &orders()[0]).await;
-    s.insert("Payment", "p-1", "PaymentMade", &json!({"amount": 1})).await;
-    let pinned = format!("[routing.schemas.\"Pinned\"]\nsubject = \"{}.nowhere\"\n", s.prefix);
+    s.insert("Payment", "p-1", "PaymentMade", &json!({"amount": 1}))
+        .await;
+    let pinned = format!(
+        "[routing.schemas.\"Pinned\"]\nsubject = \"{}.nowhere\"\n",
+        s.prefix
+    );
     let text = s.config(&s._db.superuser_url(), "avro", &registry().url, &pinned);
     let (config, validated) = outboxd::config::Config::from_toml(&text, |_| None).unwrap();
     let lines = outboxd::cli::check::run_checks(&config, &validated).await;
@@ -463,7 +578,10 @@ async fn check_lists_the_subject_each_event_type_uses_and_whether_it_resolves() 
     let order = find(&format!("OrderPlaced on {order_topic}"));
     assert!(order.ok && order.detail.contains(&format!("id {id}")), "{order}");
     let payment = find(&format!("PaymentMade on {}", s.topic("Payment")));
-    assert!(!payment.ok && payment.detail.contains("not in the Schema Registry"), "{payment}");
+    assert!(
+        !payment.ok && payment.detail.contains("not in the Schema Registry"),
+        "{payment}"
+    );
     let rule = find("Pinned");
     assert!(!rule.ok && rule.detail.contains("nowhere"), "{rule}");
 }

@@ -42,7 +42,11 @@ fn script() -> PathBuf {
 }
 
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 fn start() -> Result<SchemaRegistry, String> {
@@ -59,7 +63,11 @@ fn start() -> Result<SchemaRegistry, String> {
         .stderr(file)
         .spawn()
         .map_err(|e| format!("cannot run scripts/registry.sh: {e}"))?;
-    spawn_watchdog(&format!("kill -9 {} 2>/dev/null; rm -f '{}'", child.id(), log.display()));
+    spawn_watchdog(&format!(
+        "kill -9 {} 2>/dev/null; rm -f '{}'",
+        child.id(),
+        log.display()
+    ));
     let url = format!("http://127.0.0.1:{port}/apis/ccompat/v7");
     let deadline = Instant::now() + Duration::from_secs(180);
     while Instant::now() < deadline {
@@ -117,7 +125,10 @@ impl Gate {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
         let open = Arc::new(AtomicBool::new(true));
-        let gate = Gate { port, open: open.clone() };
+        let gate = Gate {
+            port,
+            open: open.clone(),
+        };
         std::thread::spawn(move || {
             for conn in listener.incoming() {
                 let Ok(client) = conn else { continue };
@@ -147,7 +158,11 @@ impl Gate {
                                         break;
                                     }
                                 }
-                                Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+                                Err(e)
+                                    if matches!(
+                                        e.kind(),
+                                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                                    ) => {}
                                 Err(_) => break,
                             }
                         }
@@ -203,9 +218,12 @@ pub fn clients_python() -> String {
     if let Ok(p) = std::env::var("OUTBOXD_REGISTRY_CLIENTS_PYTHON") {
         return p;
     }
-    let out = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/lib/registry-clients.sh"))
-        .output()
-        .expect("scripts/lib/registry-clients.sh runs");
+    let out = Command::new(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/scripts/lib/registry-clients.sh"
+    ))
+    .output()
+    .expect("scripts/lib/registry-clients.sh runs");
     assert!(
         out.status.success(),
         "the registry clients are missing (run scripts/setup.sh): {}",
