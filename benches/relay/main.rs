@@ -198,6 +198,10 @@ const BENCH_AVRO_SCHEMA: &str = r#"{"type": "record", "name": "OrderPlaced", "na
     {"name": "sku", "type": "string"}, {"name": "qty", "type": "int"}, {"name": "price", "type": "long"}]}}},
   {"name": "note", "type": "string"}]}"#;
 
+/// The Avro schema of the latency load's and the start-up probe's payloads.
+const BENCH_AVRO_LATENCY_SCHEMA: &str =
+    r#"{"type": "record", "name": "Tick", "namespace": "bench", "fields": [{"name": "i", "type": ["null", "long"], "default": null}]}"#;
+
 /// Writes `n` rows, 100 per transaction, ~300-byte payloads, each with a
 /// sampled W3C `traceparent` header (as the SDK writes it). Returns an
 /// LSN read inside the last transaction, after its rows.
@@ -740,9 +744,10 @@ async fn main() {
     if let Some(url) = &s.registry_url {
         kinds.push(Kind::OutboxdAvro);
         eprintln!("bench: Schema Registry at {url}");
-        for topic in ["drain-outboxd_avro", "latency-outboxd_avro"] {
-            harness::registry::registry().register(&format!("{topic}-value"), "AVRO", BENCH_AVRO_SCHEMA);
-        }
+        let registry = harness::registry::registry();
+        registry.register("drain-outboxd_avro-value", "AVRO", BENCH_AVRO_SCHEMA);
+        // The latency load writes {"i": n}, and the start-up probe {}.
+        registry.register("latency-outboxd_avro-value", "AVRO", BENCH_AVRO_LATENCY_SCHEMA);
     }
     if relays::reference_binary().is_some() {
         kinds.push(Kind::Reference);

@@ -78,12 +78,7 @@ pub async fn run_checks(config: &Config, v: &Validated) -> Vec<CheckLine> {
 /// subject of each (aggregate type, event type) the outbox table holds
 /// now (read from up to 10,000 of its rows).
 async fn registry_checks(config: &Config, v: &Validated) -> Vec<CheckLine> {
-    let registry = match crate::schema::Registry::new(
-        config.routing.value,
-        config.schema_registry.as_ref(),
-        config.schema_routing(),
-        None,
-    ) {
+    let registry = match crate::schema::Registry::from_config(config, None) {
         Ok(Some(r)) => r,
         Ok(None) => return Vec::new(),
         Err(e) => return vec![line("registry", false, e)],

@@ -35,7 +35,7 @@ pub use ops::{HealthConfig, HttpConfig, LogConfig, LogFormat, OtelConfig, Shutdo
 pub use polling::{Mode, PollingConfig};
 pub use postgres::PostgresConfig;
 pub use registry::{SchemaRegistryConfig, SchemaRouting, SchemaRule, SchemaSource, SubjectStrategy};
-pub use routing::{OnPoison, RoutingConfig, ValueFormat};
+pub use routing::{CloudEventsData, OnPoison, RoutingConfig, ValueFormat};
 
 use crate::config::conninfo::PgConnectConfig;
 use crate::config::ident::{PublicationName, SlotName, TableName};
@@ -402,9 +402,28 @@ impl Config {
         })
     }
 
+    /// The format the Schema Registry encodes: `routing.value`, or with
+    /// CloudEvents in binary mode `routing.cloudevents_data`.
+    pub fn registry_format(&self) -> ValueFormat {
+        match (self.routing.value, self.routing.cloudevents_data) {
+            (ValueFormat::CloudEventsBinary, CloudEventsData::Avro) => ValueFormat::Avro,
+            (ValueFormat::CloudEventsBinary, CloudEventsData::Protobuf) => ValueFormat::Protobuf,
+            (ValueFormat::CloudEventsBinary, CloudEventsData::JsonSchema) => ValueFormat::JsonSchema,
+            (format, _) => format,
+        }
+    }
+
     /// `[schema_registry]` and the schema settings of `[routing]`.
     fn validate_schemas(&self) -> Result<(), ConfigError> {
-        let format = self.routing.value;
+        if self.routing.cloudevents_data != CloudEventsData::Json
+            && self.routing.value != ValueFormat::CloudEventsBinary
+        {
+            return Err(invalid(
+                "routing.cloudevents_data",
+                "applies to routing.value = \"cloudevents-binary\" only",
+            ));
+        }
+        let format = self.registry_format();
         let Some(registry) = &self.schema_registry else {
             if format.uses_registry() {
                 return Err(invalid(

@@ -46,6 +46,21 @@ impl ValueFormat {
     }
 }
 
+/// The `data` of a CloudEvent in binary mode.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum CloudEventsData {
+    /// The payload JSON as stored (`application/json`).
+    #[default]
+    Json,
+    /// Registry-encoded Avro (`application/avro`), with `dataschema`.
+    Avro,
+    /// Registry-encoded Protobuf (`application/protobuf`), with `dataschema`.
+    Protobuf,
+    /// Registry-checked JSON (`application/json`), with `dataschema`.
+    JsonSchema,
+}
+
 /// What to do with a row Kafka will never accept.
 #[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq, Default)]
 #[serde(rename_all = "kebab-case")]
@@ -75,6 +90,10 @@ pub struct RoutingConfig {
     /// `{aggregate_type}`, `{aggregate_id}` and `{type}`.
     #[serde(default = "default_cloudevents_source")]
     pub cloudevents_source: String,
+    /// With `cloudevents-binary`: the `data`, `json` (default) or
+    /// registry-encoded (`avro`, `protobuf`, `json-schema`).
+    #[serde(default)]
+    pub cloudevents_data: CloudEventsData,
     /// `stop` or `dead-letter`.
     #[serde(default)]
     pub on_poison: OnPoison,
@@ -105,6 +124,7 @@ impl Default for RoutingConfig {
             lowercase_aggregate_type: true,
             value: ValueFormat::Envelope,
             cloudevents_source: default_cloudevents_source(),
+            cloudevents_data: CloudEventsData::Json,
             on_poison: OnPoison::Stop,
             dead_letter_topic: default_dead_letter_topic(),
             allowed_aggregate_types: None,

@@ -243,6 +243,7 @@ impl RelayError {
             | RelayError::TransactionTimedOut { .. }
             | RelayError::Resubscribe(_)
             | RelayError::GuardFailed(_) => true,
+            RelayError::Schema(e) => e.is_transient(),
             RelayError::Progress(e) => e.is_transient(),
             RelayError::ForeignProgress(_) => false,
             RelayError::KafkaDenied { .. }
@@ -254,7 +255,6 @@ impl RelayError {
             | RelayError::SlotInvalidated { .. }
             | RelayError::SlotLost(_)
             | RelayError::ProgressTopicRetention(_)
-            | RelayError::Schema(_)
             | RelayError::RegistrySetup(_)
             | RelayError::Otel(_) => false,
         }
@@ -427,12 +427,7 @@ impl Relay {
             config.postgres.leader_timeout.0,
         );
         let otel = PublishTracer::new(&config.opentelemetry)?.map(Arc::new);
-        let registry = crate::schema::Registry::new(
-            config.routing.value,
-            config.schema_registry.as_ref(),
-            config.schema_routing(),
-            Some((*metrics).clone()),
-        )
+        let registry = crate::schema::Registry::from_config(&config, Some((*metrics).clone()))
         .map_err(RelayError::RegistrySetup)?;
         if let Some(r) = &registry {
             health.show_schemas(r.board());
@@ -456,7 +451,8 @@ impl Relay {
 
     /// Runs sessions until shutdown or a definite error.
     pub async fn run(&mut self, shutdown: watch::Receiver<bool>) -> Result<(), RelayError> {
-        if let Some(registry) = &self.registry {
+        if let Some(registry) = &mut self.registry {
+            registry.stop_on(shutdown.clone());
             registry.check_at_start().await?;
         }
         let poller = tokio::spawn(poll_slot_and_brokers(

@@ -106,7 +106,8 @@ impl PollingError {
             PollingError::Admin(AdminError::Connect { .. } | AdminError::Query(_)) => true,
             PollingError::Admin(_) => false,
             PollingError::Kafka(e) => e.is_transient(),
-            PollingError::Poison(_) | PollingError::Schema(_) | PollingError::RegistrySetup(_) => false,
+            PollingError::Schema(e) => e.is_transient(),
+            PollingError::Poison(_) | PollingError::RegistrySetup(_) => false,
             PollingError::BatchRefused { .. } | PollingError::LeadershipLost => true,
         }
     }
@@ -195,12 +196,7 @@ impl PollingRelay {
         health: Arc<Health>,
     ) -> Result<Self, PollingError> {
         let sink = Self::new_sink(&config)?;
-        let registry = crate::schema::Registry::new(
-            config.routing.value,
-            config.schema_registry.as_ref(),
-            config.schema_routing(),
-            Some((*metrics).clone()),
-        )
+        let registry = crate::schema::Registry::from_config(&config, Some((*metrics).clone()))
         .map_err(PollingError::RegistrySetup)?;
         if let Some(r) = &registry {
             health.show_schemas(r.board());
@@ -233,7 +229,8 @@ impl PollingRelay {
 
     /// Polls until shutdown or a definite error.
     pub async fn run(&mut self, mut shutdown: watch::Receiver<bool>) -> Result<(), PollingError> {
-        if let Some(registry) = &self.registry {
+        if let Some(registry) = &mut self.registry {
+            registry.stop_on(shutdown.clone());
             registry.check_at_start().await.map_err(PollingError::Schema)?;
         }
         let mut client: Option<Client> = None;

@@ -43,7 +43,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use crate::config::{
-    SchemaRegistryConfig, SchemaRouting, SchemaRule, SchemaSource, SubjectStrategy, ValueFormat,
+    SchemaRouting, SchemaRule, SchemaSource, SubjectStrategy, ValueFormat,
 };
 use crate::kafka::records::{KafkaRecord, RecordError};
 use crate::metrics::Metrics;
@@ -53,6 +53,9 @@ use client::{Client, ClientError, Served};
 
 /// The Confluent wire format's first byte.
 pub const MAGIC: u8 = 0;
+
+/// CloudEvents' `dataschema` in binary mode.
+pub const DATASCHEMA_HEADER: &str = "ce_dataschema";
 
 /// A schema compiled for encoding.
 #[derive(Debug)]
@@ -75,6 +78,10 @@ pub enum SchemaError {
     /// The registry answered, and the answer stops the relay.
     #[error("{0}")]
     Registry(ClientError),
+    /// Shutdown came while waiting for an unreachable registry: the event
+    /// was not sent, and nothing past it is confirmed.
+    #[error("shutdown requested while waiting for the Schema Registry")]
+    Interrupted,
     /// The registry served a schema outboxd cannot encode with.
     #[error("schema {what} cannot be used for routing.value = {format:?}: {reason}; register a schema of that kind, or pin another in [routing.schemas]")]
     Unusable {
@@ -88,6 +95,11 @@ impl SchemaError {
     /// The row is the cause: `routing.on_poison` applies.
     pub fn is_row_problem(&self) -> bool {
         matches!(self, SchemaError::Mismatch { .. })
+    }
+
+    /// A new session may succeed (only a wait that shutdown cut short).
+    pub fn is_transient(&self) -> bool {
+        matches!(self, SchemaError::Interrupted)
     }
 }
 
@@ -133,6 +145,9 @@ pub type InUseBoard = Arc<Mutex<BTreeMap<(String, String), SchemaInUse>>>;
 pub struct Registry {
     client: Client,
     format: ValueFormat,
+    /// The values are CloudEvents in binary mode: the encoding is their
+    /// `data`, with `content-type` and `ce_dataschema` set to match.
+    cloudevents: bool,
     routing: SchemaRouting,
     refresh: Duration,
     /// event type → topic → schema.
@@ -143,6 +158,8 @@ pub struct Registry {
     inferred: HashMap<String, HashMap<String, Inferred>>,
     counters: Option<Counters>,
     board: InUseBoard,
+    /// Ends the waits for an unreachable registry (the relay's shutdown).
+    stop: Option<tokio::sync::watch::Receiver<bool>>,
 }
 
 /// The registry's metrics, resolved once: a cache hit is one atomic add.
@@ -181,21 +198,19 @@ fn outcome_of(e: &ClientError) -> &'static str {
 }
 
 impl Registry {
-    /// A registry for `format`, or `None` when the format uses none.
-    pub fn new(
-        format: ValueFormat,
-        cfg: Option<&SchemaRegistryConfig>,
-        routing: SchemaRouting,
-        metrics: Option<Metrics>,
-    ) -> Result<Option<Registry>, String> {
+    /// The registry of `config`'s format, or `None` when the format uses
+    /// none.
+    pub fn from_config(config: &crate::config::Config, metrics: Option<Metrics>) -> Result<Option<Registry>, String> {
+        let format = config.registry_format();
         if !format.uses_registry() {
             return Ok(None);
         }
-        let cfg = cfg.ok_or("routing.value needs [schema_registry]")?;
+        let cfg = config.schema_registry.as_ref().ok_or("routing.value needs [schema_registry]")?;
         Ok(Some(Registry {
             client: Client::new(cfg)?,
             format,
-            routing,
+            cloudevents: config.routing.value == ValueFormat::CloudEventsBinary,
+            routing: config.schema_routing(),
             refresh: cfg.refresh_interval.0,
             resolved: HashMap::new(),
             compiled: HashMap::new(),
@@ -207,7 +222,28 @@ impl Registry {
                 mismatches: m.schema_mismatches.clone(),
             }),
             board: Arc::default(),
+            stop: None,
         }))
+    }
+
+    /// Waits for an unreachable registry end when `stop` turns true.
+    pub fn stop_on(&mut self, stop: tokio::sync::watch::Receiver<bool>) {
+        self.stop = Some(stop);
+    }
+
+    /// Sleeps `pause` before a retry; `Err` when shutdown came first.
+    async fn pause(&self, pause: Duration) -> Result<(), SchemaError> {
+        let Some(mut stop) = self.stop.clone() else {
+            tokio::time::sleep(pause).await;
+            return Ok(());
+        };
+        if *stop.borrow_and_update() {
+            return Err(SchemaError::Interrupted);
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(pause) => Ok(()),
+            _ = stop.wait_for(|s| *s) => Err(SchemaError::Interrupted),
+        }
     }
 
     /// The schemas in use, for status.
@@ -342,7 +378,7 @@ impl Registry {
                     }
                     tracing::warn!(error = %e, subject = subject.as_deref().unwrap_or(""), retry_in = ?pause,
                         "waiting for the Schema Registry: no event goes to Kafka until its schema is known");
-                    tokio::time::sleep(pause).await;
+                    self.pause(pause).await?;
                     pause = (pause * 2).min(Duration::from_secs(10));
                 }
                 Err(e) => return Err(SchemaError::Registry(e)),
@@ -430,7 +466,7 @@ impl Registry {
                 Err(e) if e.is_transient() => {
                     tracing::warn!(error = %e, subject, retry_in = ?pause,
                         "waiting for the Schema Registry to register an inferred schema: no event goes to Kafka until it does");
-                    tokio::time::sleep(pause).await;
+                    self.pause(pause).await?;
                     pause = (pause * 2).min(Duration::from_secs(10));
                 }
                 other => break other,
@@ -540,7 +576,28 @@ impl Registry {
             Codec::Protobuf(c) => c.encode(&row.payload, &mut out).map_err(mismatch)?,
         }
         record.value = out;
+        self.describe_data(record, entry.id);
         Ok(())
+    }
+
+    /// CloudEvents in binary mode: the `data`'s content type, and
+    /// `dataschema` as the registry's URL of schema `id`.
+    fn describe_data(&self, record: &mut KafkaRecord, id: u32) {
+        if !self.cloudevents {
+            return;
+        }
+        let content_type = match self.format {
+            ValueFormat::Avro => "application/avro",
+            ValueFormat::Protobuf => "application/protobuf",
+            _ => "application/json",
+        };
+        record.headers.retain(|(k, _)| k != crate::kafka::cloudevents::CONTENT_TYPE && k != DATASCHEMA_HEADER);
+        record
+            .headers
+            .push((crate::kafka::cloudevents::CONTENT_TYPE.to_owned(), content_type.as_bytes().to_vec()));
+        record
+            .headers
+            .push((DATASCHEMA_HEADER.to_owned(), format!("{}/schemas/ids/{id}", self.client.url()).into_bytes()));
     }
 
     fn encode_inferred(&self, record: &mut KafkaRecord, row: &OutboxRow) -> Result<(), SchemaError> {
@@ -577,6 +634,7 @@ impl Registry {
                 out.extend_from_slice(&id.to_be_bytes());
                 c.encode(&v, &mut out).map_err(|m| mismatch(*id, m))?;
                 record.value = out;
+                self.describe_data(record, *id);
                 Ok(())
             }
             Some(Inferred::Refused(why)) => Err(mismatch(

@@ -420,7 +420,14 @@ async fn a_registry_outage_holds_new_schemas_back_and_loses_nothing() {
     );
     let orders: Vec<&Consumed> = records.iter().filter(|r| r.topic == order_topic).collect();
     assert!(decode("avro", &orders, "").iter().all(|(id, _)| *id == order_id));
+    // Shutdown while an event waits for the registry: a clean stop, and
+    // the slot still holds the event.
+    gate.close();
+    let before = confirmed_flush(&s.client, &s.slot).await.unwrap();
+    s.insert("Shipment", "s-1", "Shipped", &json!({"carrier": "x"})).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
     stop_relay(handle, stop).await;
+    assert_eq!(confirmed_flush(&s.client, &s.slot).await.unwrap(), before, "the waiting event is still in the slot");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -584,4 +591,30 @@ async fn check_lists_the_subject_each_event_type_uses_and_whether_it_resolves() 
     );
     let rule = find("Pinned");
     assert!(!rule.ok && rule.detail.contains("nowhere"), "{rule}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn cloudevents_in_binary_mode_carry_avro_data_with_its_dataschema() {
+    let s = Setup::new("ce").await;
+    let topic = s.topic("Order");
+    let id = registry().register(&format!("{topic}-value"), "AVRO", ORDER_AVRO);
+    let text = s
+        .config(&s._db.superuser_url(), "cloudevents-binary", &registry().url, "cloudevents_data = \"avro\"");
+    let (handle, stop) = spawn_relay_with_slot(&s.client, &s.slot, &text).await;
+    let row = s.insert("Order", "o-1", "OrderPlaced", &orders()[0]).await;
+    s.confirmed_past_now().await;
+    let records = consume(&broker().brokers, &[&topic], 1, Duration::from_secs(30));
+    assert_eq!(records.len(), 1);
+    let r = &records[0];
+    assert_eq!(r.header("ce_id"), Some(row.to_string().as_str()));
+    assert_eq!(r.header("ce_type"), Some("OrderPlaced"));
+    assert_eq!(r.header("content-type"), Some("application/avro"));
+    let dataschema = r.header("ce_dataschema").unwrap();
+    assert_eq!(dataschema, format!("{}/schemas/ids/{id}", registry().url));
+    let served = ureq::get(dataschema).call().unwrap().body_mut().read_to_string().unwrap();
+    assert!(served.contains("OrderPlaced"), "dataschema resolves to the schema: {served}");
+    let decoded = decode("avro", &[r], "");
+    assert_eq!(decoded[0].0, id);
+    assert_eq!(decoded[0].1["orderId"], "o-1");
+    stop_relay(handle, stop).await;
 }

@@ -241,12 +241,7 @@ impl Replay {
         // for its answer, up to and including this one, so that a refusal
         // is the row's own (see `crate::relay::polling`, the same rule).
         let mut isolate_until: Option<Uuid> = None;
-        let mut registry = crate::schema::Registry::new(
-            self.config.routing.value,
-            self.config.schema_registry.as_ref(),
-            self.config.schema_routing(),
-            None,
-        )
+        let mut registry = crate::schema::Registry::from_config(&self.config, None)
         .map_err(ReplayError::RegistrySetup)?;
         'runs: loop {
             let mut refused_batch = None;
