@@ -435,10 +435,14 @@ impl Config {
         };
         match url::Url::parse(&registry.url) {
             Ok(u) if matches!(u.scheme(), "http" | "https") && u.host().is_some() => {
-                if !u.username().is_empty() || u.password().is_some() {
+                if !u.username().is_empty()
+                    || u.password().is_some()
+                    || u.query().is_some()
+                    || u.fragment().is_some()
+                {
                     return Err(invalid(
                         "schema_registry.url",
-                        "must not hold credentials; use schema_registry.username and password",
+                        "must hold no credentials, query or fragment (it is shown in errors and in ce_dataschema); use schema_registry.username and password, or token",
                     ));
                 }
             }
@@ -493,7 +497,7 @@ impl Config {
             if rule.version == Some(0) {
                 return Err(invalid(&at("version"), "versions start at 1"));
             }
-            if rule.schema == Some(SchemaSource::Inferred) {
+            if rule.schema.unwrap_or(self.routing.schema) == SchemaSource::Inferred {
                 if !inferred_ok {
                     return Err(invalid(
                         &at("schema"),

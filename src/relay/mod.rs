@@ -428,7 +428,7 @@ impl Relay {
         );
         let otel = PublishTracer::new(&config.opentelemetry)?.map(Arc::new);
         let registry = crate::schema::Registry::from_config(&config, Some((*metrics).clone()))
-        .map_err(RelayError::RegistrySetup)?;
+            .map_err(RelayError::RegistrySetup)?;
         if let Some(r) = &registry {
             health.show_schemas(r.board());
         }

@@ -197,7 +197,7 @@ impl PollingRelay {
     ) -> Result<Self, PollingError> {
         let sink = Self::new_sink(&config)?;
         let registry = crate::schema::Registry::from_config(&config, Some((*metrics).clone()))
-        .map_err(PollingError::RegistrySetup)?;
+            .map_err(PollingError::RegistrySetup)?;
         if let Some(r) = &registry {
             health.show_schemas(r.board());
         }

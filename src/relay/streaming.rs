@@ -10,7 +10,7 @@ use super::commit::commit_outcome;
 use super::resume::Passage;
 use super::session::{now_micros, DeadLetterJob, Sent, Session, EAGER_CONFIRM, HEAR_OUT};
 use super::{Relay, RelayError};
-use crate::kafka::records::{build_record, dead_letter_stub, KafkaRecord, Poison};
+use crate::kafka::records::{build_record, dead_letter_stub, KafkaRecord, Poison, RecordError};
 use crate::kafka::sink::{KafkaSinkError, Refusal, SendOutcome};
 use crate::lsn::Lsn;
 use crate::ops::otel::PendingSpan;
@@ -257,15 +257,29 @@ impl Relay {
             s.open_commit_ms,
         );
         if let Some(registry) = self.registry.as_mut() {
-            if let Ok(r) = &built {
-                if !registry.ready(row, &r.topic) {
+            let topic = built.as_ref().ok().map(|r| r.topic.clone());
+            let retry = topic.is_some().then(|| built.clone());
+            if let Some(topic) = &topic {
+                if !registry.ready(row, topic) {
                     let (received, flushed, every) = s.beat();
                     stream
-                        .keep_alive_while(received, flushed, every, registry.resolve(row, &r.topic))
+                        .keep_alive_while(received, flushed, every, registry.resolve(row, topic))
                         .await??;
                 }
             }
             built = registry.apply(built, row)?;
+            // A mismatch against a `latest` schema may be a newer version
+            // the cache has not seen yet: look once more before calling the
+            // row poison.
+            if let (Err(RecordError::SchemaMismatch(_)), Some(topic), Some(retry)) = (&built, &topic, retry) {
+                if registry.recheck_after_mismatch(row, topic) {
+                    let (received, flushed, every) = s.beat();
+                    stream
+                        .keep_alive_while(received, flushed, every, registry.resolve(row, topic))
+                        .await??;
+                    built = registry.apply(retry, row)?;
+                }
+            }
         }
         let record = match built {
             Ok(r) => r,

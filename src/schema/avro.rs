@@ -37,6 +37,8 @@ pub struct AvroCodec {
     root: usize,
     /// The top record's full name (the record-name strategies' subject).
     pub name: Option<String>,
+    /// Whether any decimal is in the schema.
+    has_decimal: bool,
 }
 
 #[derive(Debug)]
@@ -75,8 +77,9 @@ enum Node {
     Date,
     TimeMillis,
     TimeMicros,
-    /// Timestamps: how many units a second holds.
-    Timestamp(i64),
+    /// Timestamps: how many units a second holds, and whether local (no
+    /// time zone).
+    Timestamp(i64, bool),
     /// Placeholder while a named type's own node is being compiled.
     Pending,
 }
@@ -122,16 +125,24 @@ impl AvroCodec {
             }
             _ => None,
         };
+        let has_decimal = c.nodes.iter().any(|n| matches!(n, Node::Decimal { .. }));
         Ok(AvroCodec {
             nodes: c.nodes,
             root,
             name,
+            has_decimal,
         })
     }
 
     /// Appends the Avro encoding of `value` to `out`.
-    pub fn encode(&self, value: &Value, out: &mut Vec<u8>) -> Result<(), Misfit> {
-        let mut path = Path::default();
+    /// `text` is the payload `value` was read from: a decimal written as a
+    /// JSON number is refused when the text holds a number too long for a
+    /// float to keep (the value has already been rounded).
+    pub fn encode(&self, value: &Value, text: &str, out: &mut Vec<u8>) -> Result<(), Misfit> {
+        let mut path = Path {
+            steps: Vec::new(),
+            long_numbers: self.has_decimal && has_long_number(text),
+        };
         self.write(self.root, value, &mut path, out, false)
     }
 
@@ -166,7 +177,11 @@ impl AvroCodec {
                 let f = n
                     .as_f64()
                     .ok_or_else(|| path.misfit(format!("{n} is not a number")))?;
-                out.extend_from_slice(&(f as f32).to_le_bytes());
+                let narrow = f as f32;
+                if !narrow.is_finite() {
+                    return Err(path.misfit(format!("{n} is beyond a float (32 bits)")));
+                }
+                out.extend_from_slice(&narrow.to_le_bytes());
                 Ok(())
             }
             (Node::Double, Value::Number(n)) => {
@@ -215,6 +230,11 @@ impl AvroCodec {
                 },
                 Value::Number(_) | Value::String(_),
             ) => {
+                if path.long_numbers && v.as_number().is_some_and(serde_json::Number::is_f64) {
+                    return Err(path.misfit(
+                        "the payload holds a number too long to read exactly (over 15 significant digits in a fraction): write decimals as strings",
+                    ));
+                }
                 let text = match v {
                     Value::String(s) => s.clone(),
                     other => other.to_string(),
@@ -250,16 +270,33 @@ impl AvroCodec {
                 zigzag((d - epoch).num_days(), out);
                 Ok(())
             }
-            (Node::TimeMicros | Node::Timestamp(_), Value::Number(n)) => {
+            (Node::TimeMicros | Node::Timestamp(..), Value::Number(n)) => {
                 let i = n
                     .as_i64()
                     .ok_or_else(|| path.misfit(format!("{n} is not a long")))?;
                 zigzag(i, out);
                 Ok(())
             }
-            (Node::Timestamp(per_sec), Value::String(s)) => {
-                let t = chrono::DateTime::parse_from_rfc3339(s)
-                    .map_err(|_| path.misfit(format!("{s:?} is not an RFC 3339 time")))?;
+            (Node::Timestamp(per_sec, local), Value::String(s)) => {
+                let t = if *local {
+                    chrono::NaiveDateTime::parse_from_str(s, "%Y-%m-%dT%H:%M:%S%.f")
+                        .map_err(|_| {
+                            path.misfit(format!(
+                                "{s:?} is not a local time (YYYY-MM-DDTHH:MM:SS[.f], no offset)"
+                            ))
+                        })?
+                        .and_utc()
+                } else {
+                    chrono::DateTime::parse_from_rfc3339(s)
+                        .map_err(|_| path.misfit(format!("{s:?} is not an RFC 3339 time")))?
+                        .to_utc()
+                };
+                let unit_nanos = 1_000_000_000 / per_sec;
+                if i64::from(t.timestamp_subsec_nanos()) % unit_nanos != 0 {
+                    return Err(
+                        path.misfit(format!("{s} is more precise than the type holds (1/{per_sec} s)"))
+                    );
+                }
                 let units = match per_sec {
                     1_000 => Some(t.timestamp_millis()),
                     1_000_000 => Some(t.timestamp_micros()),
@@ -346,7 +383,14 @@ impl AvroCodec {
         }
         let start = out.len();
         let mut first_misfit = None;
-        for (i, (_, b)) in branches.iter().enumerate() {
+        // The exact branch before a lossy or reinterpreting one: an
+        // integer goes to int or long before double, a fraction to double
+        // before float, a string to string before bytes, an object to a
+        // record before a map; ties keep the schema's order.
+        let mut order: Vec<usize> = (0..branches.len()).collect();
+        order.sort_by_key(|&i| self.nodes[branches[i].1].rank(v));
+        for i in order {
+            let b = &branches[i].1;
             if !self.nodes[*b].could_take(v) {
                 continue;
             }
@@ -390,7 +434,7 @@ impl Node {
             Node::Null => "null",
             Node::Boolean => "a boolean",
             Node::Int | Node::Date | Node::TimeMillis => "an int",
-            Node::Long | Node::TimeMicros | Node::Timestamp(_) => "a long",
+            Node::Long | Node::TimeMicros | Node::Timestamp(..) => "a long",
             Node::Float | Node::Double => "a number",
             Node::Bytes | Node::Fixed { .. } => "bytes (a string)",
             Node::String | Node::UuidString | Node::UuidBytes(_) => "a string",
@@ -403,6 +447,22 @@ impl Node {
         }
     }
 
+    /// How exactly this node keeps `v` (0: as is), to order union
+    /// branches.
+    fn rank(&self, v: &Value) -> u8 {
+        match (self, v) {
+            (Node::Float, Value::Number(_)) => 3,
+            (Node::Double, Value::Number(n)) if !n.is_f64() => 2,
+            (Node::Decimal { .. }, Value::Number(_)) => 1,
+            (
+                Node::Bytes | Node::Fixed { .. } | Node::Decimal { .. } | Node::Date | Node::Timestamp(..),
+                Value::String(_),
+            ) => 1,
+            (Node::Map(_), Value::Object(_)) => 1,
+            _ => 0,
+        }
+    }
+
     /// Whether a value of this JSON kind can be this node at all (the
     /// cheap test that picks union branches).
     fn could_take(&self, v: &Value) -> bool {
@@ -412,7 +472,7 @@ impl Node {
             Node::Int | Node::Long | Node::Float | Node::Double | Node::TimeMillis | Node::TimeMicros => {
                 v.is_number()
             }
-            Node::Date | Node::Timestamp(_) | Node::Decimal { .. } => v.is_number() || v.is_string(),
+            Node::Date | Node::Timestamp(..) | Node::Decimal { .. } => v.is_number() || v.is_string(),
             Node::Bytes
             | Node::Fixed { .. }
             | Node::String
@@ -512,9 +572,12 @@ impl Compiler {
             Schema::Date => self.push(Node::Date),
             Schema::TimeMillis => self.push(Node::TimeMillis),
             Schema::TimeMicros => self.push(Node::TimeMicros),
-            Schema::TimestampMillis | Schema::LocalTimestampMillis => self.push(Node::Timestamp(1_000)),
-            Schema::TimestampMicros | Schema::LocalTimestampMicros => self.push(Node::Timestamp(1_000_000)),
-            Schema::TimestampNanos | Schema::LocalTimestampNanos => self.push(Node::Timestamp(1_000_000_000)),
+            Schema::TimestampMillis => self.push(Node::Timestamp(1_000, false)),
+            Schema::TimestampMicros => self.push(Node::Timestamp(1_000_000, false)),
+            Schema::TimestampNanos => self.push(Node::Timestamp(1_000_000_000, false)),
+            Schema::LocalTimestampMillis => self.push(Node::Timestamp(1_000, true)),
+            Schema::LocalTimestampMicros => self.push(Node::Timestamp(1_000_000, true)),
+            Schema::LocalTimestampNanos => self.push(Node::Timestamp(1_000_000_000, true)),
             Schema::Duration(_) => return Err(AvroSchemaError::Unsupported("the duration logical type")),
             Schema::Ref { name } => {
                 let full = name.fullname(None);
@@ -563,9 +626,12 @@ fn branch_name(s: &Schema) -> String {
     }
 }
 
-/// A JSON path as Kafka users write it: `$.items[2].sku`.
-#[derive(Default)]
-struct Path(Vec<Step>);
+/// A JSON path as Kafka users write it: `$.items[2].sku`, and what the
+/// payload's text said of its numbers.
+struct Path {
+    steps: Vec<Step>,
+    long_numbers: bool,
+}
 
 enum Step {
     Key(String),
@@ -574,17 +640,17 @@ enum Step {
 
 impl Path {
     fn push_key(&mut self, k: &str) {
-        self.0.push(Step::Key(k.to_owned()));
+        self.steps.push(Step::Key(k.to_owned()));
     }
     fn push_index(&mut self, i: usize) {
-        self.0.push(Step::Index(i));
+        self.steps.push(Step::Index(i));
     }
     fn pop(&mut self) {
-        self.0.pop();
+        self.steps.pop();
     }
     fn misfit(&self, reason: impl Into<String>) -> Misfit {
         let mut path = String::from("$");
-        for s in &self.0 {
+        for s in &self.steps {
             match s {
                 Step::Key(k) if !k.is_empty() && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') => {
                     path.push('.');
@@ -628,6 +694,52 @@ pub(crate) fn json_kind(v: &Value) -> &'static str {
         Value::Array(_) => "an array",
         Value::Object(_) => "an object",
     }
+}
+
+/// Whether `text` (JSON) holds, outside strings, a number that was
+/// rounded when read: a fraction or exponent of more than 15 significant
+/// digits, or an integer of more than 19.
+fn has_long_number(text: &str) -> bool {
+    let b = text.as_bytes();
+    let (mut i, mut in_string) = (0, false);
+    while i < b.len() {
+        let c = b[i];
+        if in_string {
+            match c {
+                b'\\' => i += 1,
+                b'"' => in_string = false,
+                _ => {}
+            }
+            i += 1;
+            continue;
+        }
+        if c == b'"' {
+            in_string = true;
+            i += 1;
+            continue;
+        }
+        if c.is_ascii_digit() {
+            let (mut digits, mut leading, mut fraction) = (0, true, false);
+            while i < b.len() && (b[i].is_ascii_digit() || b[i] == b'.') {
+                if b[i] == b'.' {
+                    fraction = true;
+                } else if !(leading && b[i] == b'0') {
+                    leading = false;
+                    digits += 1;
+                }
+                i += 1;
+            }
+            let exponent = i < b.len() && matches!(b[i], b'e' | b'E');
+            // Integers of up to 19 digits are read exactly (i64, u64);
+            // floats keep 15.
+            if (fraction || exponent) && digits > 15 || digits > 19 {
+                return true;
+            }
+            continue;
+        }
+        i += 1;
+    }
+    false
 }
 
 /// Avro's variable-length zig-zag `long`.
@@ -727,7 +839,8 @@ mod tests {
     fn encode(schema: &str, v: Value) -> Result<Vec<u8>, Misfit> {
         let c = AvroCodec::parse(schema).unwrap();
         let mut out = Vec::new();
-        c.encode(&v, &mut out).map(|()| out)
+        let text = v.to_string();
+        c.encode(&v, &text, &mut out).map(|()| out)
     }
 
     fn decode(schema: &str, bytes: &[u8]) -> Avro {
@@ -837,6 +950,8 @@ mod tests {
         assert_eq!(encode(s, big).unwrap_err().path, "$.i");
         let u64_big = json!({"i": 0, "l": u64::MAX, "d": 0, "f": 0, "b": "", "x": "ab", "dec": 0, "day": 0});
         assert_eq!(encode(s, u64_big).unwrap_err().path, "$.l");
+        let beyond = json!({"i": 0, "l": 0, "d": 0, "f": 1e300, "b": "", "x": "ab", "dec": 0, "day": 0});
+        assert_eq!(encode(s, beyond).unwrap_err().path, "$.f", "no silent infinity");
         let wide = json!({"i": 0, "l": 0, "d": 0, "f": 0, "b": "\u{100}", "x": "ab", "dec": 0, "day": 0});
         assert_eq!(encode(s, wide).unwrap_err().path, "$.b");
         let short = json!({"i": 0, "l": 0, "d": 0, "f": 0, "b": "", "x": "a", "dec": 0, "day": 0});
@@ -860,6 +975,80 @@ mod tests {
         };
         assert_eq!(items.len(), 300);
         assert_eq!(items[299], Avro::Long(299_000));
+    }
+
+    #[test]
+    fn unions_take_the_exact_branch_and_nothing_is_rounded_silently() {
+        let u = |types: &str, v: Value| -> Result<Avro, Misfit> {
+            let s = format!(r#"{{"type":"record","name":"U","fields":[{{"name":"u","type":{types}}}]}}"#);
+            let bytes = encode(&s, json!({"u": v}))?;
+            let Avro::Record(f) = decode(&s, &bytes) else {
+                panic!()
+            };
+            Ok(f[0].1.clone())
+        };
+        let big = 9_007_199_254_740_993i64;
+        assert_eq!(
+            u(r#"["null","double","long"]"#, json!(big)).unwrap(),
+            Avro::Union(2, Box::new(Avro::Long(big)))
+        );
+        assert_eq!(
+            u(r#"["null","float","double"]"#, json!(0.1)).unwrap(),
+            Avro::Union(2, Box::new(Avro::Double(0.1)))
+        );
+        assert_eq!(
+            u(r#"["bytes","string"]"#, json!("abc")).unwrap(),
+            Avro::Union(1, Box::new(Avro::String("abc".into())))
+        );
+        assert_eq!(
+            u(r#"["long","double"]"#, json!(1.5)).unwrap(),
+            Avro::Union(1, Box::new(Avro::Double(1.5)))
+        );
+        let map_first = r#"[{"type":"map","values":"long"},{"type":"record","name":"R","fields":[{"name":"a","type":"long"}]}]"#;
+        assert!(
+            matches!(u(map_first, json!({"a": 1})).unwrap(), Avro::Union(1, _)),
+            "the record before the map"
+        );
+        // A decimal written as a long JSON number was rounded on reading.
+        let dec = r#"{"type":"bytes","logicalType":"decimal","precision":38,"scale":20}"#;
+        let s = format!(r#"{{"type":"record","name":"D","fields":[{{"name":"d","type":{dec}}}]}}"#);
+        let c = AvroCodec::parse(&s).unwrap();
+        let text = r#"{"d": 1234567890123.4567}"#;
+        let v: Value = serde_json::from_str(text).unwrap();
+        let m = c.encode(&v, text, &mut Vec::new()).unwrap_err();
+        assert!(m.reason.contains("write decimals as strings"), "{m}");
+        let text = r#"{"d": "1234567890123.4567"}"#;
+        c.encode(&serde_json::from_str(text).unwrap(), text, &mut Vec::new())
+            .unwrap();
+        let text = r#"{"d": 12.5}"#;
+        c.encode(&serde_json::from_str(text).unwrap(), text, &mut Vec::new())
+            .unwrap();
+        assert!(has_long_number(r#"{"a": 0.10000000000000000555}"#));
+        assert!(!has_long_number(
+            r#"{"a": "1234567890123456789", "b": 0.000001, "c": 9223372036854775807}"#
+        ));
+        assert!(has_long_number(r#"{"c": 123456789012345678901}"#));
+    }
+
+    #[test]
+    fn timestamps_refuse_what_their_unit_cannot_hold() {
+        let t = |logical: &str, v: &str| {
+            let s = format!(
+                r#"{{"type":"record","name":"T","fields":[{{"name":"t","type":{{"type":"long","logicalType":"{logical}"}}}}]}}"#
+            );
+            encode(&s, json!({"t": v}))
+        };
+        assert!(t("timestamp-millis", "2026-12-02T10:00:00.123Z").is_ok());
+        assert!(t("timestamp-millis", "2026-12-02T10:00:00.1239Z")
+            .unwrap_err()
+            .reason
+            .contains("more precise"));
+        assert!(t("timestamp-micros", "2026-12-02T10:00:00.123456+09:00").is_ok());
+        assert!(t("local-timestamp-millis", "2026-12-02T10:00:00.5").is_ok());
+        assert!(
+            t("local-timestamp-millis", "2026-12-02T10:00:00Z").is_err(),
+            "an offset on a local time"
+        );
     }
 
     #[test]

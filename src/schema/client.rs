@@ -67,8 +67,13 @@ pub enum ClientError {
 }
 
 impl ClientError {
+    /// Worth waiting for: the registry is away, or answered with
+    /// something that is not its API (a proxy's maintenance page).
     pub fn is_transient(&self) -> bool {
-        matches!(self, ClientError::Unavailable { .. })
+        matches!(
+            self,
+            ClientError::Unavailable { .. } | ClientError::Unreadable { .. }
+        )
     }
 }
 

@@ -352,7 +352,7 @@ mod tests {
                 "nums": [1, 3000000000, 2.5], "lines": [{"sku": "a"}, {"qty": 2}, null], "nested": {"deep": {"x": 1}}}"#,
         )
         .unwrap();
-        codec.encode(&payload, &mut Vec::new()).unwrap();
+        codec.encode(&payload, "", &mut Vec::new()).unwrap();
     }
 
     #[test]

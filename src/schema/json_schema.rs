@@ -18,8 +18,15 @@ pub struct JsonSchemaCodec {
 impl JsonSchemaCodec {
     pub fn parse(text: &str) -> Result<Self, String> {
         let schema: Value = serde_json::from_str(text).map_err(|e| format!("not JSON: {e}"))?;
-        let validator =
-            jsonschema::validator_for(&schema).map_err(|e| format!("not a usable JSON Schema: {e}"))?;
+        // Without `$schema`, draft-07, as Confluent's serializers read it.
+        let validator = if schema.get("$schema").is_some() {
+            jsonschema::validator_for(&schema)
+        } else {
+            jsonschema::options()
+                .with_draft(jsonschema::Draft::Draft7)
+                .build(&schema)
+        }
+        .map_err(|e| format!("not a usable JSON Schema: {e}"))?;
         Ok(JsonSchemaCodec {
             validator,
             name: schema.get("title").and_then(Value::as_str).map(str::to_owned),
@@ -76,5 +83,9 @@ mod tests {
         assert_eq!(m.path, "$");
         assert!(m.reason.contains("orderId"), "{m}");
         assert!(JsonSchemaCodec::parse(r#"{"type": 5}"#).is_err());
+        // No `$schema`: draft-07, where `dependencies` applies.
+        let c = JsonSchemaCodec::parse(r#"{"type":"object","dependencies":{"card":["billing"]}}"#).unwrap();
+        assert!(c.check(&json!({"card": 1})).is_err());
+        c.check(&json!({"card": 1, "billing": "x"})).unwrap();
     }
 }

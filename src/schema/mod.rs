@@ -42,9 +42,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use crate::config::{
-    SchemaRouting, SchemaRule, SchemaSource, SubjectStrategy, ValueFormat,
-};
+use crate::config::{SchemaRouting, SchemaRule, SchemaSource, SubjectStrategy, ValueFormat};
 use crate::kafka::records::{KafkaRecord, RecordError};
 use crate::metrics::Metrics;
 use crate::source::outbox::OutboxRow;
@@ -53,6 +51,10 @@ use client::{Client, ClientError, Served};
 
 /// The Confluent wire format's first byte.
 pub const MAGIC: u8 = 0;
+
+/// How often a mismatch may send outboxd looking for a newer version of
+/// a `latest` schema.
+pub const RECHECK_EVERY: Duration = Duration::from_secs(5);
 
 /// CloudEvents' `dataschema` in binary mode.
 pub const DATASCHEMA_HEADER: &str = "ce_dataschema";
@@ -113,6 +115,8 @@ struct InUse {
     fetched: Instant,
     /// Looked up as `latest`: refreshed after the refresh interval.
     latest: bool,
+    /// When a mismatch last made outboxd look for a newer version.
+    rechecked: Option<Instant>,
 }
 
 /// A schema in use, as `outboxd status` and the HTTP status show it.
@@ -132,9 +136,11 @@ enum Inferred {
         id: u32,
         codec: Arc<Codec>,
     },
-    /// The registry refused it (an incompatible change, say): every
-    /// payload of this shape is a mismatch.
-    Refused(String),
+    /// The registry refused it (409: incompatible with the subject's
+    /// history; 422: invalid): payloads of this shape are mismatches until
+    /// the refusal is older than the refresh interval, then it is asked
+    /// again.
+    Refused(String, Instant),
 }
 
 /// The schemas the relay encodes with, shared with the HTTP status.
@@ -200,12 +206,18 @@ fn outcome_of(e: &ClientError) -> &'static str {
 impl Registry {
     /// The registry of `config`'s format, or `None` when the format uses
     /// none.
-    pub fn from_config(config: &crate::config::Config, metrics: Option<Metrics>) -> Result<Option<Registry>, String> {
+    pub fn from_config(
+        config: &crate::config::Config,
+        metrics: Option<Metrics>,
+    ) -> Result<Option<Registry>, String> {
         let format = config.registry_format();
         if !format.uses_registry() {
             return Ok(None);
         }
-        let cfg = config.schema_registry.as_ref().ok_or("routing.value needs [schema_registry]")?;
+        let cfg = config
+            .schema_registry
+            .as_ref()
+            .ok_or("routing.value needs [schema_registry]")?;
         Ok(Some(Registry {
             client: Client::new(cfg)?,
             format,
@@ -304,12 +316,38 @@ impl Registry {
                 return true;
             };
             return match infer::derive(&row.payload, &self.inferred_name(&row.event_type, topic)) {
-                Ok(text) => self.inferred.get(&subject).is_some_and(|m| m.contains_key(&text)),
+                Ok(text) => match self.inferred.get(&subject).and_then(|m| m.get(&text)) {
+                    Some(Inferred::Registered { .. }) => true,
+                    Some(Inferred::Refused(_, at)) => at.elapsed() < self.refresh,
+                    None => false,
+                },
                 Err(_) => true,
             };
         }
         self.entry(&row.event_type, topic)
             .is_some_and(|e| !e.latest || e.fetched.elapsed() < self.refresh)
+    }
+
+    /// After a mismatch against a `latest` schema: whether a newer version
+    /// may fit, in which case the cached one is marked stale, so that the
+    /// next [`Registry::ready`] asks the registry again. At most once per
+    /// [`RECHECK_EVERY`] per schema, so that a run of bad rows does not
+    /// become a run of requests.
+    pub fn recheck_after_mismatch(&mut self, row: &OutboxRow, topic: &str) -> bool {
+        let refresh = self.refresh;
+        let Some(entry) = self
+            .resolved
+            .get_mut(&row.event_type)
+            .and_then(|m| m.get_mut(topic))
+        else {
+            return false;
+        };
+        if !entry.latest || entry.rechecked.is_some_and(|t| t.elapsed() < RECHECK_EVERY) {
+            return false;
+        }
+        entry.rechecked = Some(Instant::now());
+        entry.fetched = Instant::now().checked_sub(refresh).unwrap_or(entry.fetched);
+        true
     }
 
     fn count(&self, outcome: &str) {
@@ -367,15 +405,18 @@ impl Registry {
         let served = loop {
             match self.fetch(subject.as_deref(), rule.as_ref()).await {
                 Ok(s) => break s,
-                Err(e) if e.is_transient() => {
-                    if self.entry(event_type, topic).is_some() {
-                        tracing::warn!(error = %e, "could not refresh a schema; the one in use stays until the next try");
-                        if let Some(entry) = self.resolved.get_mut(event_type).and_then(|m| m.get_mut(topic))
-                        {
-                            entry.fetched = Instant::now();
-                        }
-                        return Ok(());
+                // A refresh that fails, for whatever reason (the subject
+                // deleted, a token expired, the registry away), keeps the
+                // schema in use: the events it encodes were valid a moment
+                // ago, and stopping would cure nothing.
+                Err(e) if self.entry(event_type, topic).is_some() => {
+                    tracing::warn!(error = %e, "could not refresh a schema; the one in use stays until the next try");
+                    if let Some(entry) = self.resolved.get_mut(event_type).and_then(|m| m.get_mut(topic)) {
+                        entry.fetched = Instant::now();
                     }
+                    return Ok(());
+                }
+                Err(e) if e.is_transient() => {
                     tracing::warn!(error = %e, subject = subject.as_deref().unwrap_or(""), retry_in = ?pause,
                         "waiting for the Schema Registry: no event goes to Kafka until its schema is known");
                     self.pause(pause).await?;
@@ -412,6 +453,7 @@ impl Registry {
         let latest = rule
             .as_ref()
             .is_none_or(|r| r.id.is_none() && r.version.is_none());
+        let previous_recheck = self.entry(event_type, topic).and_then(|e| e.rechecked);
         tracing::info!(
             subject = subject.as_deref().unwrap_or(""),
             id,
@@ -440,6 +482,7 @@ impl Registry {
                 codec,
                 fetched: Instant::now(),
                 latest,
+                rechecked: previous_recheck,
             },
         );
         Ok(())
@@ -503,8 +546,12 @@ impl Registry {
                     codec: Arc::new(Codec::Avro(codec)),
                 }
             }
-            Err(e @ ClientError::Unauthorized { .. }) => return Err(SchemaError::Registry(e)),
-            Err(e) => Inferred::Refused(e.to_string()),
+            Err(
+                e @ ClientError::Refused {
+                    status: 409 | 422, ..
+                },
+            ) => Inferred::Refused(e.to_string(), Instant::now()),
+            Err(e) => return Err(SchemaError::Registry(e)),
         };
         self.inferred.entry(subject).or_default().insert(text, entry);
         Ok(())
@@ -566,7 +613,7 @@ impl Registry {
         match &*entry.codec {
             Codec::Avro(c) => {
                 let v = parse_payload(&row.payload).map_err(mismatch)?;
-                c.encode(&v, &mut out).map_err(mismatch)?;
+                c.encode(&v, &row.payload, &mut out).map_err(mismatch)?;
             }
             Codec::JsonSchema(c) => {
                 let v = parse_payload(&row.payload).map_err(mismatch)?;
@@ -591,13 +638,17 @@ impl Registry {
             ValueFormat::Protobuf => "application/protobuf",
             _ => "application/json",
         };
-        record.headers.retain(|(k, _)| k != crate::kafka::cloudevents::CONTENT_TYPE && k != DATASCHEMA_HEADER);
         record
             .headers
-            .push((crate::kafka::cloudevents::CONTENT_TYPE.to_owned(), content_type.as_bytes().to_vec()));
-        record
-            .headers
-            .push((DATASCHEMA_HEADER.to_owned(), format!("{}/schemas/ids/{id}", self.client.url()).into_bytes()));
+            .retain(|(k, _)| k != crate::kafka::cloudevents::CONTENT_TYPE && k != DATASCHEMA_HEADER);
+        record.headers.push((
+            crate::kafka::cloudevents::CONTENT_TYPE.to_owned(),
+            content_type.as_bytes().to_vec(),
+        ));
+        record.headers.push((
+            DATASCHEMA_HEADER.to_owned(),
+            format!("{}/schemas/ids/{id}", self.client.url()).into_bytes(),
+        ));
     }
 
     fn encode_inferred(&self, record: &mut KafkaRecord, row: &OutboxRow) -> Result<(), SchemaError> {
@@ -632,12 +683,13 @@ impl Registry {
                 let mut out = Vec::with_capacity(row.payload.len() + 8);
                 out.push(MAGIC);
                 out.extend_from_slice(&id.to_be_bytes());
-                c.encode(&v, &mut out).map_err(|m| mismatch(*id, m))?;
+                c.encode(&v, &row.payload, &mut out)
+                    .map_err(|m| mismatch(*id, m))?;
                 record.value = out;
                 self.describe_data(record, *id);
                 Ok(())
             }
-            Some(Inferred::Refused(why)) => Err(mismatch(
+            Some(Inferred::Refused(why, _)) => Err(mismatch(
                 0,
                 Misfit {
                     path: "$".into(),
@@ -683,12 +735,20 @@ impl Registry {
         built: Result<KafkaRecord, RecordError>,
         row: &OutboxRow,
     ) -> Result<Result<KafkaRecord, RecordError>, SchemaError> {
-        if let Ok(r) = &built {
-            if !self.ready(row, &r.topic) {
-                self.resolve(row, &r.topic).await?;
-            }
+        let topic = match &built {
+            Ok(r) => r.topic.clone(),
+            Err(_) => return Ok(built),
+        };
+        let retry = built.clone();
+        if !self.ready(row, &topic) {
+            self.resolve(row, &topic).await?;
         }
-        self.apply(built, row)
+        let out = self.apply(built, row)?;
+        if matches!(out, Err(RecordError::SchemaMismatch(_))) && self.recheck_after_mismatch(row, &topic) {
+            self.resolve(row, &topic).await?;
+            return self.apply(retry, row);
+        }
+        Ok(out)
     }
 
     /// The start-up check: refused credentials, or a subject named in
@@ -743,19 +803,18 @@ impl Registry {
     }
 
     /// The subjects configured in `[routing.schemas]` that can be named
-    /// without an event (an explicit subject, a pinned id, or the record
-    /// strategy), looked up once: for `outboxd check` and the start.
+    /// without an event (an explicit subject or a pinned id), looked up
+    /// once: for `outboxd check` and the start.
     pub async fn check_configured(&self) -> Vec<(String, Result<String, ClientError>)> {
         let mut out = Vec::new();
         for (key, rule) in &self.routing.rules {
-            let subject = match (rule.id, &rule.subject, self.routing.strategy) {
-                (Some(_), _, _) => None,
-                (None, Some(s), _) => Some(s.clone()),
-                (None, None, SubjectStrategy::Record) => {
-                    Some(rule.record.clone().unwrap_or_else(|| key.clone()))
-                }
-                // The subject depends on the topic, known with the event.
-                (None, None, _) => continue,
+            // Only rules that name their subject (or pin an id): a rule's
+            // key may be an event type or a topic, and the strategy's
+            // subject is known with the event.
+            let subject = match (rule.id, &rule.subject) {
+                (Some(_), _) => None,
+                (None, Some(s)) => Some(s.clone()),
+                (None, None) => continue,
             };
             let label = subject
                 .clone()

@@ -23,6 +23,8 @@ use crate::relay::{
 /// Protobuf, the schema the record names is fetched by id and compiled
 /// with protoc into the class the deserializer needs.
 const DECODE: &str = r#"
+import faulthandler
+faulthandler.dump_traceback_later(60, exit=True)
 import base64, datetime, decimal, importlib, json, os, sys, tempfile, uuid
 from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.avro import AvroDeserializer
@@ -74,11 +76,23 @@ for line in sys.stdin:
     print(json.dumps({"id": schema_id, "value": out}, default=plain))
 "#;
 
-/// Each record decoded by Confluent's client: (schema id, value).
+/// Each record decoded by Confluent's client: (schema id, value). A
+/// client that hangs (seen twice in many runs, before the registry had
+/// served much; the stack it dumps is printed) is run once more.
 fn decode(format: &str, records: &[&Consumed], message: &str) -> Vec<(u32, Value)> {
+    match decode_once(format, records, message) {
+        Ok(v) => v,
+        Err(first) => {
+            eprintln!("Confluent's client failed once, running it again: {first}");
+            decode_once(format, records, message).unwrap_or_else(|e| panic!("{e}"))
+        }
+    }
+}
+
+fn decode_once(format: &str, records: &[&Consumed], message: &str) -> Result<Vec<(u32, Value)>, String> {
     // `timeout`: a client that hangs fails the test instead of the run.
     let mut child = Command::new("timeout")
-        .arg("120")
+        .arg("90")
         .arg(clients_python())
         .args(["-c", DECODE, &registry().url, format])
         .stdin(Stdio::piped())
@@ -95,21 +109,22 @@ fn decode(format: &str, records: &[&Consumed], message: &str) -> Vec<(u32, Value
     }
     child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
     let out = child.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "Confluent's deserializer refused a record ({}): {} {}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr),
-        String::from_utf8_lossy(&out.stdout)
-    );
-    String::from_utf8(out.stdout)
+    if !out.status.success() {
+        return Err(format!(
+            "Confluent's deserializer refused a record ({}): {} {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr),
+            String::from_utf8_lossy(&out.stdout)
+        ));
+    }
+    Ok(String::from_utf8(out.stdout)
         .unwrap()
         .lines()
         .map(|l| {
             let v: Value = serde_json::from_str(l).unwrap();
             (v["id"].as_u64().unwrap() as u32, v["value"].clone())
         })
-        .collect()
+        .collect())
 }
 
 const ORDER_AVRO: &str = r#"{
@@ -424,10 +439,15 @@ async fn a_registry_outage_holds_new_schemas_back_and_loses_nothing() {
     // the slot still holds the event.
     gate.close();
     let before = confirmed_flush(&s.client, &s.slot).await.unwrap();
-    s.insert("Shipment", "s-1", "Shipped", &json!({"carrier": "x"})).await;
+    s.insert("Shipment", "s-1", "Shipped", &json!({"carrier": "x"}))
+        .await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     stop_relay(handle, stop).await;
-    assert_eq!(confirmed_flush(&s.client, &s.slot).await.unwrap(), before, "the waiting event is still in the slot");
+    assert_eq!(
+        confirmed_flush(&s.client, &s.slot).await.unwrap(),
+        before,
+        "the waiting event is still in the slot"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -598,8 +618,12 @@ async fn cloudevents_in_binary_mode_carry_avro_data_with_its_dataschema() {
     let s = Setup::new("ce").await;
     let topic = s.topic("Order");
     let id = registry().register(&format!("{topic}-value"), "AVRO", ORDER_AVRO);
-    let text = s
-        .config(&s._db.superuser_url(), "cloudevents-binary", &registry().url, "cloudevents_data = \"avro\"");
+    let text = s.config(
+        &s._db.superuser_url(),
+        "cloudevents-binary",
+        &registry().url,
+        "cloudevents_data = \"avro\"",
+    );
     let (handle, stop) = spawn_relay_with_slot(&s.client, &s.slot, &text).await;
     let row = s.insert("Order", "o-1", "OrderPlaced", &orders()[0]).await;
     s.confirmed_past_now().await;
@@ -611,10 +635,111 @@ async fn cloudevents_in_binary_mode_carry_avro_data_with_its_dataschema() {
     assert_eq!(r.header("content-type"), Some("application/avro"));
     let dataschema = r.header("ce_dataschema").unwrap();
     assert_eq!(dataschema, format!("{}/schemas/ids/{id}", registry().url));
-    let served = ureq::get(dataschema).call().unwrap().body_mut().read_to_string().unwrap();
-    assert!(served.contains("OrderPlaced"), "dataschema resolves to the schema: {served}");
+    let served = ureq::get(dataschema)
+        .call()
+        .unwrap()
+        .body_mut()
+        .read_to_string()
+        .unwrap();
+    assert!(
+        served.contains("OrderPlaced"),
+        "dataschema resolves to the schema: {served}"
+    );
     let decoded = decode("avro", &[r], "");
     assert_eq!(decoded[0].0, id);
     assert_eq!(decoded[0].1["orderId"], "o-1");
     stop_relay(handle, stop).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_payload_that_fits_a_newer_version_than_the_cached_one_is_published_not_dead_lettered() {
+    let s = Setup::new("newer").await;
+    let topic = s.topic("Payment");
+    let subject = format!("{topic}-value");
+    let v1 = registry().register(
+        &subject,
+        "AVRO",
+        r#"{"type": "record", "name": "PaymentMade", "fields": [{"name": "amount", "type": "long"}]}"#,
+    );
+    let text = s.config(&s._db.superuser_url(), "avro", &registry().url, "");
+    let (handle, stop) = spawn_relay_with_slot(&s.client, &s.slot, &text).await;
+    s.insert("Payment", "p-1", "PaymentMade", &json!({"amount": 1}))
+        .await;
+    s.confirmed_past_now().await;
+    // Version 2 adds a field; the cached version 1 is fresh for minutes.
+    let v2 = registry().register(
+        &subject,
+        "AVRO",
+        r#"{"type": "record", "name": "PaymentMade", "fields": [{"name": "amount", "type": "long"},
+            {"name": "coupon", "type": ["null", "string"], "default": null}]}"#,
+    );
+    s.insert(
+        "Payment",
+        "p-1",
+        "PaymentMade",
+        &json!({"amount": 2, "coupon": "SAVE10"}),
+    )
+    .await;
+    s.insert("Payment", "p-1", "PaymentMade", &json!({"amount": 3}))
+        .await;
+    s.confirmed_past_now().await;
+    let records = consume(&broker().brokers, &[&topic], 3, Duration::from_secs(30));
+    let events: Vec<&Consumed> = records.iter().collect();
+    let decoded = decode("avro", &events, "");
+    assert_eq!(decoded[0], (v1, json!({"amount": 1})));
+    assert_eq!(decoded[1], (v2, json!({"amount": 2, "coupon": "SAVE10"})));
+    assert_eq!(decoded[2], (v2, json!({"amount": 3, "coupon": null})));
+    assert!(!topics_with_prefix(&broker().brokers, &s.prefix).contains(&format!("{}.dead-letter", s.prefix)));
+    stop_relay(handle, stop).await;
+}
+
+#[test]
+fn schema_settings_that_cannot_work_together_are_refused_at_load() {
+    let base = |extra_routing: &str, registry: &str| {
+        format!(
+            "[postgres]\nurl = \"postgres://u@h/db\"\n[kafka]\nbrokers = \"k:9092\"\n{registry}\n[routing]\nvalue = \"avro\"\n{extra_routing}"
+        )
+    };
+    let registry = "[schema_registry]\nurl = \"http://registry:8081\"";
+    let refused = [
+        ("", "", "schema_registry.url"),
+        (
+            "schema = \"inferred\"\n[routing.schemas.\"X\"]\nid = 1",
+            registry,
+            "routing.schemas.X.schema",
+        ),
+        (
+            "schema = \"inferred\"\n[routing.schemas.\"X\"]\nversion = 2",
+            registry,
+            "routing.schemas.X.schema",
+        ),
+        (
+            "[routing.schemas.\"X\"]\nid = 1\nversion = 2",
+            registry,
+            "routing.schemas.X.id",
+        ),
+        (
+            "",
+            "[schema_registry]\nurl = \"http://registry:8081/?token=s3cret\"",
+            "schema_registry.url",
+        ),
+        (
+            "",
+            "[schema_registry]\nurl = \"http://registry:8081\"\nusername = \"u\"",
+            "schema_registry.password",
+        ),
+        (
+            "cloudevents_data = \"avro\"",
+            registry,
+            "routing.cloudevents_data",
+        ),
+    ];
+    for (routing, registry, key) in refused {
+        let text = base(routing, registry);
+        let err = outboxd::config::Config::from_toml(&text, |_| None)
+            .expect_err(&text)
+            .to_string();
+        assert!(err.contains(key), "{key}: {err}");
+        assert!(!err.contains("s3cret"), "{err}");
+    }
 }

@@ -161,6 +161,15 @@ impl std::fmt::Display for Summary {
     }
 }
 
+/// Aborts a background task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// One replay.
 #[derive(Debug)]
 pub struct Replay {
@@ -241,8 +250,23 @@ impl Replay {
         // for its answer, up to and including this one, so that a refusal
         // is the row's own (see `crate::relay::polling`, the same rule).
         let mut isolate_until: Option<Uuid> = None;
-        let mut registry = crate::schema::Registry::from_config(&self.config, None)
-        .map_err(ReplayError::RegistrySetup)?;
+        let mut registry =
+            crate::schema::Registry::from_config(&self.config, None).map_err(ReplayError::RegistrySetup)?;
+        // Ctrl-C ends a wait for an unreachable registry too.
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let watcher = {
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                }
+                let _ = stop_tx.send(true);
+            })
+        };
+        let _watcher = AbortOnDrop(watcher);
+        if let Some(r) = registry.as_mut() {
+            r.stop_on(stop_rx);
+        }
         'runs: loop {
             let mut refused_batch = None;
             for chunk in ids.chunks(o.batch.max(1)) {
@@ -265,6 +289,10 @@ impl Replay {
                     if let Some(registry) = registry.as_mut() {
                         match registry.prepare(record, &r.row).await {
                             Ok(built) => record = built,
+                            Err(crate::schema::SchemaError::Interrupted) => {
+                                interrupted = true;
+                                break;
+                            }
                             Err(e) => {
                                 failure = Some(ReplayError::Schema(e));
                                 break;
