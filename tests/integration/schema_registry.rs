@@ -743,3 +743,42 @@ fn schema_settings_that_cannot_work_together_are_refused_at_load() {
         assert!(!err.contains("s3cret"), "{err}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn under_on_poison_stop_a_misfit_stops_the_relay_naming_the_field_and_the_slot_holds_it() {
+    let s = Setup::new("misfit_stop").await;
+    let topic = s.topic("Order");
+    registry().register(&format!("{topic}-value"), "AVRO", ORDER_AVRO);
+    let text = s
+        .config(&s._db.superuser_url(), "avro", &registry().url, "")
+        .replace("on_poison = \"dead-letter\"", "on_poison = \"stop\"");
+    let (handle, _stop) = spawn_relay_with_slot(&s.client, &s.slot, &text).await;
+    s.insert("Order", "o-1", "OrderPlaced", &orders()[0]).await;
+    s.confirmed_past_now().await;
+    let before = confirmed_flush(&s.client, &s.slot).await.unwrap();
+    let bad = s
+        .insert("Order", "o-1", "OrderPlaced", &json!({"orderId": 7}))
+        .await;
+    s.insert("Order", "o-1", "OrderPlaced", &orders()[1]).await;
+    let err = tokio::time::timeout(Duration::from_secs(60), handle)
+        .await
+        .expect("the relay stops")
+        .unwrap()
+        .expect_err("a definite error");
+    let text = err.to_string();
+    assert!(
+        text.contains(&bad.to_string()) && text.contains("$.orderId"),
+        "{text}"
+    );
+    assert_eq!(
+        confirmed_flush(&s.client, &s.slot).await.unwrap(),
+        before,
+        "the slot holds the row and the one after"
+    );
+    let records = consume(&broker().brokers, &[&topic], 1, Duration::from_secs(10));
+    assert_eq!(
+        records.len(),
+        1,
+        "nothing after the misfit was published: {records:?}"
+    );
+}
