@@ -477,8 +477,13 @@ impl PollingRelay {
         let now_ms = chrono::Utc::now().timestamp_millis();
         let mut record = build_record(row, &self.validated.topic, &self.validated.value, now_ms);
         if let Some(registry) = self.registry.as_mut() {
+            // The row was written by created_at (polling has no commit time).
+            let written_ms = row
+                .created_at
+                .rfc3339()
+                .map_or(now_ms, chrono::DateTime::timestamp_millis);
             record = registry
-                .prepare(record, row)
+                .prepare(record, row, written_ms.min(now_ms))
                 .await
                 .map_err(PollingError::Schema)?;
         }

@@ -10,7 +10,7 @@ use super::commit::commit_outcome;
 use super::resume::Passage;
 use super::session::{now_micros, DeadLetterJob, Sent, Session, EAGER_CONFIRM, HEAR_OUT};
 use super::{Relay, RelayError};
-use crate::kafka::records::{build_record, dead_letter_stub, KafkaRecord, Poison, RecordError};
+use crate::kafka::records::{build_record, dead_letter_stub, KafkaRecord, Poison};
 use crate::kafka::sink::{KafkaSinkError, Refusal, SendOutcome};
 use crate::lsn::Lsn;
 use crate::ops::otel::PendingSpan;
@@ -256,29 +256,27 @@ impl Relay {
             &self.validated.value,
             s.open_commit_ms,
         );
-        if let Some(registry) = self.registry.as_mut() {
-            let topic = built.as_ref().ok().map(|r| r.topic.clone());
-            let retry = topic.is_some().then(|| built.clone());
-            if let Some(topic) = &topic {
-                if !registry.ready(row, topic) {
-                    let (received, flushed, every) = s.beat();
-                    stream
-                        .keep_alive_while(received, flushed, every, registry.resolve(row, topic))
-                        .await??;
-                }
+        if let (Some(registry), Ok(record)) = (self.registry.as_mut(), built.as_mut()) {
+            if !registry.ready(row, &record.topic) {
+                let (received, flushed, every) = s.beat();
+                stream
+                    .keep_alive_while(received, flushed, every, registry.resolve(row, &record.topic))
+                    .await??;
             }
-            built = registry.apply(built, row)?;
+            let mut misfit = registry.try_encode(record, row)?;
             // A mismatch against a `latest` schema may be a newer version
             // the cache has not seen yet: look once more before calling the
             // row poison.
-            if let (Err(RecordError::SchemaMismatch(_)), Some(topic), Some(retry)) = (&built, &topic, retry) {
-                if registry.recheck_after_mismatch(row, topic) {
-                    let (received, flushed, every) = s.beat();
-                    stream
-                        .keep_alive_while(received, flushed, every, registry.resolve(row, topic))
-                        .await??;
-                    built = registry.apply(retry, row)?;
-                }
+            if misfit.is_some() && registry.recheck_after_mismatch(row, &record.topic, s.open_commit_ms) {
+                let (received, flushed, every) = s.beat();
+                stream
+                    .keep_alive_while(received, flushed, every, registry.resolve(row, &record.topic))
+                    .await??;
+                misfit = registry.try_encode(record, row)?;
+            }
+            if let Some(e) = misfit {
+                registry.count_mismatch();
+                built = Err(e);
             }
         }
         let record = match built {

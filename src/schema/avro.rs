@@ -141,7 +141,11 @@ impl AvroCodec {
     pub fn encode(&self, value: &Value, text: &str, out: &mut Vec<u8>) -> Result<(), Misfit> {
         let mut path = Path {
             steps: Vec::new(),
-            long_numbers: self.has_decimal && has_long_number(text),
+            long_numbers: if self.has_decimal {
+                long_numbers(text)
+            } else {
+                Vec::new()
+            },
         };
         self.write(self.root, value, &mut path, out, false)
     }
@@ -230,9 +234,13 @@ impl AvroCodec {
                 },
                 Value::Number(_) | Value::String(_),
             ) => {
-                if path.long_numbers && v.as_number().is_some_and(serde_json::Number::is_f64) {
+                if v.as_number()
+                    .filter(|n| n.is_f64())
+                    .and_then(serde_json::Number::as_f64)
+                    .is_some_and(|x| path.long_numbers.contains(&x))
+                {
                     return Err(path.misfit(
-                        "the payload holds a number too long to read exactly (over 15 significant digits in a fraction): write decimals as strings",
+                        "this number has more significant digits than a JSON reader keeps (15 in a fraction), so it was rounded when read: write decimals as strings",
                     ));
                 }
                 let text = match v {
@@ -453,11 +461,8 @@ impl Node {
         match (self, v) {
             (Node::Float, Value::Number(_)) => 3,
             (Node::Double, Value::Number(n)) if !n.is_f64() => 2,
-            (Node::Decimal { .. }, Value::Number(_)) => 1,
-            (
-                Node::Bytes | Node::Fixed { .. } | Node::Decimal { .. } | Node::Date | Node::Timestamp(..),
-                Value::String(_),
-            ) => 1,
+            (Node::Double, Value::Number(_)) => 1,
+            (Node::Bytes | Node::Fixed { .. }, Value::String(_)) => 1,
             (Node::Map(_), Value::Object(_)) => 1,
             _ => 0,
         }
@@ -630,7 +635,8 @@ fn branch_name(s: &Schema) -> String {
 /// payload's text said of its numbers.
 struct Path {
     steps: Vec<Step>,
-    long_numbers: bool,
+    /// The values of the payload's numbers that were rounded when read.
+    long_numbers: Vec<f64>,
 }
 
 enum Step {
@@ -696,12 +702,14 @@ pub(crate) fn json_kind(v: &Value) -> &'static str {
     }
 }
 
-/// Whether `text` (JSON) holds, outside strings, a number that was
-/// rounded when read: a fraction or exponent of more than 15 significant
-/// digits, or an integer of more than 19.
-fn has_long_number(text: &str) -> bool {
+/// The numbers of `text` (JSON), outside strings, that were rounded when
+/// read, as the values they were read as: a fraction or exponent of more
+/// than 15 significant digits (trailing zeros of a fraction do not count),
+/// or an integer of more than 19.
+fn long_numbers(text: &str) -> Vec<f64> {
     let b = text.as_bytes();
     let (mut i, mut in_string) = (0, false);
+    let mut out = Vec::new();
     while i < b.len() {
         let c = b[i];
         if in_string {
@@ -718,28 +726,31 @@ fn has_long_number(text: &str) -> bool {
             i += 1;
             continue;
         }
-        if c.is_ascii_digit() {
-            let (mut digits, mut leading, mut fraction) = (0, true, false);
-            while i < b.len() && (b[i].is_ascii_digit() || b[i] == b'.') {
-                if b[i] == b'.' {
-                    fraction = true;
-                } else if !(leading && b[i] == b'0') {
-                    leading = false;
-                    digits += 1;
-                }
+        if c.is_ascii_digit() || c == b'-' {
+            let start = i;
+            i += 1;
+            while i < b.len() && (b[i].is_ascii_digit() || matches!(b[i], b'.' | b'e' | b'E' | b'+' | b'-')) {
                 i += 1;
             }
-            let exponent = i < b.len() && matches!(b[i], b'e' | b'E');
-            // Integers of up to 19 digits are read exactly (i64, u64);
-            // floats keep 15.
-            if (fraction || exponent) && digits > 15 || digits > 19 {
-                return true;
+            let token = &text[start..i];
+            let mantissa = token.split(['e', 'E']).next().unwrap_or("");
+            let fraction = mantissa.contains('.');
+            let exponent = mantissa.len() < token.len();
+            let mut digits: String = mantissa.chars().filter(char::is_ascii_digit).collect();
+            if fraction {
+                digits = digits.trim_end_matches('0').to_owned();
+            }
+            let significant = digits.trim_start_matches('0').len();
+            if ((fraction || exponent) && significant > 15) || significant > 19 {
+                if let Ok(x) = token.parse::<f64>() {
+                    out.push(x);
+                }
             }
             continue;
         }
         i += 1;
     }
-    false
+    out
 }
 
 /// Avro's variable-length zig-zag `long`.
@@ -1009,6 +1020,20 @@ mod tests {
             matches!(u(map_first, json!({"a": 1})).unwrap(), Avro::Union(1, _)),
             "the record before the map"
         );
+        let dec_or_double =
+            r#"["null",{"type":"bytes","logicalType":"decimal","precision":9,"scale":2},"double"]"#;
+        assert!(
+            matches!(u(dec_or_double, json!(12.34)).unwrap(), Avro::Union(1, _)),
+            "the decimal keeps it exactly"
+        );
+        let ts_or_string = r#"["null",{"type":"long","logicalType":"timestamp-millis"},"string"]"#;
+        assert!(
+            matches!(
+                u(ts_or_string, json!("2026-12-02T10:00:00Z")).unwrap(),
+                Avro::Union(1, _)
+            ),
+            "schema order among exact branches"
+        );
         // A decimal written as a long JSON number was rounded on reading.
         let dec = r#"{"type":"bytes","logicalType":"decimal","precision":38,"scale":20}"#;
         let s = format!(r#"{{"type":"record","name":"D","fields":[{{"name":"d","type":{dec}}}]}}"#);
@@ -1023,11 +1048,24 @@ mod tests {
         let text = r#"{"d": 12.5}"#;
         c.encode(&serde_json::from_str(text).unwrap(), text, &mut Vec::new())
             .unwrap();
-        assert!(has_long_number(r#"{"a": 0.10000000000000000555}"#));
-        assert!(!has_long_number(
-            r#"{"a": "1234567890123456789", "b": 0.000001, "c": 9223372036854775807}"#
-        ));
-        assert!(has_long_number(r#"{"c": 123456789012345678901}"#));
+        assert_eq!(long_numbers(r#"{"a": 0.10000000000000000555}"#), vec![0.1]);
+        assert!(long_numbers(
+            r#"{"a": "1234567890123456789", "b": 0.000001, "c": 9223372036854775807, "d": 1.0000000000000000}"#
+        )
+        .is_empty());
+        assert_eq!(long_numbers(r#"{"c": -123456789012345678901}"#).len(), 1);
+        assert_eq!(
+            long_numbers(r#"{"s": "x\"1.23456789012345678", "e": 1.2345678901234567e3}"#).len(),
+            1
+        );
+        // Another field's long number does not touch a decimal's own.
+        let text = r#"{"d": 12.5, "lat": 52.52000659999999}"#;
+        let s2 = format!(
+            r#"{{"type":"record","name":"D2","fields":[{{"name":"d","type":{dec}}},{{"name":"lat","type":"double"}}]}}"#
+        );
+        let c2 = AvroCodec::parse(&s2).unwrap();
+        c2.encode(&serde_json::from_str(text).unwrap(), text, &mut Vec::new())
+            .unwrap();
     }
 
     #[test]

@@ -58,8 +58,16 @@ pub enum ClientError {
         code: i64,
         message: String,
     },
-    #[error("the Schema Registry at {url} answered {what} with something outboxd cannot read: {reason}")]
+    #[error("the Schema Registry at {url} answered {what} with something outboxd cannot read: {reason}; is schema_registry.url the API's base URL (Apicurio: .../apis/ccompat/v7)?")]
     Unreadable {
+        url: String,
+        what: String,
+        reason: String,
+    },
+    /// The request cannot be made, or its answer cannot be taken, however
+    /// often it is tried.
+    #[error("{what} at the Schema Registry {url} cannot work: {reason}")]
+    Impossible {
         url: String,
         what: String,
         reason: String,
@@ -246,10 +254,10 @@ impl Client {
         }
         let req = req
             .body(body.unwrap_or_default())
-            .map_err(|e| ClientError::Unreadable {
+            .map_err(|e| ClientError::Impossible {
                 url: self.base.clone(),
                 what: what.to_owned(),
-                reason: e.to_string(),
+                reason: format!("the request cannot be built ({e}): check schema_registry.username, password and token for characters a header cannot hold"),
             })?;
         let mut resp = self.agent.run(req).map_err(|e| unavailable(e.to_string()))?;
         let status = resp.status().as_u16();
@@ -259,7 +267,7 @@ impl Client {
             .limit(MAX_RESPONSE_BYTES)
             .read_to_string()
             .map_err(|e| match e {
-                ureq::Error::BodyExceedsLimit(_) => ClientError::Unreadable {
+                ureq::Error::BodyExceedsLimit(_) => ClientError::Impossible {
                     url: self.base.clone(),
                     what: what.to_owned(),
                     reason: format!("the answer is larger than {MAX_RESPONSE_BYTES} bytes"),

@@ -52,9 +52,9 @@ use client::{Client, ClientError, Served};
 /// The Confluent wire format's first byte.
 pub const MAGIC: u8 = 0;
 
-/// How often a mismatch may send outboxd looking for a newer version of
-/// a `latest` schema.
-pub const RECHECK_EVERY: Duration = Duration::from_secs(5);
+/// How far the registry's answer must follow a row's commit for a
+/// mismatch not to send outboxd looking for a newer version.
+pub const CLOCK_SKEW_MS: i64 = 5_000;
 
 /// CloudEvents' `dataschema` in binary mode.
 pub const DATASCHEMA_HEADER: &str = "ce_dataschema";
@@ -115,8 +115,11 @@ struct InUse {
     fetched: Instant,
     /// Looked up as `latest`: refreshed after the refresh interval.
     latest: bool,
-    /// When a mismatch last made outboxd look for a newer version.
-    rechecked: Option<Instant>,
+    /// When the registry last answered for it, in Unix milliseconds.
+    fetched_ms: i64,
+    /// A mismatch asked for a newer version: the next look-up waits out
+    /// an unreachable registry instead of keeping this one.
+    must_refresh: bool,
 }
 
 /// A schema in use, as `outboxd status` and the HTTP status show it.
@@ -199,7 +202,7 @@ fn outcome_of(e: &ClientError) -> &'static str {
         ClientError::Unauthorized { .. } => "unauthorized",
         ClientError::NotFound { .. } => "not_found",
         ClientError::Refused { .. } => "refused",
-        ClientError::Unreadable { .. } => "unreadable",
+        ClientError::Unreadable { .. } | ClientError::Impossible { .. } => "unreadable",
     }
 }
 
@@ -329,11 +332,13 @@ impl Registry {
     }
 
     /// After a mismatch against a `latest` schema: whether a newer version
-    /// may fit, in which case the cached one is marked stale, so that the
-    /// next [`Registry::ready`] asks the registry again. At most once per
-    /// [`RECHECK_EVERY`] per schema, so that a run of bad rows does not
-    /// become a run of requests.
-    pub fn recheck_after_mismatch(&mut self, row: &OutboxRow, topic: &str) -> bool {
+    /// may fit, in which case the cached one is marked stale (and must be
+    /// looked up, waiting out an unreachable registry), so that the next
+    /// [`Registry::ready`] asks the registry again. Not when the registry
+    /// answered after the row was committed (`commit_ms`, with 5 s for
+    /// clocks that disagree): a version the row was written for existed
+    /// then, and that answer had it.
+    pub fn recheck_after_mismatch(&mut self, row: &OutboxRow, topic: &str, commit_ms: i64) -> bool {
         let refresh = self.refresh;
         let Some(entry) = self
             .resolved
@@ -342,12 +347,19 @@ impl Registry {
         else {
             return false;
         };
-        if !entry.latest || entry.rechecked.is_some_and(|t| t.elapsed() < RECHECK_EVERY) {
+        if !entry.latest || entry.fetched_ms > commit_ms.saturating_add(CLOCK_SKEW_MS) {
             return false;
         }
-        entry.rechecked = Some(Instant::now());
+        entry.must_refresh = true;
         entry.fetched = Instant::now().checked_sub(refresh).unwrap_or(entry.fetched);
         true
+    }
+
+    /// Counts a payload that did not fit, once it is final.
+    pub fn count_mismatch(&self) {
+        if let Some(c) = &self.counters {
+            c.mismatches.inc();
+        }
     }
 
     fn count(&self, outcome: &str) {
@@ -409,7 +421,11 @@ impl Registry {
                 // deleted, a token expired, the registry away), keeps the
                 // schema in use: the events it encodes were valid a moment
                 // ago, and stopping would cure nothing.
-                Err(e) if self.entry(event_type, topic).is_some() => {
+                Err(e)
+                    if self
+                        .entry(event_type, topic)
+                        .is_some_and(|cached| !(cached.must_refresh && e.is_transient())) =>
+                {
                     tracing::warn!(error = %e, "could not refresh a schema; the one in use stays until the next try");
                     if let Some(entry) = self.resolved.get_mut(event_type).and_then(|m| m.get_mut(topic)) {
                         entry.fetched = Instant::now();
@@ -439,13 +455,33 @@ impl Registry {
         let codec = match self.compiled.get(&(id, message.clone())) {
             Some(c) => c.clone(),
             None => {
-                let c = Arc::new(self.compile(&served, message.as_deref()).map_err(|reason| {
-                    SchemaError::Unusable {
-                        what: what.clone(),
-                        format: format_name(self.format),
-                        reason,
+                let compiled = self.compile(&served, message.as_deref());
+                let c = match compiled {
+                    Ok(c) => Arc::new(c),
+                    // A newer version outboxd cannot use: the one in use
+                    // stays (it encoded valid events a moment ago).
+                    Err(reason) if self.entry(event_type, topic).is_some() => {
+                        tracing::warn!(
+                            schema = what,
+                            reason,
+                            "a newer schema cannot be used; the one in use stays"
+                        );
+                        if let Some(entry) = self.resolved.get_mut(event_type).and_then(|m| m.get_mut(topic))
+                        {
+                            entry.fetched = Instant::now();
+                            entry.fetched_ms = chrono::Utc::now().timestamp_millis();
+                            entry.must_refresh = false;
+                        }
+                        return Ok(());
                     }
-                })?);
+                    Err(reason) => {
+                        return Err(SchemaError::Unusable {
+                            what: what.clone(),
+                            format: format_name(self.format),
+                            reason,
+                        })
+                    }
+                };
                 self.compiled.insert((id, message), c.clone());
                 c
             }
@@ -453,7 +489,6 @@ impl Registry {
         let latest = rule
             .as_ref()
             .is_none_or(|r| r.id.is_none() && r.version.is_none());
-        let previous_recheck = self.entry(event_type, topic).and_then(|e| e.rechecked);
         tracing::info!(
             subject = subject.as_deref().unwrap_or(""),
             id,
@@ -482,7 +517,8 @@ impl Registry {
                 codec,
                 fetched: Instant::now(),
                 latest,
-                rechecked: previous_recheck,
+                fetched_ms: chrono::Utc::now().timestamp_millis(),
+                must_refresh: false,
             },
         );
         Ok(())
@@ -546,11 +582,12 @@ impl Registry {
                     codec: Arc::new(Codec::Avro(codec)),
                 }
             }
-            Err(
-                e @ ClientError::Refused {
-                    status: 409 | 422, ..
-                },
-            ) => Inferred::Refused(e.to_string(), Instant::now()),
+            // Incompatible with the subject's history (409) or an invalid
+            // schema (42201); not 42205 (a read-only registry: stop).
+            Err(e @ ClientError::Refused { status: 409, .. })
+            | Err(e @ ClientError::Refused { code: 42201, .. }) => {
+                Inferred::Refused(e.to_string(), Instant::now())
+            }
             Err(e) => return Err(SchemaError::Registry(e)),
         };
         self.inferred.entry(subject).or_default().insert(text, entry);
@@ -597,15 +634,10 @@ impl Registry {
         if let Some(c) = &self.counters {
             c.hit.inc();
         }
-        let mismatch = |misfit: Misfit| {
-            if let Some(c) = &self.counters {
-                c.mismatches.inc();
-            }
-            SchemaError::Mismatch {
-                subject: entry.subject.clone().unwrap_or_else(|| "a pinned id".into()),
-                id: entry.id,
-                misfit,
-            }
+        let mismatch = |misfit: Misfit| SchemaError::Mismatch {
+            subject: entry.subject.clone().unwrap_or_else(|| "a pinned id".into()),
+            id: entry.id,
+            misfit,
         };
         let mut out = Vec::with_capacity(row.payload.len() + 8);
         out.push(MAGIC);
@@ -653,15 +685,10 @@ impl Registry {
 
     fn encode_inferred(&self, record: &mut KafkaRecord, row: &OutboxRow) -> Result<(), SchemaError> {
         let subject = self.subject(&row.event_type, &record.topic).unwrap_or_default();
-        let mismatch = |id: u32, misfit: Misfit| {
-            if let Some(c) = &self.counters {
-                c.mismatches.inc();
-            }
-            SchemaError::Mismatch {
-                subject: subject.clone(),
-                id,
-                misfit,
-            }
+        let mismatch = |id: u32, misfit: Misfit| SchemaError::Mismatch {
+            subject: subject.clone(),
+            id,
+            misfit,
         };
         let text = infer::derive(&row.payload, &self.inferred_name(&row.event_type, &record.topic))
             .map_err(|m| mismatch(0, m))?;
@@ -706,49 +733,55 @@ impl Registry {
         }
     }
 
-    /// A built record with its value encoded, or the built record's own
-    /// error; a payload that does not fit becomes
-    /// [`RecordError::SchemaMismatch`], which `routing.on_poison` handles
-    /// like every row problem. `Err` is an error that stops the relay.
-    /// The schema must be [`Registry::ready`] (or cached, if stale).
-    pub fn apply(
+    /// Encodes `record` (built from `row`) in place: `Ok(None)` when it
+    /// is, `Ok(Some(error))` when the payload does not fit (the record is
+    /// left as it was, so that it can be encoded again after a recheck),
+    /// `Err` for an error that stops the relay. The schema must be
+    /// [`Registry::ready`] (or cached, if stale).
+    pub fn try_encode(
         &self,
+        record: &mut KafkaRecord,
+        row: &OutboxRow,
+    ) -> Result<Option<RecordError>, SchemaError> {
+        match self.encode(record, row) {
+            Ok(()) => Ok(None),
+            Err(e) if e.is_row_problem() => Ok(Some(RecordError::SchemaMismatch(e.to_string()))),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The whole step for callers that need not keep a replication
+    /// connection alive meanwhile: [`Registry::resolve`] unless the schema
+    /// is [`Registry::ready`], [`Registry::try_encode`], and after a
+    /// mismatch one recheck for a newer version. A payload that does not
+    /// fit becomes [`RecordError::SchemaMismatch`], which
+    /// `routing.on_poison` handles like every row problem. `commit_ms`:
+    /// when the row was committed (or written), in Unix milliseconds.
+    pub async fn prepare(
+        &mut self,
         built: Result<KafkaRecord, RecordError>,
         row: &OutboxRow,
+        commit_ms: i64,
     ) -> Result<Result<KafkaRecord, RecordError>, SchemaError> {
         let mut record = match built {
             Ok(r) => r,
             Err(e) => return Ok(Err(e)),
         };
-        match self.encode(&mut record, row) {
-            Ok(()) => Ok(Ok(record)),
-            Err(e) if e.is_row_problem() => Ok(Err(RecordError::SchemaMismatch(e.to_string()))),
-            Err(e) => Err(e),
+        if !self.ready(row, &record.topic) {
+            self.resolve(row, &record.topic).await?;
         }
-    }
-
-    /// [`Registry::resolve`] unless the schema is [`Registry::ready`],
-    /// then [`Registry::apply`]: for callers that need not keep a
-    /// replication connection alive meanwhile.
-    pub async fn prepare(
-        &mut self,
-        built: Result<KafkaRecord, RecordError>,
-        row: &OutboxRow,
-    ) -> Result<Result<KafkaRecord, RecordError>, SchemaError> {
-        let topic = match &built {
-            Ok(r) => r.topic.clone(),
-            Err(_) => return Ok(built),
-        };
-        let retry = built.clone();
-        if !self.ready(row, &topic) {
-            self.resolve(row, &topic).await?;
+        let mut misfit = self.try_encode(&mut record, row)?;
+        if misfit.is_some() && self.recheck_after_mismatch(row, &record.topic, commit_ms) {
+            self.resolve(row, &record.topic).await?;
+            misfit = self.try_encode(&mut record, row)?;
         }
-        let out = self.apply(built, row)?;
-        if matches!(out, Err(RecordError::SchemaMismatch(_))) && self.recheck_after_mismatch(row, &topic) {
-            self.resolve(row, &topic).await?;
-            return self.apply(retry, row);
-        }
-        Ok(out)
+        Ok(match misfit {
+            None => Ok(record),
+            Some(e) => {
+                self.count_mismatch();
+                Err(e)
+            }
+        })
     }
 
     /// The start-up check: refused credentials, or a subject named in
@@ -757,7 +790,14 @@ impl Registry {
     /// fetched when first needed, and waited for).
     pub async fn check_at_start(&self) -> Result<(), SchemaError> {
         match self.reachable().await {
-            Err(e @ ClientError::Unauthorized { .. }) => return Err(SchemaError::Registry(e)),
+            // A registry that answers, but not as the API does, is most
+            // likely the wrong URL: stop now rather than wait at the
+            // first event.
+            Err(
+                e @ (ClientError::Unauthorized { .. }
+                | ClientError::Unreadable { .. }
+                | ClientError::Impossible { .. }),
+            ) => return Err(SchemaError::Registry(e)),
             Err(e) => {
                 tracing::warn!(error = %e, "the Schema Registry is not reachable at start; events wait for it");
                 return Ok(());
@@ -811,6 +851,9 @@ impl Registry {
             // Only rules that name their subject (or pin an id): a rule's
             // key may be an event type or a topic, and the strategy's
             // subject is known with the event.
+            if rule.schema.unwrap_or(self.routing.source) == SchemaSource::Inferred {
+                continue;
+            }
             let subject = match (rule.id, &rule.subject) {
                 (Some(_), _) => None,
                 (None, Some(s)) => Some(s.clone()),

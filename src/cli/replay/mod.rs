@@ -287,7 +287,10 @@ impl Replay {
                     throttle.admit().await;
                     let mut record = self.record(&r, &state.started_at);
                     if let Some(registry) = registry.as_mut() {
-                        match registry.prepare(record, &r.row).await {
+                        let commit_ms = r
+                            .commit_ms
+                            .unwrap_or_else(|| chrono::Utc::now().timestamp_millis());
+                        match registry.prepare(record, &r.row, commit_ms).await {
                             Ok(built) => record = built,
                             Err(crate::schema::SchemaError::Interrupted) => {
                                 interrupted = true;
