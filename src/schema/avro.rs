@@ -24,7 +24,6 @@
 //!   and for `timestamp-*` an RFC 3339 time.
 
 use std::collections::HashMap;
-use std::io::Write;
 
 use apache_avro::schema::{InnerDecimalSchema, UuidSchema};
 use apache_avro::Schema;
@@ -658,18 +657,8 @@ impl Path {
         let mut path = String::from("$");
         for s in &self.steps {
             match s {
-                Step::Key(k) if !k.is_empty() && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') => {
-                    path.push('.');
-                    path.push_str(k);
-                }
-                Step::Key(k) => {
-                    path.push('[');
-                    path.push_str(&serde_json::to_string(k).unwrap_or_default());
-                    path.push(']');
-                }
-                Step::Index(i) => {
-                    let _ = write!(PathWriter(&mut path), "[{i}]");
-                }
+                Step::Key(k) => push_key(&mut path, k),
+                Step::Index(i) => path.push_str(&format!("[{i}]")),
             }
         }
         Misfit {
@@ -679,15 +668,16 @@ impl Path {
     }
 }
 
-struct PathWriter<'a>(&'a mut String);
-
-impl Write for PathWriter<'_> {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.push_str(&String::from_utf8_lossy(buf));
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
+/// Appends `key` to a JSON path: `.key` for letters, digits and `_`,
+/// `["key"]` for anything else.
+pub(crate) fn push_key(path: &mut String, key: &str) {
+    if !key.is_empty() && key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+        path.push('.');
+        path.push_str(key);
+    } else {
+        path.push('[');
+        path.push_str(&serde_json::to_string(key).unwrap_or_default());
+        path.push(']');
     }
 }
 

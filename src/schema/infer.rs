@@ -186,11 +186,9 @@ fn shape_of(v: &Ordered, path: &str) -> Result<Shape, Misfit> {
 }
 
 fn field_path(path: &str, key: &str) -> String {
-    if avro_name(key) {
-        format!("{path}.{key}")
-    } else {
-        format!("{path}[{}]", serde_json::to_string(key).unwrap_or_default())
-    }
+    let mut out = path.to_owned();
+    super::avro::push_key(&mut out, key);
+    out
 }
 
 /// One type for two elements of an array.

@@ -50,11 +50,8 @@ fn pointer_to_path(pointer: &str) -> String {
         let part = part.replace("~1", "/").replace("~0", "~");
         if !part.is_empty() && part.chars().all(|c| c.is_ascii_digit()) {
             out.push_str(&format!("[{part}]"));
-        } else if !part.is_empty() && part.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
-            out.push('.');
-            out.push_str(&part);
         } else {
-            out.push_str(&format!("[{}]", serde_json::to_string(&part).unwrap_or_default()));
+            super::avro::push_key(&mut out, &part);
         }
     }
     out

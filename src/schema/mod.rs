@@ -189,13 +189,6 @@ fn format_name(f: ValueFormat) -> &'static str {
     }
 }
 
-fn outcome(r: &Result<Served, ClientError>) -> &'static str {
-    match r {
-        Ok(_) => "ok",
-        Err(e) => outcome_of(e),
-    }
-}
-
 fn outcome_of(e: &ClientError) -> &'static str {
     match e {
         ClientError::Unavailable { .. } => "unavailable",
@@ -395,7 +388,7 @@ impl Registry {
             }
             (None, None) => unreachable!("a subject is named unless an id is pinned"),
         };
-        self.count(outcome(&r));
+        self.count(r.as_ref().map_or_else(outcome_of, |_| "ok"));
         r
     }
 
@@ -497,18 +490,7 @@ impl Registry {
             topic,
             "schema in use"
         );
-        if let Ok(mut board) = self.board.lock() {
-            board.insert(
-                (event_type.to_owned(), topic.to_owned()),
-                SchemaInUse {
-                    event_type: event_type.to_owned(),
-                    topic: topic.to_owned(),
-                    subject: subject.clone(),
-                    version: served.version,
-                    id,
-                },
-            );
-        }
+        self.show(event_type, topic, subject.clone(), served.version, id);
         self.resolved.entry(event_type.to_owned()).or_default().insert(
             topic.to_owned(),
             InUse {
@@ -565,18 +547,7 @@ impl Registry {
                     topic,
                     "inferred schema registered"
                 );
-                if let Ok(mut board) = self.board.lock() {
-                    board.insert(
-                        (row.event_type.clone(), topic.to_owned()),
-                        SchemaInUse {
-                            event_type: row.event_type.clone(),
-                            topic: topic.to_owned(),
-                            subject: Some(subject.clone()),
-                            version: None,
-                            id,
-                        },
-                    );
-                }
+                self.show(&row.event_type, topic, Some(subject.clone()), None, id);
                 Inferred::Registered {
                     id,
                     codec: Arc::new(Codec::Avro(codec)),
@@ -592,6 +563,22 @@ impl Registry {
         };
         self.inferred.entry(subject).or_default().insert(text, entry);
         Ok(())
+    }
+
+    /// Puts the schema an event type uses on `topic` on the status board.
+    fn show(&self, event_type: &str, topic: &str, subject: Option<String>, version: Option<u32>, id: u32) {
+        if let Ok(mut board) = self.board.lock() {
+            board.insert(
+                (event_type.to_owned(), topic.to_owned()),
+                SchemaInUse {
+                    event_type: event_type.to_owned(),
+                    topic: topic.to_owned(),
+                    subject,
+                    version,
+                    id,
+                },
+            );
+        }
     }
 
     fn compile(&self, served: &Served, message: Option<&str>) -> Result<Codec, String> {
@@ -631,18 +618,32 @@ impl Registry {
                 reason: "it was not looked up before encoding (a bug: please report it)".into(),
             });
         };
+        let subject = entry.subject.as_deref().unwrap_or("a pinned id");
+        self.write_value(record, row, &entry.codec, entry.id, subject)
+    }
+
+    /// Writes the value of `record` (built from `row`) with `codec`, schema
+    /// `id` of `subject`: magic byte, id, then the body.
+    fn write_value(
+        &self,
+        record: &mut KafkaRecord,
+        row: &OutboxRow,
+        codec: &Codec,
+        id: u32,
+        subject: &str,
+    ) -> Result<(), SchemaError> {
         if let Some(c) = &self.counters {
             c.hit.inc();
         }
         let mismatch = |misfit: Misfit| SchemaError::Mismatch {
-            subject: entry.subject.clone().unwrap_or_else(|| "a pinned id".into()),
-            id: entry.id,
+            subject: subject.to_owned(),
+            id,
             misfit,
         };
         let mut out = Vec::with_capacity(row.payload.len() + 8);
         out.push(MAGIC);
-        out.extend_from_slice(&entry.id.to_be_bytes());
-        match &*entry.codec {
+        out.extend_from_slice(&id.to_be_bytes());
+        match codec {
             Codec::Avro(c) => {
                 let v = parse_payload(&row.payload).map_err(mismatch)?;
                 c.encode(&v, &row.payload, &mut out).map_err(mismatch)?;
@@ -655,7 +656,7 @@ impl Registry {
             Codec::Protobuf(c) => c.encode(&row.payload, &mut out).map_err(mismatch)?,
         }
         record.value = out;
-        self.describe_data(record, entry.id);
+        self.describe_data(record, id);
         Ok(())
     }
 
@@ -693,29 +694,7 @@ impl Registry {
         let text = infer::derive(&row.payload, &self.inferred_name(&row.event_type, &record.topic))
             .map_err(|m| mismatch(0, m))?;
         match self.inferred.get(&subject).and_then(|m| m.get(&text)) {
-            Some(Inferred::Registered { id, codec }) => {
-                if let Some(c) = &self.counters {
-                    c.hit.inc();
-                }
-                let Codec::Avro(c) = &**codec else {
-                    return Err(mismatch(
-                        *id,
-                        Misfit {
-                            path: "$".into(),
-                            reason: "not an Avro schema".into(),
-                        },
-                    ));
-                };
-                let v = parse_payload(&row.payload).map_err(|m| mismatch(*id, m))?;
-                let mut out = Vec::with_capacity(row.payload.len() + 8);
-                out.push(MAGIC);
-                out.extend_from_slice(&id.to_be_bytes());
-                c.encode(&v, &row.payload, &mut out)
-                    .map_err(|m| mismatch(*id, m))?;
-                record.value = out;
-                self.describe_data(record, *id);
-                Ok(())
-            }
+            Some(Inferred::Registered { id, codec }) => self.write_value(record, row, codec, *id, &subject),
             Some(Inferred::Refused(why, _)) => Err(mismatch(
                 0,
                 Misfit {
@@ -835,11 +814,7 @@ impl Registry {
         }
         let rule = self.routing.rule(event_type, topic);
         let s = self.fetch(subject.as_deref(), rule).await?;
-        Ok(format!(
-            "{label}: id {}{}",
-            s.id.or(rule.and_then(|r| r.id)).unwrap_or_default(),
-            s.version.map(|v| format!(", version {v}")).unwrap_or_default()
-        ))
+        Ok(format!("{label}: {}", found(&s, rule)))
     }
 
     /// The subjects configured in `[routing.schemas]` that can be named
@@ -862,17 +837,23 @@ impl Registry {
             let label = subject
                 .clone()
                 .unwrap_or_else(|| format!("id {}", rule.id.unwrap_or_default()));
-            let r = self.fetch(subject.as_deref(), Some(rule)).await.map(|s| {
-                format!(
-                    "id {}{}",
-                    s.id.or(rule.id).unwrap_or_default(),
-                    s.version.map(|v| format!(", version {v}")).unwrap_or_default()
-                )
-            });
+            let r = self
+                .fetch(subject.as_deref(), Some(rule))
+                .await
+                .map(|s| found(&s, Some(rule)));
             out.push((format!("{key} → {label}"), r));
         }
         out
     }
+}
+
+/// What a look-up found, for `outboxd check`: `id N, version V`.
+fn found(s: &Served, rule: Option<&SchemaRule>) -> String {
+    format!(
+        "id {}{}",
+        s.id.or(rule.and_then(|r| r.id)).unwrap_or_default(),
+        s.version.map(|v| format!(", version {v}")).unwrap_or_default()
+    )
 }
 
 /// The payload as a JSON value. jsonb may hold numbers no `f64` holds

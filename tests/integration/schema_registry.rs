@@ -349,12 +349,7 @@ async fn json_schema_values_are_the_payload_framed_and_checked() {
     assert_eq!(decoded, vec![(id, good)]);
     let dead = records.iter().find(|r| r.topic == dlq).unwrap();
     assert_eq!(dead.header("id"), Some(bad.to_string().as_str()));
-    assert_eq!(dead.header("dlq.reason"), Some("schema_mismatch"));
-    assert!(
-        dead.header("dlq.error").unwrap().contains("$.lines[0].qty"),
-        "{:?}",
-        dead.header("dlq.error")
-    );
+    assert_schema_mismatch(dead, "$.lines[0].qty");
     stop_relay(handle, stop).await;
 }
 
@@ -401,12 +396,7 @@ async fn protobuf_values_carry_the_message_indexes_under_the_record_name_strateg
     let decoded = decode("protobuf", &events, "shop.OrderPlaced");
     assert_eq!(decoded, vec![(v1, good)]);
     let dead = records.iter().find(|r| r.topic == dlq).unwrap();
-    assert_eq!(dead.header("dlq.reason"), Some("schema_mismatch"));
-    assert!(
-        dead.header("dlq.error").unwrap().contains("coupon"),
-        "{:?}",
-        dead.header("dlq.error")
-    );
+    assert_schema_mismatch(dead, "coupon");
     stop_relay(handle, stop).await;
 }
 
@@ -509,12 +499,7 @@ async fn refused_credentials_and_a_missing_subject_stop_with_what_to_fix_and_mov
             // Refused credentials stop the start, before any slot.
             None
         };
-        let err = tokio::time::timeout(Duration::from_secs(60), handle)
-            .await
-            .expect("the relay stops")
-            .unwrap()
-            .expect_err("a definite error");
-        let text = err.to_string();
+        let text = stopped_with(handle, 60, "the relay stops").await;
         assert!(!text.contains("p@ss"), "no secret in {text}");
         match case {
             "auth" => assert!(text.contains("schema_registry.username"), "{text}"),
@@ -544,12 +529,7 @@ async fn a_configured_subject_that_does_not_exist_stops_the_start() {
     );
     let text = s.config(&s._db.superuser_url(), "avro", &registry().url, &rule);
     let (handle, _stop) = spawn_relay(&text);
-    let err = tokio::time::timeout(Duration::from_secs(30), handle)
-        .await
-        .expect("the relay stops at start")
-        .unwrap()
-        .expect_err("a definite error");
-    let text = err.to_string();
+    let text = stopped_with(handle, 30, "the relay stops at start").await;
     assert!(
         text.contains(&format!("{}.missing", s.prefix)) && text.contains("version 2"),
         "{text}"
@@ -558,6 +538,27 @@ async fn a_configured_subject_that_does_not_exist_stops_the_start() {
         confirmed_flush(&s.client, &s.slot).await.is_none(),
         "no slot was made: it stopped before streaming"
     );
+}
+
+/// A dead letter of a payload that did not fit, naming `needle` (a path).
+fn assert_schema_mismatch(dead: &Consumed, needle: &str) {
+    assert_eq!(dead.header("dlq.reason"), Some("schema_mismatch"));
+    let error = dead.header("dlq.error").unwrap_or_default();
+    assert!(error.contains(needle), "{needle} in {error:?}");
+}
+
+/// The error text of a relay that stops by itself within `secs`.
+async fn stopped_with(
+    handle: tokio::task::JoinHandle<Result<(), outboxd::relay::RelayError>>,
+    secs: u64,
+    what: &str,
+) -> String {
+    tokio::time::timeout(Duration::from_secs(secs), handle)
+        .await
+        .expect(what)
+        .unwrap()
+        .expect_err("a definite error")
+        .to_string()
 }
 
 fn toml_string(s: &str) -> String {
@@ -599,12 +600,7 @@ async fn inferred_schemas_are_registered_per_shape_and_decode_to_the_payload() {
     assert_eq!(decoded[1].1, same_shape);
     assert_eq!(decoded[2].1, wider);
     let dead = records.iter().find(|r| r.topic == dlq).unwrap();
-    assert_eq!(dead.header("dlq.reason"), Some("schema_mismatch"));
-    assert!(
-        dead.header("dlq.error").unwrap().contains("$.lines[1]"),
-        "{:?}",
-        dead.header("dlq.error")
-    );
+    assert_schema_mismatch(dead, "$.lines[1]");
     stop_relay(handle, stop).await;
 }
 
@@ -789,12 +785,7 @@ async fn under_on_poison_stop_a_misfit_stops_the_relay_naming_the_field_and_the_
         .insert_in_view("Order", "o-1", "OrderPlaced", &json!({"orderId": 7}))
         .await;
     s.insert("Order", "o-1", "OrderPlaced", &orders()[1]).await;
-    let err = tokio::time::timeout(Duration::from_secs(60), handle)
-        .await
-        .expect("the relay stops")
-        .unwrap()
-        .expect_err("a definite error");
-    let text = err.to_string();
+    let text = stopped_with(handle, 60, "the relay stops").await;
     assert!(
         text.contains(&bad.to_string()) && text.contains("$.orderId"),
         "{text}"
