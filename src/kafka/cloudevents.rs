@@ -11,12 +11,13 @@
 //! | `type`            | `type`                                               |
 //! | `subject`         | `aggregate_id`                                       |
 //! | `time`            | `created_at` (left out when RFC 3339 cannot write it) |
-//! | `datacontenttype` | `application/json`                                   |
+//! | `datacontenttype` | `application/json` (`application/octet-stream` for a `bytea` payload) |
 //! | `partitionkey`    | `aggregate_id`, the record key (partitioning extension) |
 //! | `traceparent`, `tracestate` | the row's headers of that name (distributed tracing extension) |
 //!
 //! **Structured mode** (`cloudevents`): the value is the event as JSON
-//! (`data` holds the payload as stored, byte for byte) and the
+//! (`data` holds the payload as stored, byte for byte; a `bytea` payload
+//! is `data_base64`, as the JSON event format writes binary data) and the
 //! `content-type` header is `application/cloudevents+json; charset=UTF-8`.
 //! **Binary mode** (`cloudevents-binary`): the value is the payload, each
 //! attribute a `ce_<name>` header, and `datacontenttype` the
@@ -26,12 +27,15 @@
 
 use crate::config::routing::SourcePart;
 pub use crate::config::routing::{SourceTemplate, DEFAULT_SOURCE};
-use crate::source::outbox::OutboxRow;
+use crate::source::outbox::{OutboxRow, Payload};
 
 /// The CloudEvents version written.
 pub const SPEC_VERSION: &str = "1.0";
 /// `datacontenttype`: payloads are jsonb.
 pub const DATA_CONTENT_TYPE: &str = "application/json";
+/// `datacontenttype` of a `bytea` payload, whose bytes outboxd does not
+/// read.
+pub const BYTES_CONTENT_TYPE: &str = "application/octet-stream";
 /// `content-type` of a structured-mode record.
 pub const STRUCTURED_CONTENT_TYPE: &str = "application/cloudevents+json; charset=UTF-8";
 /// The header that carries `datacontenttype` (binary) or the format
@@ -92,7 +96,13 @@ impl<'a> Attributes<'a> {
             ("source", source),
             ("type", row.event_type.as_str()),
             ("subject", row.aggregate_id.as_str()),
-            ("datacontenttype", DATA_CONTENT_TYPE),
+            (
+                "datacontenttype",
+                match row.payload {
+                    Payload::Json(_) => DATA_CONTENT_TYPE,
+                    Payload::Bytes(_) => BYTES_CONTENT_TYPE,
+                },
+            ),
             ("partitionkey", row.aggregate_id.as_str()),
         ];
         for name in TRACING {
@@ -113,8 +123,8 @@ impl<'a> Attributes<'a> {
     }
 
     /// The structured-mode value: the attributes, then `data` (the payload
-    /// JSON as stored).
-    pub fn structured(&self, payload: &str) -> Vec<u8> {
+    /// JSON as stored), or `data_base64` for bytes.
+    pub fn structured(&self, payload: &Payload) -> Vec<u8> {
         let mut out = Vec::with_capacity(payload.len() + 320);
         out.push(b'{');
         for (name, value) in self.all() {
@@ -123,8 +133,7 @@ impl<'a> Attributes<'a> {
             push_json_string(&mut out, value);
             out.push(b',');
         }
-        out.extend_from_slice(b"\"data\":");
-        out.extend_from_slice(payload.as_bytes());
+        payload.push_member(&mut out, "data", "data_base64");
         out.push(b'}');
         out
     }
@@ -209,7 +218,7 @@ mod tests {
             b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".to_vec(),
         )];
         let a = Attributes::of(&r, "id-1", "/outbox/Order", &headers);
-        let v: serde_json::Value = serde_json::from_slice(&a.structured(r#"{"total": 1}"#)).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&a.structured(&r#"{"total": 1}"#.into())).unwrap();
         assert_eq!(v["specversion"], "1.0");
         assert_eq!(v["subject"], "o/1");
         assert_eq!(v["time"], "2026-11-30T01:02:03.000000Z");
@@ -233,7 +242,7 @@ mod tests {
         let mut forever = r.clone();
         forever.created_at = CreatedAt::Unrepresentable("infinity".into());
         let a = Attributes::of(&forever, "id-1", "/s", &[]);
-        let v: serde_json::Value = serde_json::from_slice(&a.structured("{}")).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&a.structured(&"{}".into())).unwrap();
         assert!(v.get("time").is_none(), "time is optional: left out, not made up");
         assert!(
             is_reserved_header("CE_id") && is_reserved_header("Content-Type") && !is_reserved_header("cents")

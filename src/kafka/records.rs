@@ -6,7 +6,9 @@
 //! * key: `aggregate_id`, so one aggregate's events share a partition and
 //!   keep their order;
 //! * value: the envelope `{"eventId","type","occurredAt","aggregateType",
-//!   "aggregateId","data"}`, or the stored payload JSON byte for byte;
+//!   "aggregateId","data"}`, or the stored payload JSON byte for byte; a
+//!   `bytea` payload is forwarded as its bytes (`dataBase64` in the
+//!   envelope);
 //! * headers: `id`, `type`, `aggregateType`, `aggregateId`, then one header
 //!   per key of the row's `headers` object (strings raw, other values as
 //!   JSON text; keys that collide with the four above are skipped);
@@ -338,8 +340,8 @@ pub fn dead_letter_for_row(row: &OutboxRow, poison: &Poison, topic: &str) -> Kaf
     if poison.omit_payload {
         out.extend_from_slice(format!(",\"payloadBytes\":{}}}", row.payload.len()).as_bytes());
     } else {
-        out.extend_from_slice(b",\"payload\":");
-        out.extend_from_slice(row.payload.as_bytes());
+        out.push(b',');
+        row.payload.push_member(&mut out, "payload", "payloadBase64");
         out.push(b'}');
     }
     let ids = vec![
@@ -506,8 +508,8 @@ fn envelope(row: &OutboxRow, id: &str, occurred_at: &chrono::DateTime<chrono::Ut
     push_json_string(&mut out, &row.aggregate_type);
     out.extend_from_slice(b",\"aggregateId\":");
     push_json_string(&mut out, &row.aggregate_id);
-    out.extend_from_slice(b",\"data\":");
-    out.extend_from_slice(row.payload.as_bytes());
+    out.push(b',');
+    row.payload.push_member(&mut out, "data", "dataBase64");
     out.push(b'}');
     out
 }
@@ -724,7 +726,7 @@ mod tests {
     fn a_dead_letter_stub_is_small_and_names_the_row() {
         let mut r = row();
         r.aggregate_id = "k".repeat(5000);
-        r.payload = format!("\"{}\"", "x".repeat(2_000_000));
+        r.payload = crate::source::outbox::Payload::Json(format!("\"{}\"", "x".repeat(2_000_000)));
         let poison = Poison {
             reason: "illegal_topic",
             error: "topic name is illegal".into(),

@@ -128,6 +128,9 @@ pub enum AdminError {
     Query(#[from] tokio_postgres::Error),
     #[error(transparent)]
     Replication(#[from] PgError),
+    /// An outbox row that does not read back (its text, as the error says).
+    #[error("an outbox row cannot be read: {0}")]
+    Row(String),
     #[error(
         "outbox table {table} does not exist: run `outboxd migrate` or apply migrations/0001_outbox.sql"
     )]

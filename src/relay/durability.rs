@@ -315,7 +315,7 @@ mod tests {
                 aggregate_type: "Order".into(),
                 aggregate_id: "o-1".into(),
                 event_type: "t".into(),
-                payload: "x".repeat(payload_bytes),
+                payload: crate::source::outbox::Payload::Json("x".repeat(payload_bytes)),
                 headers: "{}".into(),
                 created_at: CreatedAt::Unrepresentable("infinity".into()),
             },

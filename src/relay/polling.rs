@@ -82,6 +82,8 @@ pub enum PollingError {
     Schema(crate::schema::SchemaError),
     #[error("schema_registry: {0}")]
     RegistrySetup(String),
+    #[error("an outbox row cannot be read: {0}")]
+    Row(crate::source::outbox::RowError),
     #[error("the polling lease lapsed in the middle of a round (this process was stopped or starved longer than postgres.leader_timeout); the rest of the round is left to whichever instance leads now")]
     LeadershipLost,
     #[error("Kafka refused the batch holding outbox row {id} ({source}); sending the rows from there one at a time, to set aside only the row Kafka refuses")]
@@ -107,7 +109,7 @@ impl PollingError {
             PollingError::Admin(_) => false,
             PollingError::Kafka(e) => e.is_transient(),
             PollingError::Schema(e) => e.is_transient(),
-            PollingError::Poison(_) | PollingError::RegistrySetup(_) => false,
+            PollingError::Poison(_) | PollingError::RegistrySetup(_) | PollingError::Row(_) => false,
             PollingError::BatchRefused { .. } | PollingError::LeadershipLost => true,
         }
     }
@@ -400,7 +402,13 @@ impl PollingRelay {
         let mut pending: Vec<Pending> = Vec::with_capacity(selected);
         let mut failure: Option<PollingError> = None;
         for r in &rows {
-            let row = OutboxRow::from_table(r);
+            let row = match OutboxRow::from_table(r) {
+                Ok(row) => row,
+                Err(e) => {
+                    failure = Some(PollingError::Row(e));
+                    break;
+                }
+            };
             // One at a time up to the row Kafka refused in a batch, so that
             // a refusal now is the row's own.
             let alone = self.isolate_until.is_some();
@@ -457,7 +465,7 @@ impl PollingRelay {
                 PollingError::Kafka(k) => k.reason(),
                 PollingError::BatchRefused { .. } => "batch_refused",
                 PollingError::LeadershipLost => "postgres_stream",
-                PollingError::Poison(_) => "poison",
+                PollingError::Poison(_) | PollingError::Row(_) => "poison",
                 PollingError::Schema(_) => "schema_registry",
                 PollingError::RegistrySetup(_) => "config",
                 PollingError::Admin(_) => "postgres_stream",

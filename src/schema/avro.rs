@@ -32,6 +32,8 @@ use serde_json::Value;
 /// A compiled schema.
 #[derive(Debug)]
 pub struct AvroCodec {
+    /// The parsed schema, for checking bodies that arrive encoded.
+    schema: Schema,
     nodes: Vec<Node>,
     root: usize,
     /// The top record's full name (the record-name strategies' subject).
@@ -126,11 +128,34 @@ impl AvroCodec {
         };
         let has_decimal = c.nodes.iter().any(|n| matches!(n, Node::Decimal { .. }));
         Ok(AvroCodec {
+            schema,
             nodes: c.nodes,
             root,
             name,
             has_decimal,
         })
+    }
+
+    /// Checks an Avro body that arrived encoded (a `bytea` payload): it
+    /// must decode as one datum of the schema, with no byte left over.
+    pub fn check_datum(&self, body: &[u8]) -> Result<(), Misfit> {
+        let mut rest = body;
+        let fail = |e: apache_avro::Error| Misfit {
+            path: "$".into(),
+            reason: format!("the encoded body does not decode against the schema: {e}"),
+        };
+        apache_avro::reader::datum::GenericDatumReader::builder(&self.schema)
+            .build()
+            .map_err(fail)?
+            .read_value(&mut rest)
+            .map_err(fail)?;
+        if !rest.is_empty() {
+            return Err(Misfit {
+                path: "$".into(),
+                reason: format!("{} bytes are left over after one datum of the schema", rest.len()),
+            });
+        }
+        Ok(())
     }
 
     /// Appends the Avro encoding of `value` to `out`.
@@ -860,6 +885,27 @@ mod tests {
             "id": "0190a5a4-8c1e-7000-8000-000000000001",
             "next": {"shop.Item": {"sku": "z", "qty": 1}}
         })
+    }
+
+    #[test]
+    fn an_encoded_body_is_checked_whole() {
+        let c = AvroCodec::parse(ORDER).unwrap();
+        let bytes = encode(ORDER, order()).unwrap();
+        c.check_datum(&bytes).unwrap();
+        let mut longer = bytes.clone();
+        longer.push(0);
+        let e = c.check_datum(&longer).unwrap_err();
+        assert!(e.reason.contains("1 bytes are left over"), "{}", e.reason);
+        let e = c.check_datum(&bytes[..bytes.len() - 3]).unwrap_err();
+        assert!(e.reason.contains("does not decode"), "{}", e.reason);
+        // A string's length that runs past the body, and an enum index
+        // past its symbols, are refused rather than read.
+        let e = c.check_datum(&[0x7e, b'a']).unwrap_err();
+        assert_eq!(e.path, "$");
+        let other = r#"{"type": "enum", "name": "E", "symbols": ["A"]}"#;
+        let c = AvroCodec::parse(other).unwrap();
+        c.check_datum(&[0]).unwrap();
+        assert!(c.check_datum(&[2]).is_err(), "index 1 of one symbol");
     }
 
     #[test]

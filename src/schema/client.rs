@@ -198,6 +198,20 @@ impl Client {
         Ok(s)
     }
 
+    /// `GET /schemas/ids/{id}/versions`: the (subject, version) pairs
+    /// that hold schema `id`.
+    pub fn versions_of_id(&self, id: u32) -> Result<Vec<(String, u32)>, ClientError> {
+        #[derive(serde::Deserialize)]
+        struct SubjectVersion {
+            subject: String,
+            version: u32,
+        }
+        let what = format!("the subjects of schema id {id}");
+        let body = self.call("GET", &format!("/schemas/ids/{id}/versions"), None, &what)?;
+        let list: Vec<SubjectVersion> = self.read(&body, &what)?;
+        Ok(list.into_iter().map(|v| (v.subject, v.version)).collect())
+    }
+
     /// `GET /subjects`: how many subjects the registry holds (proves it
     /// answers and takes outboxd's credentials).
     pub fn subjects(&self) -> Result<usize, ClientError> {

@@ -43,6 +43,18 @@ impl JsonSchemaCodec {
     }
 }
 
+impl JsonSchemaCodec {
+    /// Checks a body that arrived encoded (a `bytea` payload): UTF-8 JSON
+    /// that validates.
+    pub fn check_body(&self, body: &[u8]) -> Result<(), Misfit> {
+        let value: Value = serde_json::from_slice(body).map_err(|e| Misfit {
+            path: "$".into(),
+            reason: format!("the encoded body is not JSON: {e}"),
+        })?;
+        self.check(&value)
+    }
+}
+
 /// `/items/0/sku` as `$.items[0].sku`.
 fn pointer_to_path(pointer: &str) -> String {
     let mut out = String::from("$");

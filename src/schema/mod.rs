@@ -22,6 +22,14 @@
 //!    first offending field: it follows `routing.on_poison` with the
 //!    reason `schema_mismatch`.
 //!
+//! A `bytea` payload arrives already encoded (as Debezium's
+//! `BinaryDataConverter` passes through): it must be in the wire format,
+//! and its schema id is looked up ([`Registry::resolve`] again, by id):
+//! the id must exist, be a schema of the configured format, be registered
+//! under the subject the strategy names (at the pinned version, or be the
+//! pinned id), and the body must decode against it. Then the bytes are
+//! published unchanged; anything else is a `schema_mismatch`.
+//!
 //! LSN progress is untouched: encoding happens before the record is sent,
 //! so an event the registry holds up is simply not in flight yet, and the
 //! slot cannot move past it.
@@ -45,7 +53,7 @@ use serde_json::Value;
 use crate::config::{SchemaRouting, SchemaRule, SchemaSource, SubjectStrategy, ValueFormat};
 use crate::kafka::records::{KafkaRecord, RecordError};
 use crate::metrics::Metrics;
-use crate::source::outbox::OutboxRow;
+use crate::source::outbox::{OutboxRow, Payload};
 pub use avro::Misfit;
 use client::{Client, ClientError, Served};
 
@@ -146,6 +154,55 @@ enum Inferred {
     Refused(String, Instant),
 }
 
+/// A schema id read from an encoded (`bytea`) payload, once the registry
+/// has answered.
+#[derive(Debug)]
+enum ById {
+    Known {
+        /// `None` for a schema that references others: outboxd does not
+        /// follow references, so the body is passed on unchecked.
+        codec: Option<Arc<Codec>>,
+        /// The (subject, version) pairs that hold the id.
+        subjects: Vec<(String, u32)>,
+        fetched: Instant,
+        fetched_ms: i64,
+    },
+    /// No schema of this id, or one of another format: payloads encoded
+    /// with it are mismatches until the answer is older than the refresh
+    /// interval.
+    Refused { reason: String, at: Instant, at_ms: i64 },
+}
+
+impl ById {
+    fn fetched(&self) -> (Instant, i64) {
+        match self {
+            ById::Known {
+                fetched, fetched_ms, ..
+            } => (*fetched, *fetched_ms),
+            ById::Refused { at, at_ms, .. } => (*at, *at_ms),
+        }
+    }
+}
+
+/// The schema id and body of a value in the wire format.
+fn framed(bytes: &[u8]) -> Option<(u32, &[u8])> {
+    match bytes {
+        [MAGIC, a, b, c, d, body @ ..] => Some((u32::from_be_bytes([*a, *b, *c, *d]), body)),
+        _ => None,
+    }
+}
+
+impl Codec {
+    /// Checks a body that arrived encoded.
+    fn check_encoded(&self, body: &[u8]) -> Result<(), Misfit> {
+        match self {
+            Codec::Avro(c) => c.check_datum(body),
+            Codec::Protobuf(c) => c.check_message(body).map(|_| ()),
+            Codec::JsonSchema(c) => c.check_body(body),
+        }
+    }
+}
+
 /// The schemas the relay encodes with, shared with the HTTP status.
 pub type InUseBoard = Arc<Mutex<BTreeMap<(String, String), SchemaInUse>>>;
 
@@ -165,6 +222,8 @@ pub struct Registry {
     compiled: HashMap<(u32, Option<String>), Arc<Codec>>,
     /// Inferred schemas: subject → derived schema text → its id.
     inferred: HashMap<String, HashMap<String, Inferred>>,
+    /// Schema ids of encoded payloads.
+    by_id: HashMap<u32, ById>,
     counters: Option<Counters>,
     board: InUseBoard,
     /// Ends the waits for an unreachable registry (the relay's shutdown).
@@ -223,6 +282,7 @@ impl Registry {
             resolved: HashMap::new(),
             compiled: HashMap::new(),
             inferred: HashMap::new(),
+            by_id: HashMap::new(),
             counters: metrics.map(|m| Counters {
                 hit: m.schema_cache.with_label_values(&["hit"]),
                 miss: m.schema_cache.with_label_values(&["miss"]),
@@ -307,11 +367,21 @@ impl Registry {
     /// payload no schema can be inferred from is "ready": encoding
     /// reports it).
     pub fn ready(&self, row: &OutboxRow, topic: &str) -> bool {
+        let text = match &row.payload {
+            Payload::Bytes(b) => {
+                return framed(b).is_none_or(|(id, _)| {
+                    self.by_id
+                        .get(&id)
+                        .is_some_and(|e| e.fetched().0.elapsed() < self.refresh)
+                })
+            }
+            Payload::Json(text) => text,
+        };
         if self.is_inferred(&row.event_type, topic) {
             let Some(subject) = self.subject(&row.event_type, topic) else {
                 return true;
             };
-            return match infer::derive(&row.payload, &self.inferred_name(&row.event_type, topic)) {
+            return match infer::derive(text, &self.inferred_name(&row.event_type, topic)) {
                 Ok(text) => match self.inferred.get(&subject).and_then(|m| m.get(&text)) {
                     Some(Inferred::Registered { .. }) => true,
                     Some(Inferred::Refused(_, at)) => at.elapsed() < self.refresh,
@@ -332,6 +402,21 @@ impl Registry {
     /// clocks that disagree): a version the row was written for existed
     /// then, and that answer had it.
     pub fn recheck_after_mismatch(&mut self, row: &OutboxRow, topic: &str, commit_ms: i64) -> bool {
+        if let Payload::Bytes(b) = &row.payload {
+            // The id's answer is dropped, so that the look-up waits out an
+            // unreachable registry rather than keep it.
+            let Some((id, _)) = framed(b) else {
+                return false;
+            };
+            let stale = self
+                .by_id
+                .get(&id)
+                .is_some_and(|e| e.fetched().1 <= commit_ms.saturating_add(CLOCK_SKEW_MS));
+            if stale {
+                self.by_id.remove(&id);
+            }
+            return stale;
+        }
         let refresh = self.refresh;
         let Some(entry) = self
             .resolved
@@ -401,8 +486,15 @@ impl Registry {
             c.miss.inc();
         }
         let event_type = row.event_type.as_str();
+        let text = match &row.payload {
+            Payload::Bytes(b) => match framed(b) {
+                Some((id, _)) => return self.resolve_id(id).await,
+                None => return Ok(()),
+            },
+            Payload::Json(text) => text,
+        };
         if self.is_inferred(event_type, topic) {
-            return self.register_inferred(row, topic).await;
+            return self.register_inferred(row, text, topic).await;
         }
         let rule = self.routing.rule(event_type, topic).cloned();
         let subject = self.subject(event_type, topic);
@@ -508,11 +600,16 @@ impl Registry {
 
     /// Registers the schema derived from the row's payload (waiting out an
     /// unreachable registry); a refusal marks the shape as a mismatch.
-    async fn register_inferred(&mut self, row: &OutboxRow, topic: &str) -> Result<(), SchemaError> {
+    async fn register_inferred(
+        &mut self,
+        row: &OutboxRow,
+        payload: &str,
+        topic: &str,
+    ) -> Result<(), SchemaError> {
         let Some(subject) = self.subject(&row.event_type, topic) else {
             return Ok(());
         };
-        let Ok(text) = infer::derive(&row.payload, &self.inferred_name(&row.event_type, topic)) else {
+        let Ok(text) = infer::derive(payload, &self.inferred_name(&row.event_type, topic)) else {
             return Ok(());
         };
         let mut pause = Duration::from_millis(250);
@@ -565,6 +662,184 @@ impl Registry {
         Ok(())
     }
 
+    /// Looks up schema `id` of an encoded payload and the subjects that
+    /// hold it, waiting out an unreachable registry. An id the registry
+    /// does not have, or a schema of another format, is remembered as
+    /// refused; a failed refresh keeps what is known.
+    async fn resolve_id(&mut self, id: u32) -> Result<(), SchemaError> {
+        let mut pause = Duration::from_millis(250);
+        let answer = loop {
+            let r = self
+                .ask(move |c| c.by_id(id).and_then(|s| c.versions_of_id(id).map(|v| (s, v))))
+                .await;
+            self.count(r.as_ref().map_or_else(outcome_of, |_| "ok"));
+            match r {
+                Ok(found) => break Ok(found),
+                Err(e @ ClientError::NotFound { .. }) => break Err(e.to_string()),
+                Err(e) if matches!(self.by_id.get(&id), Some(ById::Known { .. })) => {
+                    tracing::warn!(error = %e, id, "could not refresh the subjects of a schema id; what is known stays until the next try");
+                    if let Some(ById::Known { fetched, .. }) = self.by_id.get_mut(&id) {
+                        *fetched = Instant::now();
+                    }
+                    return Ok(());
+                }
+                Err(e) if e.is_transient() => {
+                    tracing::warn!(error = %e, id, retry_in = ?pause,
+                        "waiting for the Schema Registry: no event goes to Kafka until the schema id of an encoded payload is checked");
+                    self.pause(pause).await?;
+                    pause = (pause * 2).min(Duration::from_secs(10));
+                }
+                Err(e) => return Err(SchemaError::Registry(e)),
+            }
+        };
+        let (at, at_ms) = (Instant::now(), chrono::Utc::now().timestamp_millis());
+        let entry = match answer {
+            Ok((served, subjects)) if !served.references.is_empty() => {
+                tracing::warn!(
+                    id,
+                    "schema id references other schemas, which outboxd does not follow: encoded payloads of it are checked by id and subject only"
+                );
+                if self.kind_fits(&served) {
+                    ById::Known {
+                        codec: None,
+                        subjects,
+                        fetched: at,
+                        fetched_ms: at_ms,
+                    }
+                } else {
+                    ById::Refused {
+                        reason: format!(
+                            "schema id {id} is a {} schema, not one for routing.value = {:?}",
+                            served.schema_type.as_deref().unwrap_or("AVRO"),
+                            format_name(self.format)
+                        ),
+                        at,
+                        at_ms,
+                    }
+                }
+            }
+            Ok((served, subjects)) => {
+                let compiled = match self.compiled.get(&(id, None)) {
+                    Some(c) => Ok(c.clone()),
+                    None => self.compile(&served, None).map(Arc::new),
+                };
+                match compiled {
+                    Ok(codec) => {
+                        self.compiled.insert((id, None), codec.clone());
+                        ById::Known {
+                            codec: Some(codec),
+                            subjects,
+                            fetched: at,
+                            fetched_ms: at_ms,
+                        }
+                    }
+                    Err(reason) => ById::Refused {
+                        reason: format!(
+                            "schema id {id} cannot be used for routing.value = {:?}: {reason}",
+                            format_name(self.format)
+                        ),
+                        at,
+                        at_ms,
+                    },
+                }
+            }
+            Err(reason) => ById::Refused { reason, at, at_ms },
+        };
+        self.by_id.insert(id, entry);
+        Ok(())
+    }
+
+    /// Whether a served schema is of the configured format.
+    fn kind_fits(&self, served: &Served) -> bool {
+        let kind = served
+            .schema_type
+            .as_deref()
+            .unwrap_or("AVRO")
+            .to_ascii_uppercase();
+        matches!(
+            (self.format, kind.as_str()),
+            (ValueFormat::Avro, "AVRO")
+                | (ValueFormat::Protobuf, "PROTOBUF")
+                | (ValueFormat::JsonSchema, "JSON")
+        )
+    }
+
+    /// An encoded payload (`bytes`) checked against the registry: the
+    /// value stays the bytes, unchanged.
+    fn check_encoded(
+        &self,
+        record: &mut KafkaRecord,
+        row: &OutboxRow,
+        bytes: &[u8],
+    ) -> Result<(), SchemaError> {
+        let expected = self.subject(&row.event_type, &record.topic);
+        let label = expected.clone().unwrap_or_else(|| "a pinned id".into());
+        let mismatch = |id: u32, reason: String| SchemaError::Mismatch {
+            subject: label.clone(),
+            id,
+            misfit: Misfit {
+                path: "$".into(),
+                reason,
+            },
+        };
+        let Some((id, body)) = framed(bytes) else {
+            return Err(mismatch(
+                0,
+                "the bytea payload is not in the Confluent wire format: an encoded payload starts with the magic byte 0 and a 4-byte schema id".into(),
+            ));
+        };
+        let rule = self.routing.rule(&row.event_type, &record.topic);
+        if let Some(pinned) = rule.and_then(|r| r.id).filter(|p| *p != id) {
+            return Err(mismatch(
+                id,
+                format!("the payload was encoded with schema id {id}, but routing.schemas pins id {pinned}"),
+            ));
+        }
+        match self.by_id.get(&id) {
+            Some(ById::Known { codec, subjects, .. }) => {
+                if let Some(subject) = &expected {
+                    let version = rule.and_then(|r| r.version);
+                    if !subjects
+                        .iter()
+                        .any(|(s, v)| s == subject && version.is_none_or(|want| *v == want))
+                    {
+                        let under: Vec<String> = subjects.iter().map(|(s, v)| format!("{s} v{v}")).collect();
+                        let at = version.map(|v| format!(" at version {v}")).unwrap_or_default();
+                        return Err(mismatch(
+                            id,
+                            format!(
+                                "schema id {id} is not registered under subject {subject:?}{at} (it is under: {})",
+                                if under.is_empty() { "no subject".into() } else { under.join(", ") }
+                            ),
+                        ));
+                    }
+                }
+                if let Some(codec) = codec {
+                    codec
+                        .check_encoded(body)
+                        .map_err(|misfit| SchemaError::Mismatch {
+                            subject: label.clone(),
+                            id,
+                            misfit,
+                        })?;
+                }
+                if let Some(c) = &self.counters {
+                    c.hit.inc();
+                }
+                bytes.clone_into(&mut record.value);
+                self.describe_data(record, id);
+                self.show(&row.event_type, &record.topic, expected, None, id);
+                Ok(())
+            }
+            Some(ById::Refused { reason, .. }) => Err(mismatch(id, reason.clone())),
+            None => Err(SchemaError::Unusable {
+                what: format!("id {id}"),
+                format: format_name(self.format),
+                reason: "it was not looked up before checking (a bug: please report it)".into(),
+            }),
+        }
+    }
+
     /// Puts the schema an event type uses on `topic` on the status board.
     fn show(&self, event_type: &str, topic: &str, subject: Option<String>, version: Option<u32>, id: u32) {
         if let Ok(mut board) = self.board.lock() {
@@ -608,8 +883,12 @@ impl Registry {
     /// in the Confluent wire format. [`Registry::resolve`] must have made
     /// the schema [`Registry::ready`]; a stale `latest` one is still used.
     pub fn encode(&self, record: &mut KafkaRecord, row: &OutboxRow) -> Result<(), SchemaError> {
+        let text = match &row.payload {
+            Payload::Bytes(b) => return self.check_encoded(record, row, b),
+            Payload::Json(text) => text,
+        };
         if self.is_inferred(&row.event_type, &record.topic) {
-            return self.encode_inferred(record, row);
+            return self.encode_inferred(record, row, text);
         }
         let Some(entry) = self.entry(&row.event_type, &record.topic) else {
             return Err(SchemaError::Unusable {
@@ -619,7 +898,7 @@ impl Registry {
             });
         };
         let subject = entry.subject.as_deref().unwrap_or("a pinned id");
-        self.write_value(record, row, &entry.codec, entry.id, subject)
+        self.write_value(record, text, &entry.codec, entry.id, subject)
     }
 
     /// Writes the value of `record` (built from `row`) with `codec`, schema
@@ -627,7 +906,7 @@ impl Registry {
     fn write_value(
         &self,
         record: &mut KafkaRecord,
-        row: &OutboxRow,
+        payload: &str,
         codec: &Codec,
         id: u32,
         subject: &str,
@@ -640,20 +919,20 @@ impl Registry {
             id,
             misfit,
         };
-        let mut out = Vec::with_capacity(row.payload.len() + 8);
+        let mut out = Vec::with_capacity(payload.len() + 8);
         out.push(MAGIC);
         out.extend_from_slice(&id.to_be_bytes());
         match codec {
             Codec::Avro(c) => {
-                let v = parse_payload(&row.payload).map_err(mismatch)?;
-                c.encode(&v, &row.payload, &mut out).map_err(mismatch)?;
+                let v = parse_payload(payload).map_err(mismatch)?;
+                c.encode(&v, payload, &mut out).map_err(mismatch)?;
             }
             Codec::JsonSchema(c) => {
-                let v = parse_payload(&row.payload).map_err(mismatch)?;
+                let v = parse_payload(payload).map_err(mismatch)?;
                 c.check(&v).map_err(mismatch)?;
-                out.extend_from_slice(row.payload.as_bytes());
+                out.extend_from_slice(payload.as_bytes());
             }
-            Codec::Protobuf(c) => c.encode(&row.payload, &mut out).map_err(mismatch)?,
+            Codec::Protobuf(c) => c.encode(payload, &mut out).map_err(mismatch)?,
         }
         record.value = out;
         self.describe_data(record, id);
@@ -684,17 +963,24 @@ impl Registry {
         ));
     }
 
-    fn encode_inferred(&self, record: &mut KafkaRecord, row: &OutboxRow) -> Result<(), SchemaError> {
+    fn encode_inferred(
+        &self,
+        record: &mut KafkaRecord,
+        row: &OutboxRow,
+        payload: &str,
+    ) -> Result<(), SchemaError> {
         let subject = self.subject(&row.event_type, &record.topic).unwrap_or_default();
         let mismatch = |id: u32, misfit: Misfit| SchemaError::Mismatch {
             subject: subject.clone(),
             id,
             misfit,
         };
-        let text = infer::derive(&row.payload, &self.inferred_name(&row.event_type, &record.topic))
+        let text = infer::derive(payload, &self.inferred_name(&row.event_type, &record.topic))
             .map_err(|m| mismatch(0, m))?;
         match self.inferred.get(&subject).and_then(|m| m.get(&text)) {
-            Some(Inferred::Registered { id, codec }) => self.write_value(record, row, codec, *id, &subject),
+            Some(Inferred::Registered { id, codec }) => {
+                self.write_value(record, payload, codec, *id, &subject)
+            }
             Some(Inferred::Refused(why, _)) => Err(mismatch(
                 0,
                 Misfit {

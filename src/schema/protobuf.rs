@@ -19,6 +19,8 @@ const FILE: &str = "outboxd-registry-schema.proto";
 /// A compiled schema and the message encoded from it.
 #[derive(Debug)]
 pub struct ProtobufCodec {
+    /// The file's top-level messages, which message indexes start from.
+    top: Vec<MessageDescriptor>,
     message: MessageDescriptor,
     /// The message indexes of the wire format, already encoded.
     indexes: Vec<u8>,
@@ -79,6 +81,7 @@ impl ProtobufCodec {
             }
         }
         Ok(ProtobufCodec {
+            top,
             name: chosen.full_name().to_owned(),
             message: chosen,
             indexes,
@@ -106,6 +109,63 @@ impl ProtobufCodec {
             reason: e.to_string(),
         })
     }
+}
+
+impl ProtobufCodec {
+    /// Checks a body that arrived encoded (a `bytea` payload): message
+    /// indexes naming a message of the schema, then that message. Returns
+    /// the message's full name.
+    pub fn check_message(&self, body: &[u8]) -> Result<String, Misfit> {
+        let misfit = |reason: String| Misfit {
+            path: "$".into(),
+            reason,
+        };
+        let mut rest = body;
+        let count = read_zigzag(&mut rest).ok_or_else(|| misfit("no message indexes".into()))?;
+        let path: Vec<i64> = if count == 0 {
+            vec![0]
+        } else {
+            if !(1..=64).contains(&count) {
+                return Err(misfit(format!("{count} message indexes cannot name a message")));
+            }
+            (0..count)
+                .map(|_| read_zigzag(&mut rest))
+                .collect::<Option<_>>()
+                .ok_or_else(|| misfit("the message indexes are cut short".into()))?
+        };
+        let mut level = self.top.clone();
+        let mut found = None;
+        for &i in &path {
+            let m = usize::try_from(i)
+                .ok()
+                .and_then(|i| level.get(i).cloned())
+                .ok_or_else(|| misfit(format!("message indexes {path:?} name no message of the schema")))?;
+            level = m.child_messages().filter(|c| !c.is_map_entry()).collect();
+            found = Some(m);
+        }
+        let message = found.ok_or_else(|| misfit("no message indexes".into()))?;
+        DynamicMessage::decode(message.clone(), rest).map_err(|e| {
+            misfit(format!(
+                "the encoded body does not decode as {}: {e}",
+                message.full_name()
+            ))
+        })?;
+        Ok(message.full_name().to_owned())
+    }
+}
+
+/// Reads one zig-zag varint, advancing `rest`.
+fn read_zigzag(rest: &mut &[u8]) -> Option<i64> {
+    let mut v: u64 = 0;
+    for shift in (0..64).step_by(7) {
+        let (&b, tail) = rest.split_first()?;
+        *rest = tail;
+        v |= u64::from(b & 0x7f) << shift;
+        if b & 0x80 == 0 {
+            return Some((v >> 1) as i64 ^ -((v & 1) as i64));
+        }
+    }
+    None
 }
 
 /// `a.b[0]` as `$.a.b[0]`.
@@ -169,6 +229,32 @@ mod tests {
         assert_eq!(first.indexes, vec![0]);
         let nested = ProtobufCodec::parse(SCHEMA, Some("shop.OrderPlaced.Item")).unwrap();
         assert_eq!(nested.indexes, vec![4, 2, 0], "two indexes: 1, 0");
+    }
+
+    #[test]
+    fn encoded_bodies_are_checked_against_the_message_their_indexes_name() {
+        let c = ProtobufCodec::parse(SCHEMA, Some("shop.OrderPlaced")).unwrap();
+        let mut out = Vec::new();
+        c.encode(r#"{"orderId":"o-1","totalCents":"5"}"#, &mut out)
+            .unwrap();
+        assert_eq!(c.check_message(&out).unwrap(), "shop.OrderPlaced");
+        let item = ProtobufCodec::parse(SCHEMA, Some("shop.OrderPlaced.Item")).unwrap();
+        let mut nested = Vec::new();
+        item.encode(r#"{"sku":"a","qty":2}"#, &mut nested).unwrap();
+        assert_eq!(c.check_message(&nested).unwrap(), "shop.OrderPlaced.Item");
+        // Index 7 names nothing; a cut-off body does not decode.
+        assert!(c
+            .check_message(&[2, 14])
+            .unwrap_err()
+            .reason
+            .contains("name no message"));
+        let cut = &out[..out.len() - 1];
+        assert!(c
+            .check_message(cut)
+            .unwrap_err()
+            .reason
+            .contains("does not decode"));
+        assert!(c.check_message(&[]).is_err());
     }
 
     #[test]

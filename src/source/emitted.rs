@@ -32,7 +32,7 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 use uuid::Uuid;
 
-use crate::source::outbox::{CreatedAt, OutboxRow, RowError, UnreadableRow};
+use crate::source::outbox::{CreatedAt, OutboxRow, Payload, RowError, UnreadableRow};
 
 /// The content format version this outboxd reads.
 pub const FORMAT_VERSION: u64 = 1;
@@ -119,7 +119,7 @@ fn row(content: &[u8], commit_time: chrono::DateTime<chrono::Utc>) -> Result<Out
         aggregate_type: c.aggregate_type,
         aggregate_id: c.aggregate_id,
         event_type: c.event_type,
-        payload: c.payload.get().to_owned(),
+        payload: Payload::Json(c.payload.get().to_owned()),
         headers,
         created_at,
     })
@@ -166,7 +166,8 @@ mod tests {
             ("Order", "1001")
         );
         assert_eq!(
-            r.payload, r#"{"total": 1e400, "n": [1, 2]}"#,
+            r.payload.json(),
+            Some(r#"{"total": 1e400, "n": [1, 2]}"#),
             "the payload as written"
         );
         assert_eq!(r.headers, r#"{"traceparent": "x"}"#);
@@ -181,7 +182,7 @@ mod tests {
             r#"{{"v":1,"id":"{id}","aggregateType":"A","aggregateId":"1","type":"t","payload":null}}"#
         );
         let r = row(bare.as_bytes(), commit()).unwrap();
-        assert_eq!((r.headers.as_str(), r.payload.as_str()), ("{}", "null"));
+        assert_eq!((r.headers.as_str(), r.payload.json()), ("{}", Some("null")));
         assert_eq!(
             r.created_at,
             CreatedAt::At(commit()),

@@ -6,7 +6,11 @@
 //! tuple then becomes an [`OutboxRow`]. Values arrive in text form (the
 //! replication connection fixes `DateStyle=ISO` and `TimeZone=UTC`).
 //! `payload` and `headers` are kept as the JSON text PostgreSQL produced, so
-//! the payload can be forwarded byte for byte.
+//! the payload can be forwarded byte for byte. A `bytea` payload column
+//! holds bytes that are already encoded (Avro, Protobuf or JSON Schema in
+//! the Confluent wire format, or anything else under `routing.value =
+//! "payload"`): its text form (`\x` hex, or the escape format) is decoded
+//! back to those bytes, which are then forwarded unchanged.
 
 use chrono::{DateTime, NaiveDateTime, Utc};
 use uuid::Uuid;
@@ -22,8 +26,9 @@ pub struct OutboxRow {
     pub aggregate_type: String,
     pub aggregate_id: String,
     pub event_type: String,
-    /// The payload as JSON text, exactly as PostgreSQL rendered the jsonb.
-    pub payload: String,
+    /// The payload: JSON text exactly as PostgreSQL rendered the jsonb,
+    /// or a `bytea` column's bytes.
+    pub payload: Payload,
     /// The headers object as JSON text (`{}` when the table has no headers
     /// column, or the row's `headers` is NULL).
     pub headers: String,
@@ -32,24 +37,158 @@ pub struct OutboxRow {
 
 /// The outbox columns in the order [`OutboxRow::from_table`] reads them,
 /// as text where outboxd forwards the text (run with `DateStyle = ISO` and
-/// `TimeZone = UTC`); `o` is the table's alias.
-pub const TABLE_COLUMNS: &str =
-    "o.id, o.aggregate_type, o.aggregate_id, o.type, o.payload::text, o.headers::text, o.created_at::text";
+/// `TimeZone = UTC`), and whether the payload is `bytea`; `o` is the
+/// table's alias. [`TABLE_COLUMN_COUNT`] columns.
+pub const TABLE_COLUMNS: &str = "o.id, o.aggregate_type, o.aggregate_id, o.type, o.payload::text, \
+     o.headers::text, o.created_at::text, pg_typeof(o.payload) = 'bytea'::regtype";
+
+/// How many columns [`TABLE_COLUMNS`] selects: a query's own columns
+/// start at this index.
+pub const TABLE_COLUMN_COUNT: usize = 8;
+
+/// The PostgreSQL type oid of `bytea`.
+pub const BYTEA_OID: u32 = 17;
+
+/// An event's payload.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Payload {
+    /// JSON text, exactly as PostgreSQL rendered it (a `jsonb`, `json` or
+    /// `text` column).
+    Json(String),
+    /// A `bytea` column's bytes, forwarded unchanged.
+    Bytes(Vec<u8>),
+}
+
+impl Payload {
+    /// The bytes a record carries: the JSON text, or the bytea's bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        match self {
+            Payload::Json(s) => s.as_bytes(),
+            Payload::Bytes(b) => b,
+        }
+    }
+
+    /// The JSON text, or `None` for bytes.
+    pub fn json(&self) -> Option<&str> {
+        match self {
+            Payload::Json(s) => Some(s),
+            Payload::Bytes(_) => None,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.as_bytes().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.as_bytes().is_empty()
+    }
+
+    /// Appends a JSON object member: `"<json_key>":<the JSON as stored>`,
+    /// or `"<bytes_key>":"<base64>"` for bytes.
+    pub fn push_member(&self, out: &mut Vec<u8>, json_key: &str, bytes_key: &str) {
+        use base64::Engine as _;
+        // Writing a &str to a Vec cannot fail.
+        match self {
+            Payload::Json(text) => {
+                let _ = serde_json::to_writer(&mut *out, json_key);
+                out.push(b':');
+                out.extend_from_slice(text.as_bytes());
+            }
+            Payload::Bytes(b) => {
+                let _ = serde_json::to_writer(&mut *out, bytes_key);
+                out.extend_from_slice(b":\"");
+                out.extend_from_slice(base64::engine::general_purpose::STANDARD.encode(b).as_bytes());
+                out.push(b'"');
+            }
+        }
+    }
+
+    /// Reads a payload column's text: `bytea`'s as bytes, any other as
+    /// JSON text.
+    pub fn from_text(text: &str, bytea: bool) -> Result<Payload, String> {
+        if bytea {
+            decode_bytea(text).map(Payload::Bytes)
+        } else {
+            Ok(Payload::Json(text.to_owned()))
+        }
+    }
+}
+
+impl From<&str> for Payload {
+    fn from(s: &str) -> Payload {
+        Payload::Json(s.to_owned())
+    }
+}
+
+/// `bytea`'s text output back to its bytes: the hex format (`\x0a1b`,
+/// PostgreSQL's default) or the escape format (`bytea_output = escape`:
+/// `\\` for a backslash, `\ooo` for a byte in octal, other bytes as
+/// themselves).
+pub fn decode_bytea(text: &str) -> Result<Vec<u8>, String> {
+    let b = text.as_bytes();
+    if let Some(hex) = text.strip_prefix("\\x") {
+        let digit = |c: u8| match c {
+            b'0'..=b'9' => Some(c - b'0'),
+            b'a'..=b'f' => Some(c - b'a' + 10),
+            b'A'..=b'F' => Some(c - b'A' + 10),
+            _ => None,
+        };
+        let h = hex.as_bytes();
+        if h.len() % 2 != 0 {
+            return Err("odd number of hex digits".into());
+        }
+        return h
+            .chunks_exact(2)
+            .map(|p| match (digit(p[0]), digit(p[1])) {
+                (Some(hi), Some(lo)) => Ok(hi << 4 | lo),
+                _ => Err(format!("{:?} is no hex byte", String::from_utf8_lossy(p))),
+            })
+            .collect();
+    }
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] != b'\\' {
+            out.push(b[i]);
+            i += 1;
+        } else if b.get(i + 1) == Some(&b'\\') {
+            out.push(b'\\');
+            i += 2;
+        } else {
+            let oct = b
+                .get(i + 1..i + 4)
+                .filter(|o| o[0] <= b'3' && o.iter().all(|c| (b'0'..=b'7').contains(c)))
+                .ok_or_else(|| format!("a backslash at byte {i} starts no escape"))?;
+            out.push((oct[0] - b'0') << 6 | (oct[1] - b'0') << 3 | (oct[2] - b'0'));
+            i += 4;
+        }
+    }
+    Ok(out)
+}
 
 impl OutboxRow {
     /// A row read from the table by a query that starts with
     /// [`TABLE_COLUMNS`] (polling mode, `outboxd replay`).
-    pub fn from_table(r: &tokio_postgres::Row) -> OutboxRow {
+    /// A `bytea` payload whose text PostgreSQL printed but that does not
+    /// read back (which it cannot be) is an error.
+    pub fn from_table(r: &tokio_postgres::Row) -> Result<OutboxRow, RowError> {
         let created: String = r.get(6);
-        OutboxRow {
+        let payload: String = r.get(4);
+        let bytea: bool = r.get(7);
+        Ok(OutboxRow {
             id: r.get(0),
             aggregate_type: r.get(1),
             aggregate_id: r.get(2),
             event_type: r.get(3),
-            payload: r.get(4),
+            payload: Payload::from_text(&payload, bytea).map_err(|reason| RowError::Invalid {
+                column: column::PAYLOAD,
+                value: payload.chars().take(64).collect(),
+                reason,
+            })?,
             headers: r.get(5),
             created_at: CreatedAt::parse(&created),
-        }
+        })
     }
 }
 
@@ -135,6 +274,8 @@ pub struct OutboxColumns {
     aggregate_id: usize,
     event_type: usize,
     payload: usize,
+    /// The payload column is `bytea`.
+    payload_bytes: bool,
     headers: Option<usize>,
     created_at: Option<usize>,
 }
@@ -157,6 +298,7 @@ impl OutboxColumns {
             aggregate_id: need(column::AGGREGATE_ID)?,
             event_type: need(column::TYPE)?,
             payload: need(column::PAYLOAD)?,
+            payload_bytes: find(column::PAYLOAD).is_some_and(|i| rel.columns[i].type_oid == BYTEA_OID),
             headers: find(column::HEADERS),
             created_at: find(column::CREATED_AT),
         })
@@ -229,7 +371,14 @@ impl OutboxColumns {
             aggregate_type: text(self.aggregate_type, column::AGGREGATE_TYPE)?.to_owned(),
             aggregate_id: text(self.aggregate_id, column::AGGREGATE_ID)?.to_owned(),
             event_type: text(self.event_type, column::TYPE)?.to_owned(),
-            payload: text(self.payload, column::PAYLOAD)?.to_owned(),
+            payload: {
+                let t = text(self.payload, column::PAYLOAD)?;
+                Payload::from_text(t, self.payload_bytes).map_err(|reason| RowError::Invalid {
+                    column: column::PAYLOAD,
+                    value: t.chars().take(64).collect(),
+                    reason,
+                })?
+            },
             headers,
             created_at,
         })
@@ -321,6 +470,49 @@ mod tests {
     use crate::postgres::pgoutput::RelationColumn;
     use proptest::prelude::*;
 
+    #[test]
+    fn bytea_text_reads_back_in_both_output_formats() {
+        assert_eq!(decode_bytea("\\x00010aFf").unwrap(), vec![0, 1, 10, 255]);
+        assert_eq!(decode_bytea("\\x").unwrap(), Vec::<u8>::new());
+        assert_eq!(decode_bytea("").unwrap(), Vec::<u8>::new());
+        // bytea_output = escape: printable bytes as themselves, a backslash
+        // doubled, the rest in octal.
+        assert_eq!(
+            decode_bytea("a\\\\b\\000\\377").unwrap(),
+            b"a\\b\x00\xff".to_vec()
+        );
+        for bad in ["\\x0", "\\x0g", "\\x\u{e9}0", "\\", "a\\12", "\\400", "\\9aa"] {
+            assert!(decode_bytea(bad).is_err(), "{bad:?} was read");
+        }
+        assert_eq!(
+            Payload::from_text("\\x0102", true).unwrap(),
+            Payload::Bytes(vec![1, 2])
+        );
+        assert_eq!(
+            Payload::from_text("\\x0102", false).unwrap(),
+            Payload::Json("\\x0102".into())
+        );
+    }
+
+    proptest! {
+        /// Every byte string reads back from both of PostgreSQL's output
+        /// formats.
+        #[test]
+        fn bytea_round_trips(bytes in proptest::collection::vec(any::<u8>(), 0..64)) {
+            let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+            prop_assert_eq!(decode_bytea(&format!("\\x{hex}")).unwrap(), bytes.clone());
+            let escaped: String = bytes
+                .iter()
+                .map(|&b| match b {
+                    b'\\' => "\\\\".to_string(),
+                    0x20..=0x7e => (b as char).to_string(),
+                    _ => format!("\\{b:03o}"),
+                })
+                .collect();
+            prop_assert_eq!(decode_bytea(&escaped).unwrap(), bytes);
+        }
+    }
+
     proptest! {
         /// The fast path agrees with chrono on everything PostgreSQL prints.
         #[test]
@@ -391,7 +583,7 @@ mod tests {
             .unwrap();
         assert_eq!(row.aggregate_type, "Order");
         assert_eq!(row.event_type, "ordering.order-placed.v1");
-        assert_eq!(row.payload, r#"{"a": 1}"#);
+        assert_eq!(row.payload.json(), Some(r#"{"a": 1}"#));
         assert_eq!(row.created_at.to_string(), "2026-11-30T02:50:36.123456Z");
     }
 

@@ -801,3 +801,180 @@ async fn under_on_poison_stop_a_misfit_stops_the_relay_naming_the_field_and_the_
         "nothing after the misfit was published: {records:?}"
     );
 }
+
+/// A value in the wire format: magic byte, schema id, body.
+fn wire(id: u32, body: &[u8]) -> Vec<u8> {
+    let mut v = vec![0];
+    v.extend_from_slice(&id.to_be_bytes());
+    v.extend_from_slice(body);
+    v
+}
+
+/// Makes the outbox's payload column `bytea`, as a table that stores
+/// payloads already encoded has it.
+async fn payload_as_bytea(client: &tokio_postgres::Client) {
+    client
+        .batch_execute(
+            "ALTER TABLE outbox ALTER COLUMN payload TYPE bytea USING convert_to(payload::text, 'UTF8')",
+        )
+        .await
+        .unwrap();
+}
+
+async fn insert_bytes(client: &tokio_postgres::Client, aggregate_id: &str, payload: &[u8]) -> Uuid {
+    let id = Uuid::now_v7();
+    client
+        .execute(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload) VALUES ($1, 'Ping', $2, 'Pinged', $3)",
+            &[&id, &aggregate_id, &payload],
+        )
+        .await
+        .unwrap();
+    id
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn encoded_bytea_payloads_are_published_unchanged_once_their_schema_id_checks_out() {
+    let s = Setup::new("encoded").await;
+    payload_as_bytea(&s.client).await;
+    let topic = s.topic("Ping");
+    let ping = r#"{"type": "record", "name": "Ping", "fields": [{"name": "n", "type": "long"}, {"name": "s", "type": "string"}]}"#;
+    let id = registry().register(&format!("{topic}-value"), "AVRO", ping);
+    let pong = r#"{"type": "record", "name": "Pong", "fields": [{"name": "n", "type": "long"}]}"#;
+    let elsewhere = registry().register(&format!("{}.other-value", s.prefix), "AVRO", pong);
+    assert_ne!(id, elsewhere);
+    let text = s.config(&s._db.superuser_url(), "avro", &registry().url, "");
+    let (handle, stop) = spawn_relay_with_slot(&s.client, &s.slot, &text).await;
+    // {"n": -3, "s": "hé"} and {"n": 2^62, "s": ""} in Avro's binary encoding.
+    let goods = [
+        wire(id, &[0x05, 0x06, b'h', 0xc3, 0xa9]),
+        wire(
+            id,
+            &[0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x01, 0x00],
+        ),
+    ];
+    let mut good_ids = Vec::new();
+    for (i, g) in goods.iter().enumerate() {
+        good_ids.push(insert_bytes(&s.client, &format!("p-{i}"), g).await);
+    }
+    let bads: Vec<(Vec<u8>, &str)> = vec![
+        (br#"{"n": 1, "s": "x"}"#.to_vec(), "magic byte"),
+        (wire(0x7fff_fff0, &[0x02, 0x00]), "2147483632"),
+        (wire(elsewhere, &[0x02]), "is not registered under subject"),
+        (wire(id, &[0x02]), "does not decode"),
+        (wire(id, &[0x02, 0x00, 0x00]), "left over"),
+        (vec![], "magic byte"),
+    ];
+    let mut bad_ids = Vec::new();
+    for (i, (b, _)) in bads.iter().enumerate() {
+        bad_ids.push(insert_bytes(&s.client, &format!("bad-{i}"), b).await);
+    }
+    s.confirmed_past_now().await;
+    let dlq = format!("{}.dead-letter", s.prefix);
+    let records = consume(&broker().brokers, &[&topic, &dlq], 8, Duration::from_secs(30));
+    let events: Vec<&Consumed> = records.iter().filter(|r| r.topic == topic).collect();
+    assert_eq!(events.len(), 2, "{records:?}");
+    for (i, g) in goods.iter().enumerate() {
+        let e = events
+            .iter()
+            .find(|r| r.header("id") == Some(&good_ids[i].to_string()))
+            .unwrap();
+        assert_eq!(&e.value, g, "published byte for byte");
+        assert_eq!(e.key, format!("p-{i}"));
+    }
+    let decoded = decode("avro", &events, "");
+    let mut values: Vec<Value> = decoded
+        .iter()
+        .map(|(i, v)| {
+            assert_eq!(*i, id);
+            v.clone()
+        })
+        .collect();
+    values.sort_by_key(|v| v["n"].as_i64());
+    assert_eq!(
+        values,
+        [json!({"n": -3, "s": "hé"}), json!({"n": 1i64 << 62, "s": ""})]
+    );
+    let dead: Vec<&Consumed> = records.iter().filter(|r| r.topic == dlq).collect();
+    assert_eq!(dead.len(), bads.len(), "{dead:?}");
+    for (i, (bytes, needle)) in bads.iter().enumerate() {
+        let d = dead
+            .iter()
+            .find(|r| r.header("id") == Some(&bad_ids[i].to_string()))
+            .unwrap();
+        assert_schema_mismatch(d, needle);
+        let letter: Value = serde_json::from_slice(&d.value).unwrap();
+        use base64::Engine as _;
+        assert_eq!(
+            letter["payloadBase64"]
+                .as_str()
+                .map(|b| base64::engine::general_purpose::STANDARD.decode(b).unwrap()),
+            Some(bytes.clone()),
+            "the dead letter keeps the bytes"
+        );
+    }
+    stop_relay(handle, stop).await;
+}
+
+/// Outside the registry formats a `bytea` payload is forwarded as its
+/// bytes: unchanged as the value, base64 in the envelope, in CDC and in
+/// polling mode.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_bytea_payload_is_its_bytes_as_the_value_and_base64_in_the_envelope() {
+    let s = Setup::new("bytea").await;
+    payload_as_bytea(&s.client).await;
+    let bytes: Vec<u8> = (0..=255u8).rev().collect();
+    let routing = |value: &str, topic: &str| {
+        format!(
+            "topic = \"{p}.{topic}.{{aggregate_type}}\"\nvalue = \"{value}\"",
+            p = s.prefix
+        )
+    };
+    let url = s._db.superuser_url();
+    let text = config_text(&url, &s.slot, &broker().brokers, &routing("payload", "cdc"), "");
+    let (handle, stop) = spawn_relay_with_slot(&s.client, &s.slot, &text).await;
+    let id = insert_bytes(&s.client, "p-1", &bytes).await;
+    s.confirmed_past_now().await;
+    stop_relay(handle, stop).await;
+    let cdc = format!("{}.cdc.ping", s.prefix);
+    let got = consume(&broker().brokers, &[&cdc], 1, Duration::from_secs(30));
+    assert_eq!(
+        (got[0].value.clone(), got[0].header("id")),
+        (bytes.clone(), Some(id.to_string().as_str()))
+    );
+
+    let polling = format!(
+        "mode = \"polling\"\n[polling]\ninterval = \"100ms\"\n{}",
+        config_text(
+            &url,
+            "unused",
+            &broker().brokers,
+            &routing("envelope", "poll"),
+            ""
+        )
+    );
+    let (config, validated) = outboxd::config::Config::from_toml(&polling, |_| None).unwrap();
+    let metrics = std::sync::Arc::new(outboxd::metrics::Metrics::new().unwrap());
+    let health = std::sync::Arc::new(outboxd::ops::health::Health::new(config.health.thresholds()));
+    let (stop, rx) = tokio::sync::watch::channel(false);
+    let handle = tokio::spawn(async move {
+        outboxd::relay::polling::PollingRelay::new(config, validated, metrics, health)
+            .unwrap()
+            .run(rx)
+            .await
+    });
+    let poll = format!("{}.poll.ping", s.prefix);
+    let got = consume(&broker().brokers, &[&poll], 1, Duration::from_secs(30));
+    stop.send(true).unwrap();
+    handle.await.unwrap().unwrap();
+    let envelope: Value = serde_json::from_slice(&got[0].value).unwrap();
+    use base64::Engine as _;
+    assert_eq!(
+        envelope["dataBase64"]
+            .as_str()
+            .map(|b| base64::engine::general_purpose::STANDARD.decode(b).unwrap()),
+        Some(bytes)
+    );
+    assert_eq!(envelope["eventId"], json!(id.to_string()));
+    assert!(envelope.get("data").is_none(), "{envelope}");
+}

@@ -39,7 +39,7 @@ use uuid::Uuid;
 
 use crate::config::ident::TableName;
 use crate::postgres::admin::AdminError;
-use crate::source::outbox::{OutboxRow, TABLE_COLUMNS};
+use crate::source::outbox::{OutboxRow, TABLE_COLUMNS, TABLE_COLUMN_COUNT};
 
 /// The rows to replay. Serialized into the state file, so that `--resume`
 /// continues exactly this selection.
@@ -262,21 +262,22 @@ impl Query {
             ct = self.commit_time
         );
         let rows = client.query(&sql, &[&ids]).await?;
-        Ok(rows
-            .iter()
+        rows.iter()
             .map(|r| {
-                let row = OutboxRow::from_table(r);
+                let row = OutboxRow::from_table(r).map_err(|e| AdminError::Row(e.to_string()))?;
                 let replay = ReplayRow {
                     key: Key {
-                        order_time: r.get(7),
+                        order_time: r.get(TABLE_COLUMN_COUNT),
                         created_at: r.get(6),
                         id: row.id,
                     },
                     row,
-                    commit_ms: r.get::<_, Option<f64>>(8).map(|ms| ms as i64),
+                    commit_ms: r
+                        .get::<_, Option<f64>>(TABLE_COLUMN_COUNT + 1)
+                        .map(|ms| ms as i64),
                 };
-                (replay.row.id, replay)
+                Ok((replay.row.id, replay))
             })
-            .collect())
+            .collect()
     }
 }

@@ -192,7 +192,7 @@ async fn thousand_rows_in_hundred_transactions_decode_exactly() {
             assert_eq!(row.aggregate_type, w.aggregate_type);
             assert_eq!(row.aggregate_id, w.aggregate_id);
             assert_eq!(row.event_type, w.event_type);
-            let payload: serde_json::Value = serde_json::from_str(&row.payload).unwrap();
+            let payload: serde_json::Value = serde_json::from_slice(row.payload.as_bytes()).unwrap();
             assert_eq!(payload, w.payload, "payload of {t}/{r}");
             let headers: serde_json::Value = serde_json::from_str(&row.headers).unwrap();
             assert_eq!(headers, w.headers);
