@@ -82,7 +82,7 @@ fn records(topic: &str, n: usize) -> Vec<KafkaRecord> {
             );
             KafkaRecord {
                 topic: topic.to_owned(),
-                key: format!("order-{}", i % 5000),
+                key: format!("order-{}", i % 5000).into_bytes(),
                 value: payload.into_bytes(),
                 headers: vec![
                     ("id".into(), id.into_bytes()),

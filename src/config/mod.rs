@@ -35,7 +35,7 @@ pub use ops::{HealthConfig, HttpConfig, LogConfig, LogFormat, OtelConfig, Shutdo
 pub use polling::{Mode, PollingConfig};
 pub use postgres::PostgresConfig;
 pub use registry::{SchemaRegistryConfig, SchemaRouting, SchemaRule, SchemaSource, SubjectStrategy};
-pub use routing::{CloudEventsData, OnPoison, RoutingConfig, ValueFormat};
+pub use routing::{CloudEventsData, KeyFormat, OnPoison, RoutingConfig, ValueFormat};
 
 use crate::config::conninfo::PgConnectConfig;
 use crate::config::ident::{PublicationName, SlotName, TableName};
@@ -429,6 +429,12 @@ impl Config {
                 return Err(invalid(
                     "schema_registry.url",
                     "routing.value needs a Schema Registry: add [schema_registry] with its url",
+                ));
+            }
+            if self.routing.key_format != KeyFormat::String {
+                return Err(invalid(
+                    "schema_registry.url",
+                    "routing.key_format needs a Schema Registry: add [schema_registry] with its url",
                 ));
             }
             return Ok(());

@@ -61,6 +61,21 @@ pub enum CloudEventsData {
     JsonSchema,
 }
 
+/// How the record key (the `aggregate_id`) is written.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum KeyFormat {
+    /// The `aggregate_id`'s UTF-8, as Kafka's `StringSerializer` writes it.
+    #[default]
+    String,
+    /// An Avro `"string"` in the Confluent wire format, its schema under
+    /// `<topic>-key`.
+    Avro,
+    /// A JSON string in the Confluent wire format, its schema
+    /// `{"type": "string"}` under `<topic>-key`.
+    JsonSchema,
+}
+
 /// What to do with a row Kafka will never accept.
 #[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq, Default)]
 #[serde(rename_all = "kebab-case")]
@@ -94,6 +109,10 @@ pub struct RoutingConfig {
     /// registry-encoded (`avro`, `protobuf`, `json-schema`).
     #[serde(default)]
     pub cloudevents_data: CloudEventsData,
+    /// The key: `string` (default), or registry-encoded (`avro`,
+    /// `json-schema`).
+    #[serde(default)]
+    pub key_format: KeyFormat,
     /// `stop` or `dead-letter`.
     #[serde(default)]
     pub on_poison: OnPoison,
@@ -125,6 +144,7 @@ impl Default for RoutingConfig {
             value: ValueFormat::Envelope,
             cloudevents_source: default_cloudevents_source(),
             cloudevents_data: CloudEventsData::Json,
+            key_format: KeyFormat::String,
             on_poison: OnPoison::Stop,
             dead_letter_topic: default_dead_letter_topic(),
             allowed_aggregate_types: None,

@@ -111,7 +111,9 @@ impl RecordError {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KafkaRecord {
     pub topic: String,
-    pub key: String,
+    /// The key as sent: the `aggregate_id`'s UTF-8, or its registry
+    /// encoding under `routing.key_format`.
+    pub key: Vec<u8>,
     pub value: Vec<u8>,
     pub headers: Vec<(String, Vec<u8>)>,
     pub timestamp_ms: i64,
@@ -239,7 +241,7 @@ pub fn build_record(
     };
     Ok(KafkaRecord {
         topic,
-        key: row.aggregate_id.clone(),
+        key: row.aggregate_id.clone().into_bytes(),
         value,
         headers,
         timestamp_ms: kafka_timestamp(&row.created_at, commit_ms),
@@ -356,7 +358,12 @@ pub fn dead_letter_for_row(row: &OutboxRow, poison: &Poison, topic: &str) -> Kaf
             row.aggregate_id.as_bytes().to_vec(),
         ),
     ];
-    dead_letter(topic, row.aggregate_id.clone(), out, dlq_headers(poison, ids))
+    dead_letter(
+        topic,
+        row.aggregate_id.clone().into_bytes(),
+        out,
+        dlq_headers(poison, ids),
+    )
 }
 
 /// A dead letter for a row that could not be read as an event: its id and
@@ -370,7 +377,12 @@ pub fn dead_letter_for_unreadable(row: &UnreadableRow, poison: &Poison, topic: &
     out.extend_from_slice(row.columns_json.as_bytes());
     out.push(b'}');
     let ids = vec![(header::ID.to_owned(), row.id.as_bytes().to_vec())];
-    dead_letter(topic, row.aggregate_id.clone(), out, dlq_headers(poison, ids))
+    dead_letter(
+        topic,
+        row.aggregate_id.clone().into_bytes(),
+        out,
+        dlq_headers(poison, ids),
+    )
 }
 
 /// A dead letter for a record the broker refused: the record as it was
@@ -436,10 +448,10 @@ pub fn dead_letter_stub(rec: &KafkaRecord, refused: &str) -> KafkaRecord {
         )
         .as_bytes(),
     );
-    let key = if short(rec.key.as_bytes()) {
+    let key = if short(&rec.key) {
         rec.key.clone()
     } else {
-        String::new()
+        Vec::new()
     };
     dead_letter(&rec.topic, key, value, headers)
 }
@@ -447,7 +459,7 @@ pub fn dead_letter_stub(rec: &KafkaRecord, refused: &str) -> KafkaRecord {
 /// A record for the dead-letter topic. Dead letters carry the time they
 /// were written: the row's own time may be what Kafka refused, and the
 /// dead-letter topic's limits are its own.
-fn dead_letter(topic: &str, key: String, value: Vec<u8>, headers: Vec<(String, Vec<u8>)>) -> KafkaRecord {
+fn dead_letter(topic: &str, key: Vec<u8>, value: Vec<u8>, headers: Vec<(String, Vec<u8>)>) -> KafkaRecord {
     KafkaRecord {
         topic: topic.to_owned(),
         key,
@@ -549,7 +561,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(r.topic, "order.events");
-        assert_eq!(r.key, "1001");
+        assert_eq!(r.key, b"1001");
         assert_eq!(r.timestamp_ms, 1_796_000_523_000);
         let v: serde_json::Value = serde_json::from_slice(&r.value).unwrap();
         assert_eq!(
@@ -740,7 +752,7 @@ mod tests {
             + stub.value.len()
             + stub.headers.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>();
         assert!(size < 4096, "{size} bytes");
-        assert_eq!(stub.key, "", "a key too long to keep");
+        assert!(stub.key.is_empty(), "a key too long to keep");
         let header = |name: &str| {
             stub.headers
                 .iter()

@@ -904,7 +904,7 @@ impl KafkaSink {
             });
         }
         let record = BaseRecord::with_opaque_to(&rec.topic, 0)
-            .key(rec.key.as_bytes())
+            .key(rec.key.as_slice())
             .payload(rec.value.as_slice())
             .headers(headers)
             .timestamp(rec.timestamp_ms);

@@ -111,7 +111,7 @@ impl PublishTracer {
             tracer: self.tracer.clone(),
             parent,
             topic: rec.topic.clone(),
-            key: rec.key.clone(),
+            key: find(header::AGGREGATE_ID).unwrap_or_default().to_owned(),
             id: find(header::ID).unwrap_or_default().to_owned(),
             commit: SystemTime::UNIX_EPOCH + Duration::from_millis(u64::try_from(commit_ms).unwrap_or(0)),
         }))

@@ -802,7 +802,7 @@ impl Transactions {
         };
         Some(KafkaRecord {
             topic: self.progress_topic.clone(),
-            key: self.identity.slot.clone(),
+            key: self.identity.slot.clone().into_bytes(),
             value: record.encode(),
             headers: vec![(
                 "outboxd.progress.version".to_owned(),
@@ -932,7 +932,7 @@ mod tests {
         });
         let rec = t.progress_record(chrono::Utc::now()).expect("a record");
         assert_eq!(rec.topic, "outboxd.progress");
-        assert_eq!(rec.key, "s");
+        assert_eq!(rec.key, b"s");
         let decoded = ProgressRecord::decode(&rec.value).unwrap();
         assert_eq!(decoded.commit_lsn, "0/16B3748");
         assert_eq!(decoded.events, 1);

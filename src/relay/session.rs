@@ -91,7 +91,7 @@ pub(super) fn record_from_message(msg: &rdkafka::message::OwnedMessage) -> Kafka
     use rdkafka::message::{Headers, Message};
     KafkaRecord {
         topic: msg.topic().to_owned(),
-        key: String::from_utf8_lossy(msg.key().unwrap_or_default()).into_owned(),
+        key: msg.key().unwrap_or_default().to_vec(),
         value: msg.payload().unwrap_or_default().to_vec(),
         headers: msg
             .headers()

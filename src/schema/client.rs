@@ -236,6 +236,21 @@ impl Client {
         Ok(r.id)
     }
 
+    /// The id of `schema` if it is registered under `subject` (`POST
+    /// /subjects/{subject}`), without registering it.
+    pub fn lookup(&self, subject: &str, schema: &str, schema_type: &str) -> Result<u32, ClientError> {
+        let what = format!("the schema {schema} under subject {subject:?}");
+        let body = serde_json::json!({"schema": schema, "schemaType": schema_type}).to_string();
+        let answer = self.call(
+            "POST",
+            &format!("/subjects/{}", segment(subject)),
+            Some(body),
+            &what,
+        )?;
+        let r: Registered = self.read(&answer, &what)?;
+        Ok(r.id)
+    }
+
     fn read<T: serde::de::DeserializeOwned>(&self, body: &str, what: &str) -> Result<T, ClientError> {
         serde_json::from_str(body).map_err(|e| ClientError::Unreadable {
             url: self.base.clone(),

@@ -30,6 +30,9 @@
 //! pinned id), and the body must decode against it. Then the bytes are
 //! published unchanged; anything else is a `schema_mismatch`.
 //!
+//! Keys are encoded too under `routing.key_format` ([`keys`]): the same
+//! ready, resolve and encode steps look up the topic's key schema.
+//!
 //! LSN progress is untouched: encoding happens before the record is sent,
 //! so an event the registry holds up is simply not in flight yet, and the
 //! slot cannot move past it.
@@ -42,6 +45,7 @@ pub mod avro;
 pub mod client;
 pub mod infer;
 pub mod json_schema;
+pub mod keys;
 pub mod protobuf;
 
 use std::collections::{BTreeMap, HashMap};
@@ -50,7 +54,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use crate::config::{SchemaRouting, SchemaRule, SchemaSource, SubjectStrategy, ValueFormat};
+use crate::config::{KeyFormat, SchemaRouting, SchemaRule, SchemaSource, SubjectStrategy, ValueFormat};
 use crate::kafka::records::{KafkaRecord, RecordError};
 use crate::metrics::Metrics;
 use crate::source::outbox::{OutboxRow, Payload};
@@ -92,6 +96,9 @@ pub enum SchemaError {
     /// was not sent, and nothing past it is confirmed.
     #[error("shutdown requested while waiting for the Schema Registry")]
     Interrupted,
+    /// The registry refused the string schema of a key subject.
+    #[error("the Schema Registry refused the string key schema under subject {subject:?} ({source}): register \"string\" (Avro) or {{\"type\": \"string\"}} (JSON Schema) under it, or set routing.key_format = \"string\"")]
+    KeySchema { subject: String, source: ClientError },
     /// The registry served a schema outboxd cannot encode with.
     #[error("schema {what} cannot be used for routing.value = {format:?}: {reason}; register a schema of that kind, or pin another in [routing.schemas]")]
     Unusable {
@@ -224,6 +231,9 @@ pub struct Registry {
     inferred: HashMap<String, HashMap<String, Inferred>>,
     /// Schema ids of encoded payloads.
     by_id: HashMap<u32, ById>,
+    /// `routing.key_format`, and the key schema id of each topic.
+    key_format: KeyFormat,
+    keys: HashMap<String, u32>,
     counters: Option<Counters>,
     board: InUseBoard,
     /// Ends the waits for an unreachable registry (the relay's shutdown).
@@ -266,13 +276,14 @@ impl Registry {
         metrics: Option<Metrics>,
     ) -> Result<Option<Registry>, String> {
         let format = config.registry_format();
-        if !format.uses_registry() {
+        let key_format = config.routing.key_format;
+        if !format.uses_registry() && key_format == KeyFormat::String {
             return Ok(None);
         }
         let cfg = config
             .schema_registry
             .as_ref()
-            .ok_or("routing.value needs [schema_registry]")?;
+            .ok_or("routing.value and routing.key_format need [schema_registry]")?;
         Ok(Some(Registry {
             client: Client::new(cfg)?,
             format,
@@ -283,6 +294,8 @@ impl Registry {
             compiled: HashMap::new(),
             inferred: HashMap::new(),
             by_id: HashMap::new(),
+            key_format,
+            keys: HashMap::new(),
             counters: metrics.map(|m| Counters {
                 hit: m.schema_cache.with_label_values(&["hit"]),
                 miss: m.schema_cache.with_label_values(&["miss"]),
@@ -367,6 +380,12 @@ impl Registry {
     /// payload no schema can be inferred from is "ready": encoding
     /// reports it).
     pub fn ready(&self, row: &OutboxRow, topic: &str) -> bool {
+        if !self.key_ready(topic) {
+            return false;
+        }
+        if !self.format.uses_registry() {
+            return true;
+        }
         let text = match &row.payload {
             Payload::Bytes(b) => {
                 return framed(b).is_none_or(|(id, _)| {
@@ -402,6 +421,9 @@ impl Registry {
     /// clocks that disagree): a version the row was written for existed
     /// then, and that answer had it.
     pub fn recheck_after_mismatch(&mut self, row: &OutboxRow, topic: &str, commit_ms: i64) -> bool {
+        if !self.format.uses_registry() {
+            return false;
+        }
         if let Payload::Bytes(b) = &row.payload {
             // The id's answer is dropped, so that the look-up waits out an
             // unreachable registry rather than keep it.
@@ -484,6 +506,12 @@ impl Registry {
     pub async fn resolve(&mut self, row: &OutboxRow, topic: &str) -> Result<(), SchemaError> {
         if let Some(c) = &self.counters {
             c.miss.inc();
+        }
+        if !self.key_ready(topic) {
+            self.resolve_key(topic).await?;
+        }
+        if !self.format.uses_registry() {
+            return Ok(());
         }
         let event_type = row.event_type.as_str();
         let text = match &row.payload {
@@ -883,6 +911,13 @@ impl Registry {
     /// in the Confluent wire format. [`Registry::resolve`] must have made
     /// the schema [`Registry::ready`]; a stale `latest` one is still used.
     pub fn encode(&self, record: &mut KafkaRecord, row: &OutboxRow) -> Result<(), SchemaError> {
+        if self.format.uses_registry() {
+            self.encode_value(record, row)?;
+        }
+        self.encode_key(record, row)
+    }
+
+    fn encode_value(&self, record: &mut KafkaRecord, row: &OutboxRow) -> Result<(), SchemaError> {
         let text = match &row.payload {
             Payload::Bytes(b) => return self.check_encoded(record, row, b),
             Payload::Json(text) => text,
@@ -1091,6 +1126,18 @@ impl Registry {
     /// up once: `subject: id N, version V`, or that its schema will be
     /// inferred.
     pub async fn check_event(&self, event_type: &str, topic: &str) -> Result<String, ClientError> {
+        let key = self.check_key(topic).await?;
+        if !self.format.uses_registry() {
+            return Ok(key.unwrap_or_default());
+        }
+        let value = self.check_value(event_type, topic).await?;
+        Ok(match key {
+            Some(k) => format!("{value}; {k}"),
+            None => value,
+        })
+    }
+
+    async fn check_value(&self, event_type: &str, topic: &str) -> Result<String, ClientError> {
         let subject = self.subject(event_type, topic);
         let label = subject.clone().unwrap_or_else(|| "a pinned id".into());
         if self.is_inferred(event_type, topic) {

@@ -673,7 +673,7 @@ async fn a_record_over_its_topics_limit_is_refused_before_it_is_sent() {
     let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as i64;
     let record = |len: usize| KafkaRecord {
         topic: topic.clone(),
-        key: "agg-1".into(),
+        key: b"agg-1".to_vec(),
         value: vec![b'x'; len],
         headers: vec![
             ("id".into(), b"0193a1c2".to_vec()),
@@ -713,7 +713,7 @@ async fn a_record_over_its_topics_limit_is_refused_before_it_is_sent() {
     let sent = plain
         .send(
             FutureRecord::to(&topic)
-                .key(over.key.as_str())
+                .key(over.key.as_slice())
                 .payload(over.value.as_slice())
                 .headers(headers)
                 .timestamp(now),

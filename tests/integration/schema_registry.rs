@@ -768,6 +768,16 @@ fn schema_settings_that_cannot_work_together_are_refused_at_load() {
         assert!(err.contains(key), "{key}: {err}");
         assert!(!err.contains("s3cret"), "{err}");
     }
+    let keys_alone = "[postgres]\nurl = \"postgres://u@h/db\"\n[kafka]\nbrokers = \"k:9092\"\n[routing]\nkey_format = \"avro\"";
+    let err = outboxd::config::Config::from_toml(keys_alone, |_| None)
+        .expect_err("encoded keys without a registry")
+        .to_string();
+    assert!(
+        err.contains("routing.key_format needs a Schema Registry"),
+        "{err}"
+    );
+    let protobuf = keys_alone.replace("\"avro\"", "\"protobuf\"");
+    assert!(outboxd::config::Config::from_toml(&protobuf, |_| None).is_err());
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -977,4 +987,92 @@ async fn a_bytea_payload_is_its_bytes_as_the_value_and_base64_in_the_envelope() 
     );
     assert_eq!(envelope["eventId"], json!(id.to_string()));
     assert!(envelope.get("data").is_none(), "{envelope}");
+}
+
+/// The keys of `records` as records of their own, for [`decode`].
+fn keys_as_values(records: &[&Consumed]) -> Vec<Consumed> {
+    records
+        .iter()
+        .map(|r| Consumed {
+            value: r.key_bytes.clone(),
+            ..(*r).clone()
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn encoded_keys_are_the_aggregate_id_under_the_topics_key_subject_and_keep_their_bytes() {
+    // Avro keys beside Avro values, as Debezium's Avro converter writes them.
+    let s = Setup::new("keys").await;
+    let topic = s.topic("Order");
+    registry().register(&format!("{topic}-value"), "AVRO", ORDER_AVRO);
+    let text = s.config(
+        &s._db.superuser_url(),
+        "avro",
+        &registry().url,
+        "key_format = \"avro\"",
+    );
+    let (handle, stop) = spawn_relay_with_slot(&s.client, &s.slot, &text).await;
+    let aggregates = ["order-0", "주문-1"];
+    for (o, a) in orders().iter().zip(aggregates) {
+        s.insert("Order", a, "OrderPlaced", o).await;
+    }
+    s.confirmed_past_now().await;
+    stop_relay(handle, stop).await;
+    let key_subject = format!("{topic}-key");
+    let key_id = registry().latest_id(&key_subject);
+    let first = consume(&broker().brokers, &[&topic], 2, Duration::from_secs(30));
+    let records: Vec<&Consumed> = first.iter().collect();
+    let keys = keys_as_values(&records);
+    let decoded = decode("avro", &keys.iter().collect::<Vec<_>>(), "");
+    let mut got: Vec<(u32, Value)> = decoded;
+    got.sort_by_key(|(_, v)| v.to_string());
+    assert_eq!(got, [(key_id, json!("order-0")), (key_id, json!("주문-1"))]);
+    assert_eq!(decode("avro", &records, "").len(), 2, "the values stay Avro");
+
+    // Another version under the key subject does not change a key's bytes
+    // (nor, with them, its partition).
+    registry().register(&key_subject, "AVRO", r#"["null", "string"]"#);
+    assert_ne!(registry().latest_id(&key_subject), key_id);
+    let (handle, stop) = spawn_relay_with_slot(&s.client, &s.slot, &text).await;
+    s.insert("Order", "order-0", "OrderPlaced", &orders()[0]).await;
+    s.confirmed_past_now().await;
+    stop_relay(handle, stop).await;
+    let all = consume(&broker().brokers, &[&topic], 3, Duration::from_secs(30));
+    let of_0: Vec<&Consumed> = all.iter().filter(|r| r.key_bytes.ends_with(b"order-0")).collect();
+    assert_eq!(of_0.len(), 2, "{all:?}");
+    assert_eq!(of_0[0].key_bytes, of_0[1].key_bytes);
+    assert_eq!(of_0[0].partition, of_0[1].partition);
+
+    // JSON Schema keys beside the JSON envelope: the subject is registered
+    // by outboxd, and Confluent's deserializer reads the key back.
+    let j = Setup::new("jkeys").await;
+    let jtopic = j.topic("Order");
+    let text = j.config(
+        &j._db.superuser_url(),
+        "envelope",
+        &registry().url,
+        "key_format = \"json-schema\"",
+    );
+    let (handle, stop) = spawn_relay_with_slot(&j.client, &j.slot, &text).await;
+    j.insert("Order", "a \"quoted\" key", "OrderPlaced", &orders()[1])
+        .await;
+    j.confirmed_past_now().await;
+    stop_relay(handle, stop).await;
+    let got = consume(&broker().brokers, &[&jtopic], 1, Duration::from_secs(30));
+    let envelope: Value = serde_json::from_slice(&got[0].value).unwrap();
+    assert_eq!(
+        envelope["aggregateId"],
+        json!("a \"quoted\" key"),
+        "the value is the envelope"
+    );
+    let keys = keys_as_values(&got.iter().collect::<Vec<_>>());
+    let decoded = decode("json-schema", &keys.iter().collect::<Vec<_>>(), "");
+    assert_eq!(
+        decoded,
+        [(
+            registry().latest_id(&format!("{jtopic}-key")),
+            json!("a \"quoted\" key")
+        )]
+    );
 }

@@ -499,7 +499,9 @@ pub fn create_topics_with(brokers: &str, topics: &[String], settings: &[(&str, &
 pub struct Consumed {
     pub topic: String,
     pub partition: i32,
+    /// The key as text (lossy); `key_bytes` holds it as sent.
     pub key: String,
+    pub key_bytes: Vec<u8>,
     pub value: Vec<u8>,
     pub headers: Vec<(String, Vec<u8>)>,
     pub timestamp_ms: Option<i64>,
@@ -673,6 +675,7 @@ fn read(
                     .key()
                     .map(|k| String::from_utf8_lossy(k).into_owned())
                     .unwrap_or_default(),
+                key_bytes: m.key().unwrap_or_default().to_vec(),
                 value: m.payload().unwrap_or_default().to_vec(),
                 headers: m
                     .headers()
