@@ -41,9 +41,15 @@ java="${JAVA:-java}"
 die() { printf 'debezium.sh: %s\n' "$*" >&2; exit 1; }
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
+converter_pom="$root/jvm/apicurio-converter/pom.xml"
+converter_version=$(sed -n 's:.*<apicurio.version>\(.*\)</apicurio.version>.*:\1:p' "$converter_pom")
+converter_home="${OUTBOXD_APICURIO_CONVERTER_HOME:-$cache/apicurio-converter-$converter_version}"
+
 fetch() {
   maven_fetch debezium.sh "Debezium $version and Kafka Connect" "$pom" "$home" "$m2" \
     "debezium-connector-postgres-$version.jar"
+  maven_fetch debezium.sh "Apicurio Registry's converter $converter_version" "$converter_pom" \
+    "$converter_home" "$m2" "apicurio-registry-utils-converter-$converter_version.jar"
 }
 
 # The connector: pgoutput on an existing publication, no snapshot, and the
@@ -156,7 +162,7 @@ start() {
   # shellcheck disable=SC2086
   setsid "$java" $heap -XX:+UseG1GC -XX:MaxGCPauseMillis=20 -Djava.awt.headless=true \
     -Dlog4j2.configurationFile="$root/jvm/conf/log4j2.properties" \
-    -cp "$home/libs/*" org.apache.kafka.connect.cli.ConnectStandalone \
+    -cp "$home/libs/*:$converter_home/libs/*" org.apache.kafka.connect.cli.ConnectStandalone \
     "$dir/worker.properties" "$connector_file" >"$dir/connect.log" 2>&1 &
   local pid=$!
   echo "$pid" >"$dir/pid"

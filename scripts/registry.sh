@@ -89,6 +89,10 @@ jvm_cmd() {
   local java; java=$(find_java)
   JVM_CMD=("$java" -Xmx384m -XX:+UseSerialGC -XX:TieredStopAtLevel=1
     -Dquarkus.http.host=127.0.0.1 -Dquarkus.http.port="$1"
+    # The management interface (health, metrics) listens on 0.0.0.0:9000
+    # by default, so a second registry on the machine could not start: it
+    # gets a free port of its own.
+    -Dquarkus.management.host=127.0.0.1 -Dquarkus.management.port="$(free_port)"
     -Dquarkus.log.level=WARN -Dquarkus.banner.enabled=false
     -jar "$home/app/quarkus-run.jar")
 }

@@ -22,7 +22,10 @@ maven_fetch() {
     }
     printf '%s: fetching %s from Maven Central into %s\n' "$who" "$what" "$home" >&2
     rm -rf "$home/libs.new"
-    if ! mvn -B -q -Dstyle.color=never -Dmaven.repo.local="$m2" -f "$pom" \
+    # A settings.xml beside the pom (mirrors) is used when there is one.
+    local settings=()
+    [ -f "$(dirname "$pom")/settings.xml" ] && settings=(-s "$(dirname "$pom")/settings.xml")
+    if ! mvn -B -q -Dstyle.color=never "${settings[@]}" -Dmaven.repo.local="$m2" -f "$pom" \
       org.apache.maven.plugins:maven-dependency-plugin:3.8.1:copy-dependencies \
       -DincludeScope=runtime -DoutputDirectory="$home/libs.new" >"$home/fetch.log" 2>&1; then
       printf '%s: Maven could not fetch %s: %s\n' "$who" "$what" "$(tail -n 20 "$home/fetch.log")" >&2

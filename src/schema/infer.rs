@@ -8,13 +8,15 @@
 //!   `default: null`;
 //! * strings, booleans; integers as `int` when they fit 32 bits, else
 //!   `long`; other numbers as `double`;
-//! * arrays as `array` of optional items, an empty array as an array of
-//!   optional strings; objects inside an array merged into one record
-//!   holding every field any element has.
+//! * arrays as `array` of optional items; objects inside an array merged
+//!   into one record holding every field any element has, and when their
+//!   fields differ (and no element is `null`) the items are that record,
+//!   not optional.
 //!
 //! Where it differs, so that nothing is dropped or changed silently:
-//! * a `null` value keeps its field, typed `"null"` (Debezium leaves the
-//!   field out);
+//! * a `null` value keeps its field, typed `"null"`, and an empty array
+//!   its field, an array of optional strings (Debezium leaves both fields
+//!   out);
 //! * an array whose elements mix kinds (a string and a number), an
 //!   integer beyond 64 bits, a key that is not an Avro name, or a payload
 //!   that is not an object is a schema mismatch with its path (Debezium
@@ -105,8 +107,11 @@ enum Shape {
     Long,
     Double,
     Str,
-    /// Items; `None` for an array with no non-null element.
-    Array(Option<Box<Shape>>),
+    /// Items (`None` for an array with no non-null element), and whether
+    /// they are optional: unless they are records merged from elements
+    /// with different fields and no element is `null` (as Debezium's
+    /// `SchemaBuilderUtil` builds them).
+    Array(Option<Box<Shape>>, bool),
     Record(Vec<(String, Shape)>),
 }
 
@@ -158,18 +163,24 @@ fn shape_of(v: &Ordered, path: &str) -> Result<Shape, Misfit> {
         Ordered::Str => Shape::Str,
         Ordered::Array(items) => {
             let mut merged: Option<Shape> = None;
+            let (mut nulls, mut differ) = (false, false);
             for (i, item) in items.iter().enumerate() {
                 let at = format!("{path}[{i}]");
                 let s = shape_of(item, &at)?;
                 if s == Shape::Null {
+                    nulls = true;
                     continue;
                 }
                 merged = Some(match merged {
                     None => s,
-                    Some(m) => merge(m, s, &at)?,
+                    Some(m) => {
+                        differ |= m != s;
+                        merge(m, s, &at)?
+                    }
                 });
             }
-            Shape::Array(merged.map(Box::new))
+            let records = matches!(merged, Some(Shape::Record(_)));
+            Shape::Array(merged.map(Box::new), nulls || !(records && differ))
         }
         Ordered::Object(fields) => {
             let mut out = Vec::with_capacity(fields.len());
@@ -200,10 +211,13 @@ fn merge(a: Shape, b: Shape, path: &str) -> Result<Shape, Misfit> {
         (Shape::Int | Shape::Long, Shape::Double) | (Shape::Double, Shape::Int | Shape::Long) => {
             Shape::Double
         }
-        (Shape::Array(x), Shape::Array(y)) => Shape::Array(match (x, y) {
-            (Some(x), Some(y)) => Some(Box::new(merge(*x, *y, &format!("{path}[]"))?)),
-            (x, y) => x.or(y),
-        }),
+        (Shape::Array(x, nx), Shape::Array(y, ny)) => Shape::Array(
+            match (x, y) {
+                (Some(x), Some(y)) => Some(Box::new(merge(*x, *y, &format!("{path}[]"))?)),
+                (x, y) => x.or(y),
+            },
+            nx || ny,
+        ),
         (Shape::Record(mut x), Shape::Record(y)) => {
             for (k, t) in y {
                 match x.iter_mut().find(|(name, _)| *name == k) {
@@ -235,7 +249,7 @@ fn kind(s: &Shape) -> &'static str {
         Shape::Bool => "booleans",
         Shape::Int | Shape::Long | Shape::Double => "numbers",
         Shape::Str => "strings",
-        Shape::Array(_) => "arrays",
+        Shape::Array(..) => "arrays",
         Shape::Record(_) => "objects",
     }
 }
@@ -248,7 +262,8 @@ fn avro(s: &Shape, name: &str) -> Value {
         Shape::Long => json!("long"),
         Shape::Double => json!("double"),
         Shape::Str => json!("string"),
-        Shape::Array(items) => json!({"type": "array", "items": match items {
+        Shape::Array(items, optional_items) => json!({"type": "array", "items": match items {
+            Some(t) if !optional_items => avro(t, name),
             Some(t) => optional(t, name),
             None => json!(["null", "string"]),
         }}),
@@ -351,6 +366,18 @@ mod tests {
         )
         .unwrap();
         codec.encode(&payload, "", &mut Vec::new()).unwrap();
+    }
+
+    #[test]
+    fn records_merged_from_different_elements_are_not_optional_items() {
+        let items = |payload: &str| {
+            let v: Value = serde_json::from_str(&derive(payload, "R").unwrap()).unwrap();
+            v["fields"][0]["type"][1]["items"].clone()
+        };
+        assert_eq!(items(r#"{"p": [{"a": 1}, {"b": "x"}]}"#)["type"], "record");
+        assert_eq!(items(r#"{"p": [{"a": 1}, {"a": 2}]}"#)[0], "null");
+        assert_eq!(items(r#"{"p": [{"a": 1}, {"b": "x"}, null]}"#)[0], "null");
+        assert_eq!(items(r#"{"p": [1, 2]}"#), json!(["null", "int"]));
     }
 
     #[test]

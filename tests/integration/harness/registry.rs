@@ -101,6 +101,12 @@ impl SchemaRegistry {
         v["id"].as_u64().unwrap() as u32
     }
 
+    /// The schema of `id`, parsed.
+    pub fn schema_of(&self, id: u32) -> Value {
+        let served = get(&format!("{}/schemas/ids/{id}", self.url)).unwrap();
+        serde_json::from_str(served["schema"].as_str().unwrap()).unwrap()
+    }
+
     /// The id of `subject`'s latest version.
     pub fn latest_id(&self, subject: &str) -> u32 {
         let subject = percent_encoding::utf8_percent_encode(subject, percent_encoding::NON_ALPHANUMERIC);
