@@ -225,29 +225,37 @@ impl Client {
     /// registered) and returns its id.
     pub fn register(&self, subject: &str, schema: &str, schema_type: &str) -> Result<u32, ClientError> {
         let what = format!("registering a schema under subject {subject:?}");
-        let body = serde_json::json!({"schema": schema, "schemaType": schema_type}).to_string();
-        let answer = self.call(
-            "POST",
+        self.post_schema(
             &format!("/subjects/{}/versions", segment(subject)),
-            Some(body),
+            schema,
+            schema_type,
             &what,
-        )?;
-        let r: Registered = self.read(&answer, &what)?;
-        Ok(r.id)
+        )
     }
 
     /// The id of `schema` if it is registered under `subject` (`POST
     /// /subjects/{subject}`), without registering it.
     pub fn lookup(&self, subject: &str, schema: &str, schema_type: &str) -> Result<u32, ClientError> {
         let what = format!("the schema {schema} under subject {subject:?}");
-        let body = serde_json::json!({"schema": schema, "schemaType": schema_type}).to_string();
-        let answer = self.call(
-            "POST",
+        self.post_schema(
             &format!("/subjects/{}", segment(subject)),
-            Some(body),
+            schema,
+            schema_type,
             &what,
-        )?;
-        let r: Registered = self.read(&answer, &what)?;
+        )
+    }
+
+    /// Posts a schema to `path`; the id the registry answers with.
+    fn post_schema(
+        &self,
+        path: &str,
+        schema: &str,
+        schema_type: &str,
+        what: &str,
+    ) -> Result<u32, ClientError> {
+        let body = serde_json::json!({"schema": schema, "schemaType": schema_type}).to_string();
+        let answer = self.call("POST", path, Some(body), what)?;
+        let r: Registered = self.read(&answer, what)?;
         Ok(r.id)
     }
 
