@@ -32,8 +32,6 @@ use serde_json::Value;
 /// A compiled schema.
 #[derive(Debug)]
 pub struct AvroCodec {
-    /// The parsed schema, for checking bodies that arrive encoded.
-    schema: Schema,
     nodes: Vec<Node>,
     root: usize,
     /// The top record's full name (the record-name strategies' subject).
@@ -92,6 +90,43 @@ struct Field {
     default: Option<Value>,
 }
 
+/// How deep an encoded body may nest (recursive records included).
+pub const MAX_DEPTH: usize = 512;
+
+/// How many items of no bytes (nulls) an encoded body's arrays and maps
+/// may hold.
+const MAX_EMPTY_ITEMS: u64 = 1 << 20;
+
+/// The next `n` bytes of `rest`.
+fn take<'a>(rest: &mut &'a [u8], n: usize) -> Result<&'a [u8], String> {
+    if rest.len() < n {
+        return Err(format!("it ends {} bytes short", n - rest.len()));
+    }
+    let (head, tail) = rest.split_at(n);
+    *rest = tail;
+    Ok(head)
+}
+
+/// A zig-zag varint long.
+fn read_long(rest: &mut &[u8]) -> Result<i64, String> {
+    let mut v: u64 = 0;
+    for shift in (0..64).step_by(7) {
+        let b = take(rest, 1)?[0];
+        v |= u64::from(b & 0x7f) << shift;
+        if b & 0x80 == 0 {
+            return Ok((v >> 1) as i64 ^ -((v & 1) as i64));
+        }
+    }
+    Err("a varint longer than 10 bytes".into())
+}
+
+/// A length-prefixed byte string.
+fn read_bytes<'a>(rest: &mut &'a [u8]) -> Result<&'a [u8], String> {
+    let len = read_long(rest)?;
+    let len = usize::try_from(len).map_err(|_| format!("a negative length {len}"))?;
+    take(rest, len)
+}
+
 /// Why a schema cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum AvroSchemaError {
@@ -128,7 +163,6 @@ impl AvroCodec {
         };
         let has_decimal = c.nodes.iter().any(|n| matches!(n, Node::Decimal { .. }));
         Ok(AvroCodec {
-            schema,
             nodes: c.nodes,
             root,
             name,
@@ -137,18 +171,16 @@ impl AvroCodec {
     }
 
     /// Checks an Avro body that arrived encoded (a `bytea` payload): it
-    /// must decode as one datum of the schema, with no byte left over.
+    /// must read as one datum of the schema, with no byte left over. Read
+    /// by the compiled nodes, with nesting bounded by [`MAX_DEPTH`]: a
+    /// recursive schema cannot make a hostile body exhaust the stack, and
+    /// a block count cannot promise more items than the body holds.
     pub fn check_datum(&self, body: &[u8]) -> Result<(), Misfit> {
         let mut rest = body;
-        let fail = |e: apache_avro::Error| Misfit {
+        self.read(self.root, &mut rest, 0).map_err(|reason| Misfit {
             path: "$".into(),
-            reason: format!("the encoded body does not decode against the schema: {e}"),
-        };
-        apache_avro::reader::datum::GenericDatumReader::builder(&self.schema)
-            .build()
-            .map_err(fail)?
-            .read_value(&mut rest)
-            .map_err(fail)?;
+            reason: format!("the encoded body does not decode against the schema: {reason}"),
+        })?;
         if !rest.is_empty() {
             return Err(Misfit {
                 path: "$".into(),
@@ -156,6 +188,103 @@ impl AvroCodec {
             });
         }
         Ok(())
+    }
+
+    /// Reads one datum of `node` off `rest`.
+    fn read(&self, node: usize, rest: &mut &[u8], depth: usize) -> Result<(), String> {
+        if depth > MAX_DEPTH {
+            return Err(format!("it nests deeper than {MAX_DEPTH} levels"));
+        }
+        let next = depth + 1;
+        match &self.nodes[node] {
+            Node::Null => {}
+            Node::Boolean => match take(rest, 1)? {
+                [0 | 1] => {}
+                other => return Err(format!("{other:?} is no boolean")),
+            },
+            Node::Int | Node::Date | Node::TimeMillis => {
+                let v = read_long(rest)?;
+                i32::try_from(v).map_err(|_| format!("{v} is beyond an int"))?;
+            }
+            Node::Long | Node::TimeMicros | Node::Timestamp(..) => {
+                read_long(rest)?;
+            }
+            Node::Float => {
+                take(rest, 4)?;
+            }
+            Node::Double => {
+                take(rest, 8)?;
+            }
+            Node::Bytes | Node::UuidBytes(None) | Node::Decimal { fixed: None, .. } => {
+                read_bytes(rest)?;
+            }
+            Node::String | Node::UuidString => {
+                std::str::from_utf8(read_bytes(rest)?)
+                    .map_err(|e| format!("a string that is not UTF-8: {e}"))?;
+            }
+            Node::Fixed { size, .. } => {
+                take(rest, *size)?;
+            }
+            Node::UuidBytes(Some(f)) | Node::Decimal { fixed: Some(f), .. } => self.read(*f, rest, next)?,
+            Node::Enum { name, symbols } => {
+                let i = read_long(rest)?;
+                if usize::try_from(i).map_or(true, |i| i >= symbols.len()) {
+                    return Err(format!("{i} is no symbol of enum {name}"));
+                }
+            }
+            Node::Union(branches) => {
+                let i = read_long(rest)?;
+                let (_, branch) = usize::try_from(i)
+                    .ok()
+                    .and_then(|i| branches.get(i))
+                    .ok_or_else(|| format!("{i} is no branch of the union"))?;
+                self.read(*branch, rest, next)?;
+            }
+            Node::Record { fields, .. } => {
+                for f in fields {
+                    self.read(f.node, rest, next)?;
+                }
+            }
+            Node::Array(items) => self.read_blocks(rest, |rest| self.read(*items, rest, next))?,
+            Node::Map(values) => self.read_blocks(rest, |rest| {
+                std::str::from_utf8(read_bytes(rest)?)
+                    .map_err(|e| format!("a map key that is not UTF-8: {e}"))?;
+                self.read(*values, rest, next)
+            })?,
+            Node::Pending => return Err("the schema names a type it never defines".into()),
+        }
+        Ok(())
+    }
+
+    /// Array and map blocks: a count (negative: followed by the block's
+    /// size in bytes), its items, until a count of 0.
+    fn read_blocks(
+        &self,
+        rest: &mut &[u8],
+        mut item: impl FnMut(&mut &[u8]) -> Result<(), String>,
+    ) -> Result<(), String> {
+        let mut items: u64 = 0;
+        loop {
+            let count = read_long(rest)?;
+            if count == 0 {
+                return Ok(());
+            }
+            if count < 0 {
+                read_long(rest)?;
+            }
+            // Items of no bytes (nulls) are the only ones a body can hold
+            // more of than it has bytes; bound them too.
+            items = items.saturating_add(count.unsigned_abs());
+            if items > (rest.len() as u64).max(MAX_EMPTY_ITEMS) {
+                return Err(format!(
+                    "a block promises {items} items and the body holds {} bytes",
+                    rest.len()
+                ));
+            }
+            for _ in 0..count.unsigned_abs() {
+                item(rest)?;
+            }
+        }
     }
 
     /// Appends the Avro encoding of `value` to `out`.
@@ -906,6 +1035,22 @@ mod tests {
         let c = AvroCodec::parse(other).unwrap();
         c.check_datum(&[0]).unwrap();
         assert!(c.check_datum(&[2]).is_err(), "index 1 of one symbol");
+        // A recursive schema: a hostile body nests without end, and is
+        // refused at the depth bound, not by the stack.
+        let node =
+            r#"{"type": "record", "name": "Node", "fields": [{"name": "next", "type": ["null", "Node"]}]}"#;
+        let c = AvroCodec::parse(node).unwrap();
+        c.check_datum(&[2, 2, 0]).unwrap();
+        let deep = vec![2u8; 1 << 20];
+        let e = c.check_datum(&deep).unwrap_err();
+        assert!(e.reason.contains("deeper than"), "{}", e.reason);
+        // A block that promises more nulls than any body holds.
+        let nulls = AvroCodec::parse(r#"{"type": "array", "items": "null"}"#).unwrap();
+        nulls.check_datum(&[6, 0]).unwrap();
+        let e = nulls
+            .check_datum(&[0xfe, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x7f, 0])
+            .unwrap_err();
+        assert!(e.reason.contains("promises"), "{}", e.reason);
     }
 
     #[test]

@@ -8,15 +8,17 @@
 //!   `default: null`;
 //! * strings, booleans; integers as `int` when they fit 32 bits, else
 //!   `long`; other numbers as `double`;
-//! * arrays as `array` of optional items; objects inside an array merged
-//!   into one record holding every field any element has, and when their
-//!   fields differ (and no element is `null`) the items are that record,
-//!   not optional.
+//! * arrays as `array` of optional items, an empty array as an array of
+//!   optional strings; objects inside an array merged into one record
+//!   holding every field any element has.
 //!
 //! Where it differs, so that nothing is dropped or changed silently:
+//! * the objects of an array whose fields differ are merged into optional
+//!   items, `["null", R]`, as all items are (Debezium makes them `R`): a
+//!   payload whose elements all have the same fields derives the same
+//!   items, so the subject's versions stay compatible;
 //! * a `null` value keeps its field, typed `"null"`, and an empty array
-//!   its field, an array of optional strings (Debezium leaves both fields
-//!   out);
+//!   its field, an array of optional strings (Debezium leaves both out);
 //! * an array whose elements mix kinds (a string and a number), an
 //!   integer beyond 64 bits, a key that is not an Avro name, or a payload
 //!   that is not an object is a schema mismatch with its path (Debezium
@@ -107,11 +109,8 @@ enum Shape {
     Long,
     Double,
     Str,
-    /// Items (`None` for an array with no non-null element), and whether
-    /// they are optional: unless they are records merged from elements
-    /// with different fields and no element is `null` (as Debezium's
-    /// `SchemaBuilderUtil` builds them).
-    Array(Option<Box<Shape>>, bool),
+    /// Items; `None` for an array with no non-null element.
+    Array(Option<Box<Shape>>),
     Record(Vec<(String, Shape)>),
 }
 
@@ -163,24 +162,18 @@ fn shape_of(v: &Ordered, path: &str) -> Result<Shape, Misfit> {
         Ordered::Str => Shape::Str,
         Ordered::Array(items) => {
             let mut merged: Option<Shape> = None;
-            let (mut nulls, mut differ) = (false, false);
             for (i, item) in items.iter().enumerate() {
                 let at = format!("{path}[{i}]");
                 let s = shape_of(item, &at)?;
                 if s == Shape::Null {
-                    nulls = true;
                     continue;
                 }
                 merged = Some(match merged {
                     None => s,
-                    Some(m) => {
-                        differ |= m != s;
-                        merge(m, s, &at)?
-                    }
+                    Some(m) => merge(m, s, &at)?,
                 });
             }
-            let records = matches!(merged, Some(Shape::Record(_)));
-            Shape::Array(merged.map(Box::new), nulls || !(records && differ))
+            Shape::Array(merged.map(Box::new))
         }
         Ordered::Object(fields) => {
             let mut out = Vec::with_capacity(fields.len());
@@ -211,13 +204,10 @@ fn merge(a: Shape, b: Shape, path: &str) -> Result<Shape, Misfit> {
         (Shape::Int | Shape::Long, Shape::Double) | (Shape::Double, Shape::Int | Shape::Long) => {
             Shape::Double
         }
-        (Shape::Array(x, nx), Shape::Array(y, ny)) => Shape::Array(
-            match (x, y) {
-                (Some(x), Some(y)) => Some(Box::new(merge(*x, *y, &format!("{path}[]"))?)),
-                (x, y) => x.or(y),
-            },
-            nx || ny,
-        ),
+        (Shape::Array(x), Shape::Array(y)) => Shape::Array(match (x, y) {
+            (Some(x), Some(y)) => Some(Box::new(merge(*x, *y, &format!("{path}[]"))?)),
+            (x, y) => x.or(y),
+        }),
         (Shape::Record(mut x), Shape::Record(y)) => {
             for (k, t) in y {
                 match x.iter_mut().find(|(name, _)| *name == k) {
@@ -249,7 +239,7 @@ fn kind(s: &Shape) -> &'static str {
         Shape::Bool => "booleans",
         Shape::Int | Shape::Long | Shape::Double => "numbers",
         Shape::Str => "strings",
-        Shape::Array(..) => "arrays",
+        Shape::Array(_) => "arrays",
         Shape::Record(_) => "objects",
     }
 }
@@ -262,8 +252,7 @@ fn avro(s: &Shape, name: &str) -> Value {
         Shape::Long => json!("long"),
         Shape::Double => json!("double"),
         Shape::Str => json!("string"),
-        Shape::Array(items, optional_items) => json!({"type": "array", "items": match items {
-            Some(t) if !optional_items => avro(t, name),
+        Shape::Array(items) => json!({"type": "array", "items": match items {
             Some(t) => optional(t, name),
             None => json!(["null", "string"]),
         }}),
@@ -369,15 +358,19 @@ mod tests {
     }
 
     #[test]
-    fn records_merged_from_different_elements_are_not_optional_items() {
+    fn array_items_stay_optional_so_versions_stay_compatible() {
         let items = |payload: &str| {
             let v: Value = serde_json::from_str(&derive(payload, "R").unwrap()).unwrap();
             v["fields"][0]["type"][1]["items"].clone()
         };
-        assert_eq!(items(r#"{"p": [{"a": 1}, {"b": "x"}]}"#)["type"], "record");
-        assert_eq!(items(r#"{"p": [{"a": 1}, {"a": 2}]}"#)[0], "null");
-        assert_eq!(items(r#"{"p": [{"a": 1}, {"b": "x"}, null]}"#)[0], "null");
-        assert_eq!(items(r#"{"p": [1, 2]}"#), json!(["null", "int"]));
+        let same = items(r#"{"p": [{"a": 1}, {"a": 2}]}"#);
+        let merged = items(r#"{"p": [{"a": 1}, {"b": "x"}]}"#);
+        assert_eq!((&same[0], &merged[0]), (&json!("null"), &json!("null")));
+        // The merged shape reads what the first wrote (BACKWARD).
+        let old = apache_avro::Schema::parse_str(&derive(r#"{"p": [{"a": 1}]}"#, "R").unwrap()).unwrap();
+        let new = apache_avro::Schema::parse_str(&derive(r#"{"p": [{"a": 1}, {"b": "x"}]}"#, "R").unwrap())
+            .unwrap();
+        assert!(apache_avro::schema_compatibility::SchemaCompatibility::can_read(&old, &new).is_ok());
     }
 
     #[test]

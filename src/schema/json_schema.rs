@@ -41,9 +41,7 @@ impl JsonSchemaCodec {
             reason: e.to_string(),
         })
     }
-}
 
-impl JsonSchemaCodec {
     /// Checks a body that arrived encoded (a `bytea` payload): UTF-8 JSON
     /// that validates.
     pub fn check_body(&self, body: &[u8]) -> Result<(), Misfit> {

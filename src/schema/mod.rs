@@ -200,12 +200,13 @@ fn framed(bytes: &[u8]) -> Option<(u32, &[u8])> {
 }
 
 impl Codec {
-    /// Checks a body that arrived encoded.
-    fn check_encoded(&self, body: &[u8]) -> Result<(), Misfit> {
+    /// Checks a body that arrived encoded; for Protobuf, returns the full
+    /// name of the message its indexes name.
+    fn check_encoded(&self, body: &[u8]) -> Result<Option<String>, Misfit> {
         match self {
-            Codec::Avro(c) => c.check_datum(body),
-            Codec::Protobuf(c) => c.check_message(body).map(|_| ()),
-            Codec::JsonSchema(c) => c.check_body(body),
+            Codec::Avro(c) => c.check_datum(body).map(|()| None),
+            Codec::Protobuf(c) => c.check_message(body).map(Some),
+            Codec::JsonSchema(c) => c.check_body(body).map(|()| None),
         }
     }
 }
@@ -703,7 +704,9 @@ impl Registry {
             self.count(r.as_ref().map_or_else(outcome_of, |_| "ok"));
             match r {
                 Ok(found) => break Ok(found),
-                Err(e @ ClientError::NotFound { .. }) => break Err(e.to_string()),
+                // A refresh that fails, however it fails (the registry
+                // away, or answering 404 while it restarts or fails
+                // over), keeps what is known, as for schemas by subject.
                 Err(e) if matches!(self.by_id.get(&id), Some(ById::Known { .. })) => {
                     tracing::warn!(error = %e, id, "could not refresh the subjects of a schema id; what is known stays until the next try");
                     if let Some(ById::Known { fetched, .. }) = self.by_id.get_mut(&id) {
@@ -711,6 +714,7 @@ impl Registry {
                     }
                     return Ok(());
                 }
+                Err(e @ ClientError::NotFound { .. }) => break Err(e.to_string()),
                 Err(e) if e.is_transient() => {
                     tracing::warn!(error = %e, id, retry_in = ?pause,
                         "waiting for the Schema Registry: no event goes to Kafka until the schema id of an encoded payload is checked");
@@ -843,13 +847,24 @@ impl Registry {
                     }
                 }
                 if let Some(codec) = codec {
-                    codec
+                    let message = codec
                         .check_encoded(body)
                         .map_err(|misfit| SchemaError::Mismatch {
                             subject: label.clone(),
                             id,
                             misfit,
                         })?;
+                    // The message a rule names is the one to carry, as
+                    // when outboxd encodes it.
+                    let wanted = rule.and_then(|r| r.record.as_deref());
+                    if let (Some(found), Some(wanted)) = (&message, wanted) {
+                        if found.as_str() != wanted.trim_start_matches('.') {
+                            return Err(mismatch(
+                                id,
+                                format!("the body is a {found} message, but routing.schemas names {wanted}"),
+                            ));
+                        }
+                    }
                 }
                 if let Some(c) = &self.counters {
                     c.hit.inc();

@@ -109,9 +109,7 @@ impl ProtobufCodec {
             reason: e.to_string(),
         })
     }
-}
 
-impl ProtobufCodec {
     /// Checks a body that arrived encoded (a `bytea` payload): message
     /// indexes naming a message of the schema, then that message. Returns
     /// the message's full name.
