@@ -91,7 +91,7 @@ struct Field {
 }
 
 /// How deep an encoded body may nest (recursive records included).
-pub const MAX_DEPTH: usize = 512;
+const MAX_DEPTH: usize = 512;
 
 /// How many items of no bytes (nulls) an encoded body's arrays and maps
 /// may hold.
@@ -125,6 +125,36 @@ fn read_bytes<'a>(rest: &mut &'a [u8]) -> Result<&'a [u8], String> {
     let len = read_long(rest)?;
     let len = usize::try_from(len).map_err(|_| format!("a negative length {len}"))?;
     take(rest, len)
+}
+
+/// Array and map blocks: a count (negative: followed by the block's
+/// size in bytes), its items, until a count of 0.
+fn read_blocks(
+    rest: &mut &[u8],
+    mut item: impl FnMut(&mut &[u8]) -> Result<(), String>,
+) -> Result<(), String> {
+    let mut items: u64 = 0;
+    loop {
+        let count = read_long(rest)?;
+        if count == 0 {
+            return Ok(());
+        }
+        if count < 0 {
+            read_long(rest)?;
+        }
+        // Items of no bytes (nulls) are the only ones a body can hold
+        // more of than it has bytes; bound them too.
+        items = items.saturating_add(count.unsigned_abs());
+        if items > (rest.len() as u64).max(MAX_EMPTY_ITEMS) {
+            return Err(format!(
+                "a block promises {items} items and the body holds {} bytes",
+                rest.len()
+            ));
+        }
+        for _ in 0..count.unsigned_abs() {
+            item(rest)?;
+        }
+    }
 }
 
 /// Why a schema cannot be used.
@@ -245,8 +275,8 @@ impl AvroCodec {
                     self.read(f.node, rest, next)?;
                 }
             }
-            Node::Array(items) => self.read_blocks(rest, |rest| self.read(*items, rest, next))?,
-            Node::Map(values) => self.read_blocks(rest, |rest| {
+            Node::Array(items) => read_blocks(rest, |rest| self.read(*items, rest, next))?,
+            Node::Map(values) => read_blocks(rest, |rest| {
                 std::str::from_utf8(read_bytes(rest)?)
                     .map_err(|e| format!("a map key that is not UTF-8: {e}"))?;
                 self.read(*values, rest, next)
@@ -254,37 +284,6 @@ impl AvroCodec {
             Node::Pending => return Err("the schema names a type it never defines".into()),
         }
         Ok(())
-    }
-
-    /// Array and map blocks: a count (negative: followed by the block's
-    /// size in bytes), its items, until a count of 0.
-    fn read_blocks(
-        &self,
-        rest: &mut &[u8],
-        mut item: impl FnMut(&mut &[u8]) -> Result<(), String>,
-    ) -> Result<(), String> {
-        let mut items: u64 = 0;
-        loop {
-            let count = read_long(rest)?;
-            if count == 0 {
-                return Ok(());
-            }
-            if count < 0 {
-                read_long(rest)?;
-            }
-            // Items of no bytes (nulls) are the only ones a body can hold
-            // more of than it has bytes; bound them too.
-            items = items.saturating_add(count.unsigned_abs());
-            if items > (rest.len() as u64).max(MAX_EMPTY_ITEMS) {
-                return Err(format!(
-                    "a block promises {items} items and the body holds {} bytes",
-                    rest.len()
-                ));
-            }
-            for _ in 0..count.unsigned_abs() {
-                item(rest)?;
-            }
-        }
     }
 
     /// Appends the Avro encoding of `value` to `out`.
