@@ -34,6 +34,7 @@ pub mod kafka;
 pub mod lsn;
 pub mod metrics;
 pub mod ops;
+pub mod park;
 pub mod postgres;
 pub mod relay;
 pub mod schema;

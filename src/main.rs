@@ -97,6 +97,170 @@ enum Command {
     },
     /// Re-publish outbox rows from the table (after a lost slot, lost Kafka data, or for a new consumer).
     Replay(ReplayArgs),
+    /// Parked events (routing.on_poison = "park"): list, show, redrive, skip, discard.
+    Parked(ParkedArgs),
+}
+
+/// `outboxd parked`: see README.md, "Bad rows".
+#[derive(Debug, clap::Args)]
+struct ParkedArgs {
+    /// The TOML configuration file.
+    #[arg(short, long, env = "OUTBOXD_CONFIG", global = true)]
+    config: Option<PathBuf>,
+    #[command(subcommand)]
+    command: ParkedCommand,
+}
+
+/// Which sequences: --key (with --topic), --reason or --all.
+#[derive(Debug, clap::Args)]
+#[group(required = true, multiple = false)]
+struct SequenceArgs {
+    /// The sequences of this key (aggregate id).
+    #[arg(long)]
+    key: Option<String>,
+    /// The sequences whose head was parked for this reason (a dlq.reason).
+    #[arg(long)]
+    reason: Option<String>,
+    /// Every parked sequence.
+    #[arg(long)]
+    all: bool,
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum ParkedCommand {
+    /// Per parked sequence: the head's reason, the count and since when.
+    List {
+        /// Print JSON for scripts.
+        #[arg(long)]
+        json: bool,
+    },
+    /// The parked events of the selected sequences, in order (JSON lines).
+    Show {
+        #[command(flatten)]
+        which: SequenceArgs,
+        /// With --key: only this topic.
+        #[arg(long)]
+        topic: Option<String>,
+    },
+    /// Re-publish the selected sequences in order under today's configuration, deleting each event once Kafka acknowledged it.
+    Redrive {
+        #[command(flatten)]
+        which: SequenceArgs,
+        /// With --key: only this topic.
+        #[arg(long)]
+        topic: Option<String>,
+        /// Show what would be redriven; publish nothing.
+        #[arg(long)]
+        dry_run: bool,
+        /// How long to wait for the slot to confirm past parked events (a running outboxd confirms within seconds).
+        #[arg(long, value_parser = humantime::parse_duration, default_value = "60s")]
+        wait: std::time::Duration,
+    },
+    /// Send the head of a sequence to the dead-letter topic, then redrive the rest.
+    Skip {
+        /// The head event's id.
+        #[arg(long)]
+        id: String,
+        #[arg(long)]
+        dry_run: bool,
+        #[arg(long, value_parser = humantime::parse_duration, default_value = "60s")]
+        wait: std::time::Duration,
+    },
+    /// Delete the selected sequences' parked events for good.
+    Discard {
+        #[command(flatten)]
+        which: SequenceArgs,
+        #[arg(long)]
+        topic: Option<String>,
+        /// Required: the events are gone afterwards.
+        #[arg(long)]
+        confirm: bool,
+    },
+}
+
+fn selection(which: &SequenceArgs, topic: Option<String>) -> outboxd::cli::parked::Selection {
+    use outboxd::cli::parked::Selection;
+    match (&which.key, &which.reason) {
+        (Some(key), _) => Selection::Key {
+            key: key.clone(),
+            topic,
+        },
+        (None, Some(reason)) => Selection::Reason(reason.clone()),
+        (None, None) => Selection::All,
+    }
+}
+
+async fn parked(args: ParkedArgs) -> ExitCode {
+    use outboxd::cli::parked::{self as p, RedriveOptions};
+    let Some(path) = args.config else {
+        eprintln!("outboxd: give the configuration file with --config (or OUTBOXD_CONFIG)");
+        return ExitCode::FAILURE;
+    };
+    let (config, validated) = match load(&path) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    outboxd::ops::telemetry::init(&config.log);
+    let result = match args.command {
+        ParkedCommand::List { json } => p::list(&validated).await.map(|l| {
+            if json {
+                println!("{}", serde_json::to_string_pretty(&l).unwrap_or_default());
+            } else if l.is_empty() {
+                println!("no parked sequences");
+            } else {
+                println!("{:<32} {:<24} {:>7} {:<28} {:<25} HEAD", "TOPIC", "KEY", "EVENTS", "REASON", "PARKED AT");
+                for s in &l {
+                    println!("{:<32} {:<24} {:>7} {:<28} {:<25} {}", s.topic, s.key, s.events, s.head_reason, s.parked_at, s.head_id);
+                }
+            }
+        }),
+        ParkedCommand::Show { which, topic } => p::show(&validated, &selection(&which, topic)).await.map(|events| {
+            for e in events {
+                let line = serde_json::json!({
+                    "topic": e.topic, "key": e.key, "id": e.id(), "commit_lsn": e.pos.commit_lsn.to_string(),
+                    "position": e.pos.index, "reason": e.reason, "error": e.error, "attempts": e.attempts,
+                });
+                println!("{line}");
+            }
+        }),
+        ParkedCommand::Redrive {
+            which,
+            topic,
+            dry_run,
+            wait,
+        } => {
+            let options = RedriveOptions { dry_run, wait };
+            match p::redrive(&config, &validated, &selection(&which, topic), &options).await {
+                Ok(r) if r.left > 0 => Err(p::ParkedError::Incomplete(r.left)),
+                Ok(r) => {
+                    println!("redriven: {} event(s) published, {} sequence(s) released", r.published, r.released);
+                    Ok(())
+                }
+                Err(e) => Err(e),
+            }
+        }
+        ParkedCommand::Skip { id, dry_run, wait } => {
+            let options = RedriveOptions { dry_run, wait };
+            match p::skip(&config, &validated, &id, &options).await {
+                Ok(r) if r.left > 0 => Err(p::ParkedError::Incomplete(r.left)),
+                Ok(r) => {
+                    println!("skipped {id}; redriven: {} event(s) published, {} sequence(s) released", r.published, r.released);
+                    Ok(())
+                }
+                Err(e) => Err(e),
+            }
+        }
+        ParkedCommand::Discard { which, topic, confirm } => {
+            p::discard(&validated, &selection(&which, topic), confirm).await.map(|n| println!("discarded {n} parked event(s)"))
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("outboxd: parked: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 /// `outboxd replay`: see docs/recovery.md, "Replay and backfill".
@@ -645,6 +809,7 @@ fn main() -> ExitCode {
                 wait,
             } => retention(config, older_than, batch, published_only, force, wait).await,
             Command::Replay(args) => replay(args).await,
+            Command::Parked(args) => parked(args).await,
         }
     });
     runtime.block_on(command).unwrap_or_else(|e| {

@@ -63,6 +63,15 @@ pub struct Metrics {
     pub schema_cache: IntCounterVec,
     /// Payloads that did not fit their registered schema.
     pub schema_mismatches: IntCounter,
+    /// `routing.on_poison = "park"`: parked sequences, events and their
+    /// bytes, and the oldest sequence's age (as last read).
+    pub parked_sequences: IntGauge,
+    pub parked_events: IntGauge,
+    pub parked_bytes: IntGauge,
+    pub parked_oldest_age_seconds: Gauge,
+    /// Events parked, by the reason their sequence's head was parked for
+    /// (`behind` for an event parked behind its head).
+    pub parked_total: IntCounterVec,
 }
 
 /// Every `outcome` of `outboxd_schema_registry_requests_total`.
@@ -251,7 +260,36 @@ impl Metrics {
             "outboxd_schema_mismatches_total",
             "Payloads that did not fit their registered schema (each follows routing.on_poison).",
         )?;
+        let parked_total = register(
+            &registry,
+            IntCounterVec::new(
+                Opts::new(
+                    "outboxd_parked_total",
+                    "Events parked (routing.on_poison = \"park\"), by reason; `behind` for events parked behind their sequence's head.",
+                ),
+                &["reason"],
+            )?,
+        )?;
+        for reason in DEAD_LETTER_REASONS.iter().chain(&["behind"]) {
+            parked_total.with_label_values(&[reason]);
+        }
+        let parked_oldest_age_seconds = register(
+            &registry,
+            Gauge::new(
+                "outboxd_parked_oldest_age_seconds",
+                "Age of the oldest parked sequence (0 when none is parked).",
+            )?,
+        )?;
         Ok(Metrics {
+            parked_sequences: gauge(
+                &registry,
+                "outboxd_parked_sequences",
+                "Parked sequences (topic and key) waiting for `outboxd parked redrive`.",
+            )?,
+            parked_events: gauge(&registry, "outboxd_parked_events", "Parked events, heads included.")?,
+            parked_bytes: gauge(&registry, "outboxd_parked_bytes", "Bytes of parked events.")?,
+            parked_oldest_age_seconds,
+            parked_total,
             schema_registry_requests,
             schema_cache,
             schema_mismatches,

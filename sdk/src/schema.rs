@@ -69,6 +69,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0008_outbox_order_and_emit_grants.sql",
         sql: include_str!("../../migrations/0008_outbox_order_and_emit_grants.sql"),
     },
+    Migration {
+        version: 9,
+        name: "0009_outboxd_parked.sql",
+        sql: include_str!("../../migrations/0009_outboxd_parked.sql"),
+    },
 ];
 
 /// PostgreSQL truncates identifiers longer than this (NAMEDATALEN - 1).

@@ -3,6 +3,7 @@
 //! steps of `progress` ([`progress`]).
 
 pub mod check;
+pub mod parked;
 pub mod progress;
 pub mod replay;
 pub mod retention;

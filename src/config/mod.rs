@@ -563,6 +563,24 @@ impl Config {
                 "set kafka.delivery = \"exactly-once\" (and, to choose the id, kafka.exactly_once.transactional_id) instead",
             ));
         }
+        if self.routing.on_poison == OnPoison::Park {
+            if self.mode == Mode::Polling {
+                return Err(invalid(
+                    "routing.on_poison",
+                    "\"park\" needs mode = \"cdc\": the polling relay publishes rows in created_at order and marks them, so use \"stop\" or \"dead-letter\" there",
+                ));
+            }
+            let park = &self.routing.park;
+            for (key, v) in [
+                ("routing.park.max_sequences", park.max_sequences),
+                ("routing.park.max_events", park.max_events),
+                ("routing.park.max_bytes", park.max_bytes),
+            ] {
+                if v == 0 {
+                    return Err(invalid(key, "must be at least 1"));
+                }
+            }
+        }
         if self.kafka.delivery == Delivery::AtLeastOnce {
             return Ok(());
         }

@@ -85,6 +85,10 @@ pub enum OnPoison {
     Stop,
     /// Send the row to `routing.dead_letter_topic` and go on.
     DeadLetter,
+    /// Park the row, and every later event of its topic and key, in the
+    /// `outboxd_parked` table until `outboxd parked redrive` (see
+    /// [`crate::park`]); other aggregates go on.
+    Park,
 }
 
 /// `[routing]`
@@ -113,9 +117,12 @@ pub struct RoutingConfig {
     /// `json-schema`).
     #[serde(default)]
     pub key_format: KeyFormat,
-    /// `stop` or `dead-letter`.
+    /// `stop`, `dead-letter` or `park`.
     #[serde(default)]
     pub on_poison: OnPoison,
+    /// With `park`: how much may be parked before outboxd stops.
+    #[serde(default)]
+    pub park: crate::park::Limits,
     /// Where dead letters go.
     #[serde(default = "default_dead_letter_topic")]
     pub dead_letter_topic: String,
@@ -146,6 +153,7 @@ impl Default for RoutingConfig {
             cloudevents_data: CloudEventsData::Json,
             key_format: KeyFormat::String,
             on_poison: OnPoison::Stop,
+            park: Default::default(),
             dead_letter_topic: default_dead_letter_topic(),
             allowed_aggregate_types: None,
             subject_strategy: SubjectStrategy::Topic,

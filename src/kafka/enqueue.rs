@@ -101,7 +101,9 @@ fn dead_letter(
     reason: &'static str,
     error: String,
 ) -> Result<KafkaRecord, EnqueueError> {
-    if routing.on_poison == OnPoison::Stop {
+    // Parking keeps the relay's order; a replay re-publishes history and
+    // has no sequence to park behind: it stops at the row instead.
+    if routing.on_poison != OnPoison::DeadLetter {
         return Err(EnqueueError::Poison { id: row.id, error });
     }
     tracing::warn!(id = %row.id, reason, error = %error, "outbox row can never be published; sending it to the dead-letter topic");

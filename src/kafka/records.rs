@@ -43,6 +43,15 @@ impl TopicTemplate {
         if !self.allows(aggregate_type) {
             return Err(RecordError::AggregateTypeNotAllowed(aggregate_type.to_owned()));
         }
+        let topic = self.render_unchecked(aggregate_type, event_type);
+        validate_topic(&topic)?;
+        Ok(topic)
+    }
+
+    /// The template filled in, whether or not the aggregate type is
+    /// allowed and the name is a legal topic: the sequence a row belongs
+    /// to when it is parked (see [`crate::park`]).
+    pub fn render_unchecked(&self, aggregate_type: &str, event_type: &str) -> String {
         let mut topic = String::with_capacity(32);
         for p in &self.parts {
             match p {
@@ -54,8 +63,7 @@ impl TopicTemplate {
                 TopicPart::EventType => topic.push_str(event_type),
             }
         }
-        validate_topic(&topic)?;
-        Ok(topic)
+        topic
     }
 }
 

@@ -49,7 +49,34 @@ pub struct Health {
     failover: Mutex<Option<(bool, String)>>,
     /// The schemas the relay encodes with (registry formats only).
     schemas: Mutex<Option<crate::schema::InUseBoard>>,
+    /// `routing.on_poison = "park"`: the parked sequences, as last read.
+    parked: Mutex<Option<Parked>>,
 }
+
+/// The parked sequences, for `/status` (see [`crate::park`]).
+#[derive(Clone, Debug, Default, Serialize, serde::Deserialize, PartialEq)]
+pub struct Parked {
+    pub sequences: u64,
+    pub events: u64,
+    pub bytes: u64,
+    pub oldest_age_seconds: Option<f64>,
+    /// The oldest sequences (at most [`PARKED_SHOWN`]).
+    pub oldest: Vec<ParkedSequence>,
+}
+
+/// One parked sequence in `/status`.
+#[derive(Clone, Debug, Serialize, serde::Deserialize, PartialEq)]
+pub struct ParkedSequence {
+    pub topic: String,
+    pub key: String,
+    pub head_id: String,
+    pub head_reason: String,
+    pub events: i64,
+    pub parked_at: String,
+}
+
+/// How many parked sequences `/status` lists.
+pub const PARKED_SHOWN: usize = 20;
 
 /// A point-in-time view for `/status` and `outboxd status`.
 #[derive(Clone, Debug, Serialize, serde::Deserialize, PartialEq)]
@@ -84,6 +111,13 @@ pub struct Snapshot {
     /// with.
     #[serde(default)]
     pub schemas: Vec<crate::schema::SchemaInUse>,
+    /// Why the relay works but needs an operator (parked events); ready
+    /// all the same.
+    #[serde(default)]
+    pub degraded: Vec<String>,
+    /// `routing.on_poison = "park"`: the parked sequences.
+    #[serde(default)]
+    pub parked: Option<Parked>,
 }
 
 const NEVER: u64 = u64::MAX;
@@ -112,6 +146,29 @@ impl Health {
             kafka_aborts: AtomicU64::new(0),
             failover: Mutex::new(None),
             schemas: Mutex::new(None),
+            parked: Mutex::new(None),
+        }
+    }
+
+    /// The parked sequences as last read (see [`crate::park`]).
+    pub fn set_parked(&self, parked: Parked) {
+        if let Ok(mut p) = self.parked.lock() {
+            *p = Some(parked);
+        }
+    }
+
+    fn parked(&self) -> Option<Parked> {
+        self.parked.lock().ok().and_then(|p| p.clone())
+    }
+
+    /// Why the relay works but needs an operator: it stays ready.
+    pub fn degraded_reasons(&self) -> Vec<String> {
+        match self.parked() {
+            Some(p) if p.sequences > 0 => vec![format!(
+                "{} parked sequence(s), {} event(s): see `outboxd parked list`",
+                p.sequences, p.events
+            )],
+            _ => Vec::new(),
         }
     }
 
@@ -323,6 +380,8 @@ impl Health {
                         .and_then(|b| b.lock().ok().map(|m| m.values().cloned().collect()))
                 })
                 .unwrap_or_default(),
+            degraded: self.degraded_reasons(),
+            parked: self.parked(),
         }
     }
 

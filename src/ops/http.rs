@@ -48,7 +48,16 @@ async fn readyz(State(s): State<AppState>) -> Response {
     let reasons = s.health.not_ready_reasons();
     s.metrics.ready.set(i64::from(reasons.is_empty()));
     if reasons.is_empty() {
-        (StatusCode::OK, "ready\n").into_response()
+        let degraded = s.health.degraded_reasons();
+        if degraded.is_empty() {
+            (StatusCode::OK, "ready\n").into_response()
+        } else {
+            (
+                StatusCode::OK,
+                format!("ready, degraded: {}\n", degraded.join("; ")),
+            )
+                .into_response()
+        }
     } else {
         (
             StatusCode::SERVICE_UNAVAILABLE,

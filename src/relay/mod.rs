@@ -79,6 +79,7 @@ mod deliveries;
 mod durability;
 pub mod exactly_once;
 pub mod leader;
+mod parking;
 mod poller;
 pub mod polling;
 pub mod progress;
@@ -131,6 +132,10 @@ pub enum RelayError {
     Kafka(#[from] KafkaSinkError),
     #[error(transparent)]
     Otel(#[from] crate::ops::otel::OtelError),
+    #[error(transparent)]
+    Park(#[from] crate::park::ParkError),
+    #[error(transparent)]
+    ParkLimit(#[from] crate::park::set::LimitReached),
     #[error("outbox row {id} at {lsn} can never be published: {error}; the slot has not moved past it. Fix the writer and restart after removing the cause, or set routing.on_poison = \"dead-letter\"")]
     Poison { id: String, lsn: Lsn, error: String },
     #[error("Kafka refused the batch holding the record at {lsn} for topic {topic:?}: {source}; re-sending the records that may have shared it on their own, to set aside only the record Kafka refuses")]
@@ -223,6 +228,7 @@ impl RelayError {
             RelayError::KafkaDenied { .. } => "denied",
             RelayError::DeadLetterFailed(_) => "dead_letter",
             RelayError::Otel(_) | RelayError::RegistrySetup(_) => "config",
+            RelayError::Park(_) | RelayError::ParkLimit(_) => "poison",
             RelayError::Schema(_) => "schema_registry",
         }
     }
@@ -245,6 +251,8 @@ impl RelayError {
             | RelayError::GuardFailed(_) => true,
             RelayError::Schema(e) => e.is_transient(),
             RelayError::Progress(e) => e.is_transient(),
+            RelayError::Park(e) => e.is_transient(),
+            RelayError::ParkLimit(_) => false,
             RelayError::ForeignProgress(_) => false,
             RelayError::KafkaDenied { .. }
             | RelayError::Poison { .. }
@@ -290,6 +298,8 @@ pub struct Relay {
     /// The Schema Registry of `routing.value` = `avro`, `protobuf` or
     /// `json-schema` (`None` for the JSON formats).
     registry: Option<crate::schema::Registry>,
+    /// `routing.on_poison = "park"`: the parked-event store and set.
+    parking: Option<parking::Parking>,
 }
 
 impl std::fmt::Debug for Relay {
@@ -432,7 +442,10 @@ impl Relay {
         if let Some(r) = &registry {
             health.show_schemas(r.board());
         }
+        let parking = (config.routing.on_poison == crate::config::OnPoison::Park)
+            .then(|| parking::Parking::new(config.routing.park));
         Ok(Relay {
+            parking,
             registry,
             config,
             validated,
@@ -1010,7 +1023,10 @@ impl Relay {
             pending_failure: None,
             refusals: Vec::new(),
             alone: None,
+            to_park: std::collections::VecDeque::new(),
+            isolated_row: None,
         };
+        self.start_parking().await?;
         let result = self.stream_loop(&mut stream, &mut s, shutdown).await;
         match result {
             Ok(()) => {

@@ -165,6 +165,13 @@ pub(super) struct Session {
     /// [`RowPos`].
     pub(super) open_commit: Lsn,
     pub(super) row_index: u32,
+    /// `routing.on_poison = "park"`: poison events to park after the
+    /// current step, before any later event is published (see
+    /// [`super::parking`]).
+    pub(super) to_park: std::collections::VecDeque<super::parking::ParkJob>,
+    /// Parking while isolating: the one row in flight, parked if Kafka
+    /// refuses its record.
+    pub(super) isolated_row: Option<(RowPos, OutboxRow)>,
 }
 
 /// Keeps the slot register's record (see [`crate::relay::slot_register`]) near the
@@ -468,6 +475,25 @@ impl Session {
             }),
             (Sent::Event, Refusal::Record { reason, omit_payload }) => {
                 let record = record_from_message(&msg);
+                if self.on_poison == OnPoison::Park {
+                    let id = record.header_text(crate::kafka::records::header::ID);
+                    let error = format!("Kafka refused it for topic {topic:?}: {e}");
+                    let Some((_, row)) = self.isolated_row.take().filter(|(p, _)| *p == pos) else {
+                        return Err(RelayError::Poison { id, lsn, error });
+                    };
+                    tracing::warn!(%lsn, %id, error = %e, "Kafka refused a record for good; parking it");
+                    self.queue_park(
+                        super::parking::ParkJob {
+                            txn,
+                            pos,
+                            row: crate::park::ParkedRow::Row(row),
+                            reason,
+                            error,
+                        },
+                        true,
+                    );
+                    return Ok(());
+                }
                 if self.on_poison == OnPoison::Stop {
                     let id = record.header_text(crate::kafka::records::header::ID);
                     return Err(RelayError::Poison {
@@ -542,6 +568,18 @@ impl Session {
                 error: row.error.to_string(),
             });
         }
+        if self.on_poison == OnPoison::Park {
+            tracing::warn!(id = %row.id, %lsn, error = %row.error, "outbox row cannot be read as an event; parking it");
+            let job = super::parking::ParkJob {
+                txn,
+                pos,
+                row: super::parking::unreadable(row),
+                reason: "unreadable",
+                error: row.error.to_string(),
+            };
+            self.queue_park(job, false);
+            return Ok(());
+        }
         let poison = Poison {
             reason: "unreadable",
             error: row.error.to_string(),
@@ -577,6 +615,19 @@ impl Session {
                 lsn: poison.lsn,
                 error: poison.error,
             });
+        }
+        if self.on_poison == OnPoison::Park {
+            tracing::warn!(id = %row.id, lsn = %poison.lsn, reason = poison.reason, error = %poison.error,
+                "outbox row cannot be published; parking it");
+            let job = super::parking::ParkJob {
+                txn,
+                pos,
+                row: crate::park::ParkedRow::Row(row.clone()),
+                reason: poison.reason,
+                error: poison.error,
+            };
+            self.queue_park(job, false);
+            return Ok(());
         }
         tracing::warn!(id = %row.id, lsn = %poison.lsn, reason = poison.reason, error = %poison.error,
             "outbox row can never be published; sending it to the dead-letter topic");

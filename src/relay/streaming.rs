@@ -82,6 +82,7 @@ impl Relay {
                     // slot follow writes to other tables (rule 5).
                     let idle = s.tracker.is_idle();
                     s.send_status(stream, idle).await?;
+                    self.refresh_parked(stream, s).await?;
                     self.report(stream, s);
                     self.refused.forget_through(s.confirmable());
                     let confirmable = s.confirmable();
@@ -124,6 +125,9 @@ impl Relay {
             }
             // Nothing more goes into a Kafka transaction that failed.
             let failing = s.pending_failure.is_some();
+            if !s.to_park.is_empty() && !failing {
+                self.flush_parked(stream, s).await?;
+            }
             if !s.dead_letters.is_empty() && !failing {
                 self.flush_dead_letters(stream, s).await?;
             }
@@ -182,6 +186,9 @@ impl Relay {
                     .ok_or(RelayError::OutOfOrder("INSERT outside a transaction"))?;
                 let pos = s.next_pos();
                 self.publish(stream, s, txn, &row, lsn, pos).await?;
+                if !s.to_park.is_empty() {
+                    self.flush_parked(stream, s).await?;
+                }
             }
             StreamEvent::Unreadable { row, lsn } => {
                 let txn = s
@@ -189,6 +196,9 @@ impl Relay {
                     .ok_or(RelayError::OutOfOrder("INSERT outside a transaction"))?;
                 let pos = s.next_pos();
                 s.unreadable_row(txn, &row, lsn, pos)?;
+                if !s.to_park.is_empty() {
+                    self.flush_parked(stream, s).await?;
+                }
             }
             StreamEvent::Commit {
                 end_lsn,
@@ -250,6 +260,10 @@ impl Relay {
             };
             return s.poison_row(txn, row, pos, poison);
         }
+        // Its sequence is parked: it goes behind the head.
+        if self.park_behind(stream, s, row, pos).await? {
+            return Ok(());
+        }
         let mut built = build_record(
             row,
             &self.validated.topic,
@@ -300,6 +314,18 @@ impl Relay {
         // It shared a batch Kafka refused: it goes on its own, with nothing
         // else in flight, so that a refusal now is its own.
         let alone = self.suspects.contains(&pos);
+        // Parking while isolating: one record in flight, so that a refusal
+        // is known before a later record of its sequence is sent.
+        if s.isolating && s.on_poison == crate::config::OnPoison::Park && !s.durability.in_transaction() {
+            self.settle(stream, s).await?;
+            if !s.to_park.is_empty() {
+                self.flush_parked(stream, s).await?;
+                if self.park_behind(stream, s, row, pos).await? {
+                    return Ok(());
+                }
+            }
+            s.isolated_row = Some((pos, row.clone()));
+        }
         if alone {
             self.settle(stream, s).await?;
             if s.pending_failure.is_some() {

@@ -17,6 +17,7 @@ mod harness;
 mod kafka_rules;
 mod operations;
 mod otel;
+mod park;
 mod relay;
 mod reliability;
 mod replay;

@@ -1,0 +1,203 @@
+//! The relay's view of the parked sequences: which (topic, key) have a
+//! head, where, and the totals the limits bound.
+
+use std::collections::HashMap;
+
+use serde::Deserialize;
+
+use super::store::SequenceHead;
+use crate::relay::exactly_once::RowPos;
+
+/// `[routing.park]`: how much may be parked before outboxd stops.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct Limits {
+    /// Parked sequences (aggregates), at most.
+    #[serde(default = "default_sequences")]
+    pub max_sequences: u64,
+    /// Parked events, at most.
+    #[serde(default = "default_events")]
+    pub max_events: u64,
+    /// Bytes of parked payloads, headers and columns, at most.
+    #[serde(default = "default_bytes")]
+    pub max_bytes: u64,
+}
+
+fn default_sequences() -> u64 {
+    10_000
+}
+
+fn default_events() -> u64 {
+    1_000_000
+}
+
+fn default_bytes() -> u64 {
+    1 << 30
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_sequences: default_sequences(),
+            max_events: default_events(),
+            max_bytes: default_bytes(),
+        }
+    }
+}
+
+/// Which limit parking one more event would pass.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("parking one more event would pass routing.park.{limit} = {max} ({now} now): redrive or discard parked sequences (`outboxd parked list`), or raise the limit; nothing is dropped meanwhile, and the slot holds the event")]
+pub struct LimitReached {
+    pub limit: &'static str,
+    pub max: u64,
+    pub now: u64,
+}
+
+/// The parked sequences of a slot, as the relay last knew them.
+#[derive(Clone, Debug, Default)]
+pub struct ParkedSet {
+    heads: HashMap<(String, String), RowPos>,
+    /// Totals over every sequence.
+    events: u64,
+    bytes: u64,
+    /// When the oldest sequence was parked (Unix seconds).
+    oldest: Option<i64>,
+    limits: Limits,
+}
+
+impl ParkedSet {
+    pub fn new(limits: Limits) -> Self {
+        ParkedSet {
+            limits,
+            ..Default::default()
+        }
+    }
+
+    /// Replaces the view with the table's.
+    pub fn load(&mut self, heads: &[SequenceHead]) {
+        self.heads = heads
+            .iter()
+            .map(|h| ((h.topic.clone(), h.key.clone()), h.head))
+            .collect();
+        self.events = heads.iter().map(|h| u64::try_from(h.events).unwrap_or(0)).sum();
+        self.bytes = heads.iter().map(|h| u64::try_from(h.bytes).unwrap_or(0)).sum();
+        self.oldest = heads.iter().map(|h| h.parked_at.timestamp()).min();
+    }
+
+    /// The head of the sequence, if it is parked.
+    pub fn head(&self, topic: &str, key: &str) -> Option<RowPos> {
+        // The map is keyed by owned pairs; sequences are few.
+        self.heads.get(&(topic.to_owned(), key.to_owned())).copied()
+    }
+
+    /// Whether an event at `pos` of the sequence goes behind a parked
+    /// head: only events after the head do (its predecessors replayed
+    /// after a crash are published as before).
+    pub fn parks(&self, topic: &str, key: &str, pos: RowPos) -> bool {
+        !self.heads.is_empty() && self.head(topic, key).is_some_and(|h| pos > h)
+    }
+
+    /// Checks that one more event of `bytes` (opening a sequence, if
+    /// `opens`) stays within the limits.
+    pub fn room(&self, bytes: usize, opens: bool) -> Result<(), LimitReached> {
+        let l = &self.limits;
+        let sequences = self.heads.len() as u64;
+        if opens && sequences >= l.max_sequences {
+            return Err(LimitReached {
+                limit: "max_sequences",
+                max: l.max_sequences,
+                now: sequences,
+            });
+        }
+        if self.events >= l.max_events {
+            return Err(LimitReached {
+                limit: "max_events",
+                max: l.max_events,
+                now: self.events,
+            });
+        }
+        let bytes = bytes as u64;
+        if self.bytes.saturating_add(bytes) > l.max_bytes {
+            return Err(LimitReached {
+                limit: "max_bytes",
+                max: l.max_bytes,
+                now: self.bytes,
+            });
+        }
+        Ok(())
+    }
+
+    /// A sequence was opened with its head at `head`.
+    pub fn opened(&mut self, topic: &str, key: &str, head: RowPos) {
+        if self
+            .heads
+            .insert((topic.to_owned(), key.to_owned()), head)
+            .is_none()
+            && self.oldest.is_none()
+        {
+            self.oldest = Some(chrono::Utc::now().timestamp());
+        }
+    }
+
+    /// An event of `bytes` was written to the table.
+    pub fn added(&mut self, bytes: usize) {
+        self.events += 1;
+        self.bytes += bytes as u64;
+    }
+
+    /// The sequence was released (its header is gone).
+    pub fn released(&mut self, topic: &str, key: &str) {
+        self.heads.remove(&(topic.to_owned(), key.to_owned()));
+    }
+
+    /// Parked sequences, events and bytes, and the oldest sequence's
+    /// parking time (Unix seconds).
+    pub fn totals(&self) -> (u64, u64, u64, Option<i64>) {
+        (self.heads.len() as u64, self.events, self.bytes, self.oldest)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lsn::Lsn;
+
+    fn pos(lsn: u64, index: u32) -> RowPos {
+        RowPos {
+            commit_lsn: Lsn(lsn),
+            index,
+        }
+    }
+
+    #[test]
+    fn only_events_after_the_head_are_parked() {
+        let mut s = ParkedSet::new(Limits::default());
+        s.opened("order.events", "A", pos(100, 2));
+        assert!(!s.parks("order.events", "A", pos(100, 1)));
+        assert!(!s.parks("order.events", "A", pos(100, 2)));
+        assert!(s.parks("order.events", "A", pos(100, 3)));
+        assert!(s.parks("order.events", "A", pos(200, 0)));
+        assert!(!s.parks("order.events", "B", pos(200, 0)));
+        assert!(!s.parks("customer.events", "A", pos(200, 0)));
+        s.released("order.events", "A");
+        assert!(!s.parks("order.events", "A", pos(200, 0)));
+    }
+
+    #[test]
+    fn limits_refuse_before_they_are_passed() {
+        let mut s = ParkedSet::new(Limits {
+            max_sequences: 1,
+            max_events: 2,
+            max_bytes: 100,
+        });
+        assert!(s.room(10, true).is_ok());
+        s.opened("t", "A", pos(1, 0));
+        s.added(10);
+        assert_eq!(s.room(10, true).unwrap_err().limit, "max_sequences");
+        assert!(s.room(10, false).is_ok());
+        assert_eq!(s.room(91, false).unwrap_err().limit, "max_bytes");
+        s.added(10);
+        assert_eq!(s.room(1, false).unwrap_err().limit, "max_events");
+    }
+}

@@ -1,0 +1,619 @@
+//! The parked-event tables (migration `0009_outboxd_parked.sql`) and the
+//! statements the relay and `outboxd parked` run on them, on an ordinary
+//! SQL connection (never the replication one).
+
+use chrono::{DateTime, Utc};
+use tokio_postgres::Client;
+use uuid::Uuid;
+
+use crate::config::conninfo::PgConnectConfig;
+use crate::config::ident::TableName;
+use crate::lsn::Lsn;
+use crate::postgres::admin::{self, AdminError};
+use crate::relay::exactly_once::RowPos;
+use crate::source::outbox::{CreatedAt, OutboxRow, Payload};
+
+/// Why the parked-event tables could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ParkError {
+    #[error(transparent)]
+    Admin(#[from] AdminError),
+    #[error("PostgreSQL refused a parked-event statement: {}", outbox_sdk::error::describe(.0))]
+    Query(#[from] tokio_postgres::Error),
+    #[error("routing.on_poison = \"park\" needs the tables {schema}.outboxd_parked and {schema}.outboxd_parked_sequences: run `outboxd migrate` or apply migrations/0009_outboxd_parked.sql in schema {schema}")]
+    NoTables { schema: String },
+    #[error("outboxd may not {privilege} {schema}.{table}: grant SELECT, INSERT, UPDATE and DELETE on outboxd_parked and outboxd_parked_sequences (see deploy/least-privilege.sql)")]
+    NoPrivilege {
+        privilege: &'static str,
+        schema: String,
+        table: &'static str,
+    },
+    #[error("a parked row cannot be read back: {0}")]
+    Unreadable(String),
+}
+
+impl ParkError {
+    /// Whether trying again may succeed (a lost connection, a server
+    /// restart), as opposed to a missing table or privilege.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            ParkError::Admin(AdminError::Connect { .. } | AdminError::Query(_)) => true,
+            ParkError::Query(e) => e.as_db_error().is_none_or(|db| {
+                let code = db.code().code();
+                // Connection failures, serialization failures, deadlocks,
+                // operator intervention, insufficient resources.
+                ["08", "40", "57", "53"]
+                    .iter()
+                    .any(|class| code.starts_with(class))
+            }),
+            _ => false,
+        }
+    }
+}
+
+/// What a parked event holds of its outbox row.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ParkedRow {
+    /// The row as outboxd read it: a redrive builds its record anew.
+    Row(OutboxRow),
+    /// A row that could not be read as an event: its id's text, its
+    /// aggregate id's text, and every column as JSON text.
+    Unreadable {
+        id: String,
+        aggregate_id: String,
+        columns_json: String,
+    },
+}
+
+/// One parked event.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParkedEvent {
+    pub pos: RowPos,
+    pub topic: String,
+    pub key: String,
+    pub row: ParkedRow,
+    pub reason: String,
+    pub error: String,
+    /// How often publishing it failed (1 when it was parked).
+    pub attempts: i32,
+}
+
+impl ParkedEvent {
+    /// The event's id as text.
+    pub fn id(&self) -> String {
+        match &self.row {
+            ParkedRow::Row(r) => r.id.to_string(),
+            ParkedRow::Unreadable { id, .. } => id.clone(),
+        }
+    }
+
+    /// What it takes in the table, roughly: its payload, headers and
+    /// columns (the bound `routing.park.max_bytes` counts).
+    pub fn bytes(&self) -> usize {
+        let body = match &self.row {
+            ParkedRow::Row(r) => r.payload.as_bytes().len() + r.headers.len() + r.event_type.len(),
+            ParkedRow::Unreadable { columns_json, .. } => columns_json.len(),
+        };
+        body + self.topic.len() + self.key.len() + self.error.len()
+    }
+}
+
+/// A parked sequence: its head, and what is parked behind it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SequenceHead {
+    pub topic: String,
+    pub key: String,
+    pub head: RowPos,
+    pub head_id: String,
+    pub head_reason: String,
+    pub parked_at: DateTime<Utc>,
+    /// Parked events of the sequence, the head included, and their bytes.
+    pub events: i64,
+    pub bytes: i64,
+}
+
+/// `created_at` as text PostgreSQL and [`CreatedAt::parse`] read back.
+fn created_at_text(c: &CreatedAt) -> String {
+    match c {
+        CreatedAt::At(t) => t.format("%Y-%m-%d %H:%M:%S%.6f+00").to_string(),
+        CreatedAt::Unrepresentable(s) => s.clone(),
+    }
+}
+
+/// The parked-event tables of one slot.
+pub struct ParkStore {
+    client: Client,
+    /// The quoted schema, with a trailing dot.
+    schema: String,
+    slot: String,
+}
+
+impl std::fmt::Debug for ParkStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ParkStore").field("slot", &self.slot).finish()
+    }
+}
+
+/// The columns [`ParkStore::row_from`] reads, in order.
+const EVENT_COLUMNS: &str =
+    "commit_lsn::text, position, topic, key, event_id, aggregate_type, aggregate_id, \
+     type, payload, payload_bytea, headers, created_at, columns, reason, error, attempts";
+
+impl ParkStore {
+    /// Connects, and checks that the tables exist and may be written.
+    pub async fn connect(pg: &PgConnectConfig, table: &TableName, slot: &str) -> Result<Self, ParkError> {
+        let client = admin::connect(pg).await?;
+        Self::on(client, table, slot).await
+    }
+
+    /// Uses `client`, after the same checks as [`ParkStore::connect`].
+    pub async fn on(client: Client, table: &TableName, slot: &str) -> Result<Self, ParkError> {
+        let schema_name = table.schema.clone();
+        let found = client
+            .query_one(
+                "SELECT to_regclass(quote_ident($1) || '.outboxd_parked') IS NOT NULL \
+                    AND to_regclass(quote_ident($1) || '.outboxd_parked_sequences') IS NOT NULL",
+                &[&schema_name],
+            )
+            .await?;
+        if !found.get::<_, bool>(0) {
+            return Err(ParkError::NoTables { schema: schema_name });
+        }
+        for t in ["outboxd_parked", "outboxd_parked_sequences"] {
+            for privilege in ["SELECT", "INSERT", "UPDATE", "DELETE"] {
+                let ok: bool = client
+                    .query_one(
+                        "SELECT has_table_privilege(quote_ident($1) || '.' || $2, $3)",
+                        &[&schema_name, &t, &privilege],
+                    )
+                    .await?
+                    .get(0);
+                if !ok {
+                    return Err(ParkError::NoPrivilege {
+                        privilege: match privilege {
+                            "SELECT" => "read",
+                            "INSERT" => "insert into",
+                            "UPDATE" => "update",
+                            _ => "delete from",
+                        },
+                        schema: schema_name.clone(),
+                        table: if t == "outboxd_parked" {
+                            "outboxd_parked"
+                        } else {
+                            "outboxd_parked_sequences"
+                        },
+                    });
+                }
+            }
+        }
+        let schema = format!("\"{}\".", schema_name.replace('"', "\"\""));
+        Ok(ParkStore {
+            client,
+            schema,
+            slot: slot.to_owned(),
+        })
+    }
+
+    /// The slot whose events these are.
+    pub fn slot(&self) -> &str {
+        &self.slot
+    }
+
+    /// Whether the connection is gone (the next statement would fail).
+    pub fn is_closed(&self) -> bool {
+        self.client.is_closed()
+    }
+
+    /// Every parked sequence of the slot, oldest first, with its counts.
+    pub async fn heads(&self) -> Result<Vec<SequenceHead>, ParkError> {
+        let sql = format!(
+            "SELECT s.topic, s.key, s.head_lsn::text, s.head_index, s.head_id, s.head_reason, s.parked_at, \
+                    count(p.position), coalesce(sum(p.bytes), 0)::bigint \
+               FROM {0}outboxd_parked_sequences s \
+               LEFT JOIN {0}outboxd_parked p ON (p.slot, p.topic, p.key) = (s.slot, s.topic, s.key) \
+              WHERE s.slot = $1 \
+              GROUP BY s.slot, s.topic, s.key \
+              ORDER BY s.parked_at, s.topic, s.key",
+            self.schema
+        );
+        let rows = self.client.query(&sql, &[&self.slot]).await?;
+        rows.iter()
+            .map(|r| {
+                Ok(SequenceHead {
+                    topic: r.get(0),
+                    key: r.get(1),
+                    head: RowPos {
+                        commit_lsn: lsn(r.get(2))?,
+                        index: index(r.get(3))?,
+                    },
+                    head_id: r.get(4),
+                    head_reason: r.get(5),
+                    parked_at: r.get(6),
+                    events: r.get(7),
+                    bytes: r.get(8),
+                })
+            })
+            .collect()
+    }
+
+    /// Parks the first event of a sequence: opens its header (unless a
+    /// replay finds it open) and writes the event. Returns the sequence's
+    /// head, and whether the event was new to the table.
+    pub async fn open(&mut self, ev: &ParkedEvent) -> Result<(RowPos, bool), ParkError> {
+        let tx = self.client.transaction().await?;
+        let sql = format!(
+            "INSERT INTO {}outboxd_parked_sequences (slot, topic, key, head_lsn, head_index, head_id, head_reason) \
+             VALUES ($1, $2, $3, $4::text::pg_lsn, $5, $6, $7) ON CONFLICT DO NOTHING",
+            self.schema
+        );
+        let index = i32::try_from(ev.pos.index).unwrap_or(i32::MAX);
+        tx.execute(
+            &sql,
+            &[
+                &self.slot,
+                &ev.topic,
+                &ev.key,
+                &ev.pos.commit_lsn.to_string(),
+                &index,
+                &ev.id(),
+                &ev.reason,
+            ],
+        )
+        .await?;
+        let head = format!(
+            "SELECT head_lsn::text, head_index FROM {}outboxd_parked_sequences \
+              WHERE (slot, topic, key) = ($1, $2, $3) FOR SHARE",
+            self.schema
+        );
+        let row = tx.query_one(&head, &[&self.slot, &ev.topic, &ev.key]).await?;
+        let head = RowPos {
+            commit_lsn: lsn(row.get(0))?,
+            index: self::index(row.get(1))?,
+        };
+        let inserted = insert_event(&tx, &self.schema, &self.slot, ev).await?;
+        tx.commit().await?;
+        Ok((head, inserted))
+    }
+
+    /// Parks a later event of a sequence, behind its head: `None` when
+    /// the sequence was released (redriven or discarded) meanwhile, and
+    /// the event is the relay's to publish; else whether it was new.
+    pub async fn append(&mut self, ev: &ParkedEvent) -> Result<Option<bool>, ParkError> {
+        let tx = self.client.transaction().await?;
+        let sql = format!(
+            "SELECT 1 FROM {}outboxd_parked_sequences WHERE (slot, topic, key) = ($1, $2, $3) FOR SHARE",
+            self.schema
+        );
+        if tx
+            .query_opt(&sql, &[&self.slot, &ev.topic, &ev.key])
+            .await?
+            .is_none()
+        {
+            return Ok(None);
+        }
+        let inserted = insert_event(&tx, &self.schema, &self.slot, ev).await?;
+        tx.commit().await?;
+        Ok(Some(inserted))
+    }
+
+    /// Up to `limit` parked events of a sequence after `after`, in order.
+    pub async fn events(
+        &self,
+        topic: &str,
+        key: &str,
+        after: Option<RowPos>,
+        limit: i64,
+    ) -> Result<Vec<ParkedEvent>, ParkError> {
+        let (lsn_text, index) = match after {
+            Some(p) => (p.commit_lsn.to_string(), i64::from(p.index)),
+            None => ("0/0".to_owned(), -1),
+        };
+        let sql = format!(
+            "SELECT {EVENT_COLUMNS} FROM {}outboxd_parked \
+              WHERE (slot, topic, key) = ($1, $2, $3) AND (commit_lsn, position) > ($4::text::pg_lsn, $5::bigint) \
+              ORDER BY commit_lsn, position LIMIT $6",
+            self.schema
+        );
+        let rows = self
+            .client
+            .query(&sql, &[&self.slot, &topic, &key, &lsn_text, &index, &limit])
+            .await?;
+        rows.iter().map(row_from).collect()
+    }
+
+    /// One parked event by its id, with its sequence.
+    pub async fn by_id(&self, id: &str) -> Result<Option<ParkedEvent>, ParkError> {
+        let sql = format!(
+            "SELECT {EVENT_COLUMNS} FROM {}outboxd_parked WHERE slot = $1 AND event_id = $2 \
+              ORDER BY commit_lsn, position LIMIT 1",
+            self.schema
+        );
+        let row = self.client.query_opt(&sql, &[&self.slot, &id]).await?;
+        row.as_ref().map(row_from).transpose()
+    }
+
+    /// Deletes one parked event (after Kafka acknowledged it, or its dead
+    /// letter).
+    pub async fn delete(&self, ev: &ParkedEvent) -> Result<(), ParkError> {
+        let sql = format!(
+            "DELETE FROM {}outboxd_parked WHERE (slot, commit_lsn, position) = ($1, $2::text::pg_lsn, $3)",
+            self.schema
+        );
+        let index = i32::try_from(ev.pos.index).unwrap_or(i32::MAX);
+        self.client
+            .execute(&sql, &[&self.slot, &ev.pos.commit_lsn.to_string(), &index])
+            .await?;
+        Ok(())
+    }
+
+    /// Deletes a sequence's events at or before `through` (redriven in a
+    /// Kafka transaction that committed); returns how many.
+    pub async fn delete_through(&self, topic: &str, key: &str, through: RowPos) -> Result<u64, ParkError> {
+        let sql = format!(
+            "DELETE FROM {}outboxd_parked WHERE (slot, topic, key) = ($1, $2, $3) \
+                AND (commit_lsn, position) <= ($4::text::pg_lsn, $5::bigint)",
+            self.schema
+        );
+        Ok(self
+            .client
+            .execute(
+                &sql,
+                &[
+                    &self.slot,
+                    &topic,
+                    &key,
+                    &through.commit_lsn.to_string(),
+                    &i64::from(through.index),
+                ],
+            )
+            .await?)
+    }
+
+    /// Records a failed attempt at an event, which becomes its sequence's
+    /// head (with the reason of today).
+    pub async fn failed(&mut self, ev: &ParkedEvent, reason: &str, error: &str) -> Result<(), ParkError> {
+        let tx = self.client.transaction().await?;
+        let index = i32::try_from(ev.pos.index).unwrap_or(i32::MAX);
+        let lsn_text = ev.pos.commit_lsn.to_string();
+        let sql = format!(
+            "UPDATE {}outboxd_parked SET attempts = attempts + 1, last_attempt = clock_timestamp(), \
+                    reason = $4, error = $5 \
+              WHERE (slot, commit_lsn, position) = ($1, $2::text::pg_lsn, $3)",
+            self.schema
+        );
+        tx.execute(&sql, &[&self.slot, &lsn_text, &index, &reason, &error])
+            .await?;
+        let sql = format!(
+            "UPDATE {}outboxd_parked_sequences SET head_lsn = $4::text::pg_lsn, head_index = $5, \
+                    head_id = $6, head_reason = $7 \
+              WHERE (slot, topic, key) = ($1, $2, $3)",
+            self.schema
+        );
+        tx.execute(
+            &sql,
+            &[
+                &self.slot,
+                &ev.topic,
+                &ev.key,
+                &lsn_text,
+                &index,
+                &ev.id(),
+                &reason,
+            ],
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Releases a sequence whose events are all gone: deletes its header
+    /// under `FOR UPDATE`, unless the relay parked another event first.
+    /// Returns whether it was released (or was already).
+    pub async fn release(&mut self, topic: &str, key: &str) -> Result<bool, ParkError> {
+        let tx = self.client.transaction().await?;
+        let lock = format!(
+            "SELECT 1 FROM {}outboxd_parked_sequences WHERE (slot, topic, key) = ($1, $2, $3) FOR UPDATE",
+            self.schema
+        );
+        if tx.query_opt(&lock, &[&self.slot, &topic, &key]).await?.is_none() {
+            return Ok(true);
+        }
+        let left = format!(
+            "SELECT 1 FROM {}outboxd_parked WHERE (slot, topic, key) = ($1, $2, $3) LIMIT 1",
+            self.schema
+        );
+        if tx.query_opt(&left, &[&self.slot, &topic, &key]).await?.is_some() {
+            return Ok(false);
+        }
+        let delete = format!(
+            "DELETE FROM {}outboxd_parked_sequences WHERE (slot, topic, key) = ($1, $2, $3)",
+            self.schema
+        );
+        tx.execute(&delete, &[&self.slot, &topic, &key]).await?;
+        tx.commit().await?;
+        Ok(true)
+    }
+
+    /// Deletes a sequence, events and header; returns the events deleted.
+    pub async fn discard(&mut self, topic: &str, key: &str) -> Result<u64, ParkError> {
+        let tx = self.client.transaction().await?;
+        let lock = format!(
+            "SELECT 1 FROM {}outboxd_parked_sequences WHERE (slot, topic, key) = ($1, $2, $3) FOR UPDATE",
+            self.schema
+        );
+        tx.query_opt(&lock, &[&self.slot, &topic, &key]).await?;
+        let events = format!(
+            "DELETE FROM {}outboxd_parked WHERE (slot, topic, key) = ($1, $2, $3)",
+            self.schema
+        );
+        let n = tx.execute(&events, &[&self.slot, &topic, &key]).await?;
+        let header = format!(
+            "DELETE FROM {}outboxd_parked_sequences WHERE (slot, topic, key) = ($1, $2, $3)",
+            self.schema
+        );
+        tx.execute(&header, &[&self.slot, &topic, &key]).await?;
+        tx.commit().await?;
+        Ok(n)
+    }
+
+    /// The slot's confirmed position (`None`: no such slot). A parked
+    /// event whose transaction lies before it is never streamed again.
+    pub async fn confirmed_flush(&self) -> Result<Option<Lsn>, ParkError> {
+        let row = self
+            .client
+            .query_opt(
+                "SELECT confirmed_flush_lsn::text FROM pg_catalog.pg_replication_slots WHERE slot_name = $1",
+                &[&self.slot],
+            )
+            .await?;
+        match row.and_then(|r| r.get::<_, Option<String>>(0)) {
+            Some(s) => Ok(Some(lsn(s)?)),
+            None => Ok(None),
+        }
+    }
+}
+
+async fn insert_event(
+    tx: &tokio_postgres::Transaction<'_>,
+    schema: &str,
+    slot: &str,
+    ev: &ParkedEvent,
+) -> Result<bool, ParkError> {
+    let sql = format!(
+        "INSERT INTO {schema}outboxd_parked (slot, commit_lsn, position, topic, key, event_id, aggregate_type, \
+             aggregate_id, type, payload, payload_bytea, headers, created_at, columns, reason, error, bytes) \
+         VALUES ($1, $2::text::pg_lsn, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17) \
+         ON CONFLICT DO NOTHING"
+    );
+    let index = i32::try_from(ev.pos.index).unwrap_or(i32::MAX);
+    let bytes = i64::try_from(ev.bytes()).unwrap_or(i64::MAX);
+    let id = ev.id();
+    let (aggregate_type, aggregate_id, event_type, payload, payload_bytea, headers, created_at, columns) =
+        match &ev.row {
+            ParkedRow::Row(r) => (
+                Some(r.aggregate_type.as_str()),
+                Some(r.aggregate_id.as_str()),
+                Some(r.event_type.as_str()),
+                Some(r.payload.as_bytes()),
+                Some(matches!(r.payload, Payload::Bytes(_))),
+                Some(r.headers.as_str()),
+                Some(created_at_text(&r.created_at)),
+                None,
+            ),
+            ParkedRow::Unreadable {
+                aggregate_id,
+                columns_json,
+                ..
+            } => (
+                None,
+                Some(aggregate_id.as_str()),
+                None,
+                None,
+                None,
+                None,
+                None,
+                Some(columns_json.as_str()),
+            ),
+        };
+    let n = tx
+        .execute(
+            &sql,
+            &[
+                &slot,
+                &ev.pos.commit_lsn.to_string(),
+                &index,
+                &ev.topic,
+                &ev.key,
+                &id,
+                &aggregate_type,
+                &aggregate_id,
+                &event_type,
+                &payload,
+                &payload_bytea,
+                &headers,
+                &created_at,
+                &columns,
+                &ev.reason,
+                &ev.error,
+                &bytes,
+            ],
+        )
+        .await?;
+    Ok(n == 1)
+}
+
+fn lsn(s: String) -> Result<Lsn, ParkError> {
+    s.parse()
+        .map_err(|_| ParkError::Unreadable(format!("{s:?} is no LSN")))
+}
+
+fn index(i: i32) -> Result<u32, ParkError> {
+    u32::try_from(i).map_err(|_| ParkError::Unreadable(format!("{i} is no position")))
+}
+
+/// Reads a row of [`EVENT_COLUMNS`].
+fn row_from(r: &tokio_postgres::Row) -> Result<ParkedEvent, ParkError> {
+    let pos = RowPos {
+        commit_lsn: lsn(r.get(0))?,
+        index: index(r.get(1))?,
+    };
+    let id: String = r.get(4);
+    let columns: Option<String> = r.get(12);
+    let row = match (r.get::<_, Option<String>>(5), columns) {
+        (Some(aggregate_type), None) => {
+            let payload: Vec<u8> = r.get::<_, Option<Vec<u8>>>(8).unwrap_or_default();
+            let payload =
+                if r.get::<_, Option<bool>>(9).unwrap_or(false) {
+                    Payload::Bytes(payload)
+                } else {
+                    Payload::Json(String::from_utf8(payload).map_err(|_| {
+                        ParkError::Unreadable(format!("event {id}: its payload is not UTF-8"))
+                    })?)
+                };
+            ParkedRow::Row(OutboxRow {
+                id: Uuid::parse_str(&id)
+                    .map_err(|_| ParkError::Unreadable(format!("event id {id:?} is no UUID")))?,
+                aggregate_type,
+                aggregate_id: r.get::<_, Option<String>>(6).unwrap_or_default(),
+                event_type: r.get::<_, Option<String>>(7).unwrap_or_default(),
+                payload,
+                headers: r.get::<_, Option<String>>(10).unwrap_or_else(|| "{}".into()),
+                created_at: CreatedAt::parse(&r.get::<_, Option<String>>(11).unwrap_or_default()),
+            })
+        }
+        (_, columns) => ParkedRow::Unreadable {
+            id: id.clone(),
+            aggregate_id: r.get::<_, Option<String>>(6).unwrap_or_default(),
+            columns_json: columns.unwrap_or_else(|| "{}".into()),
+        },
+    };
+    Ok(ParkedEvent {
+        pos,
+        topic: r.get(2),
+        key: r.get(3),
+        row,
+        reason: r.get(13),
+        error: r.get(14),
+        attempts: r.get(15),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chrono::TimeZone;
+
+    #[test]
+    fn created_at_text_reads_back() {
+        for t in [
+            Utc.with_ymd_and_hms(2026, 12, 3, 12, 0, 0).unwrap() + chrono::Duration::microseconds(123_456),
+            Utc.with_ymd_and_hms(1, 1, 1, 0, 0, 0).unwrap(),
+            Utc.with_ymd_and_hms(9999, 12, 31, 23, 59, 59).unwrap(),
+        ] {
+            let c = CreatedAt::At(t);
+            assert_eq!(CreatedAt::parse(&created_at_text(&c)), c, "{t}");
+        }
+        let c = CreatedAt::Unrepresentable("infinity".into());
+        assert_eq!(CreatedAt::parse(&created_at_text(&c)), c);
+    }
+}

@@ -1,0 +1,335 @@
+//! The relay's side of `routing.on_poison = "park"` (see [`crate::park`]
+//! for the tables, the set and the redrive).
+//!
+//! Two ways into the table, both before the relay reads the next change:
+//!
+//! * A poison event (a row error, a schema mismatch, a record Kafka
+//!   refused on its own) is queued as a [`ParkJob`] by the session and
+//!   counted in the `AckTracker` as sent; [`Relay::flush_parked`] writes it
+//!   (opening its sequence, or behind the head already there) and only
+//!   then counts it acknowledged. The queue is flushed after every change
+//!   handled and before any later event is published, so a later event of
+//!   the sequence always finds the sequence parked.
+//! * A good event of a parked sequence ([`Relay::park_behind`]) is written
+//!   instead of being sent, and never enters the tracker.
+//!
+//! Every write runs under the replication keepalive; a failed one ends
+//! the session (a transient failure) or stops outboxd (a missing table or
+//! privilege, a limit reached): the slot holds the event, never dropped.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::session::Session;
+use super::{Relay, RelayError};
+use crate::ops::health::{Parked, ParkedSequence, PARKED_SHOWN};
+use crate::park::{ParkStore, ParkedEvent, ParkedRow, ParkedSet};
+use crate::relay::exactly_once::RowPos;
+use crate::relay::progress::TxnId;
+use crate::source::outbox::{OutboxRow, UnreadableRow};
+use crate::source::stream::OutboxStream;
+
+/// How often a session re-reads the parked sequences (released ones leave
+/// the set; the metrics follow redrives).
+const REFRESH: Duration = Duration::from_secs(5);
+
+/// The parked-event store and the set, kept across sessions.
+pub(super) struct Parking {
+    store: Option<ParkStore>,
+    pub(super) set: ParkedSet,
+    refreshed: Option<Instant>,
+}
+
+impl Parking {
+    pub(super) fn new(limits: crate::park::Limits) -> Self {
+        Parking {
+            store: None,
+            set: ParkedSet::new(limits),
+            refreshed: None,
+        }
+    }
+}
+
+/// A poison event waiting to be parked.
+#[derive(Debug)]
+pub(super) struct ParkJob {
+    pub(super) txn: TxnId,
+    pub(super) pos: RowPos,
+    pub(super) row: ParkedRow,
+    pub(super) reason: &'static str,
+    pub(super) error: String,
+}
+
+impl Session {
+    /// Queues a poison event to park; it counts as in flight until
+    /// written. `counted`: it is in the tracker already (it was sent).
+    pub(super) fn queue_park(&mut self, job: ParkJob, counted: bool) {
+        if !counted {
+            self.tracker.sent(job.txn);
+        }
+        self.to_park.push_back(job);
+    }
+}
+
+impl Relay {
+    /// At a session's start: connects the store (again, if its connection
+    /// was lost) and loads the parked sequences.
+    pub(super) async fn start_parking(&mut self) -> Result<(), RelayError> {
+        let Some(parking) = self.parking.as_mut() else {
+            return Ok(());
+        };
+        if parking.store.as_ref().is_none_or(ParkStore::is_closed) {
+            parking.store = Some(
+                ParkStore::connect(
+                    &self.validated.pg,
+                    &self.validated.table,
+                    self.validated.slot.as_str(),
+                )
+                .await?,
+            );
+        }
+        if let Some(store) = &parking.store {
+            let heads = store.heads().await?;
+            parking.set.load(&heads);
+            parking.refreshed = Some(Instant::now());
+            if !heads.is_empty() {
+                tracing::warn!(
+                    sequences = heads.len(),
+                    "parked sequences wait for `outboxd parked redrive`; their later events are parked too"
+                );
+            }
+            publish_parked(&self.metrics, &self.health, &parking.set, &heads);
+        }
+        Ok(())
+    }
+
+    /// The sequence (topic, key) of an outbox row.
+    fn sequence_of(&self, row: &OutboxRow) -> (String, String) {
+        (
+            self.validated
+                .topic
+                .render_unchecked(&row.aggregate_type, &row.event_type),
+            row.aggregate_id.clone(),
+        )
+    }
+
+    /// The sequence of a parked row; an unreadable row's aggregate type and
+    /// event type are read from its columns' text where they are there.
+    fn sequence_of_parked(&self, row: &ParkedRow) -> (String, String) {
+        match row {
+            ParkedRow::Row(r) => self.sequence_of(r),
+            ParkedRow::Unreadable {
+                aggregate_id,
+                columns_json,
+                ..
+            } => {
+                let columns: serde_json::Value = serde_json::from_str(columns_json).unwrap_or_default();
+                let text = |name: &str| {
+                    columns
+                        .get(name)
+                        .and_then(|v| v.as_str())
+                        .unwrap_or("")
+                        .to_owned()
+                };
+                (
+                    self.validated
+                        .topic
+                        .render_unchecked(&text("aggregate_type"), &text("type")),
+                    aggregate_id.clone(),
+                )
+            }
+        }
+    }
+
+    /// A good event whose sequence is parked goes behind its head: written
+    /// to the table, not sent. Returns whether it was parked (`false`: the
+    /// sequence is not parked, or was released meanwhile).
+    pub(super) async fn park_behind(
+        &mut self,
+        stream: &mut OutboxStream,
+        s: &mut Session,
+        row: &OutboxRow,
+        pos: RowPos,
+    ) -> Result<bool, RelayError> {
+        if self.parking.is_none() {
+            return Ok(false);
+        }
+        if !s.to_park.is_empty() {
+            self.flush_parked(stream, s).await?;
+        }
+        let (topic, key) = self.sequence_of(row);
+        let Some(parking) = self.parking.as_mut().filter(|p| p.set.parks(&topic, &key, pos)) else {
+            return Ok(false);
+        };
+        let event = ParkedEvent {
+            pos,
+            topic,
+            key,
+            row: ParkedRow::Row(row.clone()),
+            reason: "behind".into(),
+            error: "an earlier event of its sequence is parked".into(),
+            attempts: 0,
+        };
+        parking.set.room(event.bytes(), false)?;
+        let Some(store) = parking.store.as_mut() else {
+            return Ok(false);
+        };
+        let (received, flushed, every) = s.beat();
+        match stream
+            .keep_alive_while(received, flushed, every, store.append(&event))
+            .await??
+        {
+            Some(inserted) => {
+                if inserted {
+                    parking.set.added(event.bytes());
+                }
+                self.metrics.parked_total.with_label_values(&["behind"]).inc();
+                tracing::debug!(id = %row.id, topic = event.topic, key = event.key, "parked behind its sequence's head");
+                Ok(true)
+            }
+            None => {
+                tracing::info!(
+                    topic = event.topic,
+                    key = event.key,
+                    "the sequence was released: publishing its events again"
+                );
+                parking.set.released(&event.topic, &event.key);
+                Ok(false)
+            }
+        }
+    }
+
+    /// Writes the queued poison events, each opening its sequence or
+    /// joining it, and counts each acknowledged once written.
+    pub(super) async fn flush_parked(
+        &mut self,
+        stream: &mut OutboxStream,
+        s: &mut Session,
+    ) -> Result<(), RelayError> {
+        while let Some(job) = s.to_park.front() {
+            let (topic, key) = self.sequence_of_parked(&job.row);
+            let event = ParkedEvent {
+                pos: job.pos,
+                topic,
+                key,
+                row: job.row.clone(),
+                reason: job.reason.to_owned(),
+                error: job.error.clone(),
+                attempts: 1,
+            };
+            let Some(parking) = self.parking.as_mut() else {
+                return Err(RelayError::OutOfOrder(
+                    "an event to park without routing.on_poison = \"park\"",
+                ));
+            };
+            let known = parking.set.head(&event.topic, &event.key).is_some();
+            parking.set.room(event.bytes(), !known)?;
+            let Some(store) = parking.store.as_mut() else {
+                return Err(RelayError::OutOfOrder(
+                    "an event to park before the park store is connected",
+                ));
+            };
+            let (received, flushed, every) = s.beat();
+            // Behind a head already there, unless it was released: then
+            // this event opens the sequence anew.
+            let joined = if known {
+                stream
+                    .keep_alive_while(received, flushed, every, store.append(&event))
+                    .await??
+            } else {
+                None
+            };
+            let inserted = match joined {
+                Some(inserted) => inserted,
+                None => {
+                    let (head, inserted) = stream
+                        .keep_alive_while(received, flushed, every, store.open(&event))
+                        .await??;
+                    parking.set.opened(&event.topic, &event.key, head);
+                    tracing::warn!(id = event.id(), topic = event.topic, key = event.key, reason = event.reason, error = event.error,
+                        "parked: this event and every later one of its topic and key wait for `outboxd parked redrive`");
+                    inserted
+                }
+            };
+            if inserted {
+                parking.set.added(event.bytes());
+            }
+            self.metrics.parked_total.with_label_values(&[job.reason]).inc();
+            if let Some(job) = s.to_park.pop_front() {
+                s.tracker.acked(job.txn);
+            }
+            s.observe_retired(&self.metrics);
+        }
+        Ok(())
+    }
+
+    /// Each status tick: re-reads the parked sequences now and then, so
+    /// that released ones leave the set and the metrics follow.
+    pub(super) async fn refresh_parked(
+        &mut self,
+        stream: &mut OutboxStream,
+        s: &Session,
+    ) -> Result<(), RelayError> {
+        let Some(parking) = self.parking.as_mut() else {
+            return Ok(());
+        };
+        if parking.refreshed.is_some_and(|t| t.elapsed() < REFRESH) {
+            return Ok(());
+        }
+        let Some(store) = parking.store.as_ref() else {
+            return Ok(());
+        };
+        let (received, flushed, every) = s.beat();
+        let heads = stream
+            .keep_alive_while(received, flushed, every, store.heads())
+            .await??;
+        parking.set.load(&heads);
+        parking.refreshed = Some(Instant::now());
+        publish_parked(&self.metrics, &self.health, &parking.set, &heads);
+        Ok(())
+    }
+}
+
+/// The parked sequences to the metrics and `/status`.
+fn publish_parked(
+    metrics: &crate::metrics::Metrics,
+    health: &crate::ops::health::Health,
+    set: &ParkedSet,
+    heads: &[crate::park::SequenceHead],
+) {
+    let gauge = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+    let (sequences, events, bytes, oldest) = set.totals();
+    let age = oldest.map(|t| (chrono::Utc::now().timestamp() - t).max(0) as f64);
+    metrics.parked_sequences.set(gauge(sequences));
+    metrics.parked_events.set(gauge(events));
+    metrics.parked_bytes.set(gauge(bytes));
+    metrics.parked_oldest_age_seconds.set(age.unwrap_or(0.0));
+    health.set_parked(Parked {
+        sequences,
+        events,
+        bytes,
+        oldest_age_seconds: age,
+        oldest: heads
+            .iter()
+            .take(PARKED_SHOWN)
+            .map(|h| ParkedSequence {
+                topic: h.topic.clone(),
+                key: h.key.clone(),
+                head_id: h.head_id.clone(),
+                head_reason: h.head_reason.clone(),
+                events: h.events,
+                parked_at: h.parked_at.to_rfc3339(),
+            })
+            .collect(),
+    });
+}
+
+/// What a session parks of an unreadable row.
+pub(super) fn unreadable(row: &UnreadableRow) -> ParkedRow {
+    ParkedRow::Unreadable {
+        id: row.id.clone(),
+        aggregate_id: row.aggregate_id.clone(),
+        columns_json: row.columns_json.clone(),
+    }
+}

@@ -1,0 +1,216 @@
+//! `routing.on_poison = "park"`: an aggregate waits behind its bad event
+//! while the others flow, across restarts and a takeover, until
+//! `outboxd parked redrive` publishes it in order.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::time::Duration;
+
+use rdkafka::admin::{AdminClient, AdminOptions, AlterConfig, ResourceSpecifier};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::config::ClientConfig;
+use uuid::Uuid;
+
+use crate::harness::broker::{broker, consume, Consumed};
+use crate::harness::{wait_for, TestDb};
+use crate::relay::{config_text, confirmed_flush, current_lsn, spawn_relay_with_slot, stop_relay};
+
+/// Writes one transaction of events, `(aggregate id, sequence number,
+/// payload bytes)` each; returns their ids.
+async fn write(client: &tokio_postgres::Client, prefix: &str, events: &[(&str, u32, usize)]) -> Vec<Uuid> {
+    let mut ids = Vec::new();
+    let mut values = Vec::new();
+    for (agg, n, size) in events {
+        let id = Uuid::now_v7();
+        ids.push(id);
+        values.push(format!(
+            "('{id}', 'Order', '{prefix}-{agg}', 'E{n}', jsonb_build_object('n', {n}, 'pad', repeat('x', {size})))"
+        ));
+    }
+    client
+        .batch_execute(&format!(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload) VALUES {}",
+            values.join(",")
+        ))
+        .await
+        .unwrap();
+    ids
+}
+
+/// The `n` of each record of `key`, in offset order.
+fn sequence(records: &[Consumed], key: &str) -> Vec<u64> {
+    // One key, one partition: read in offset order.
+    records
+        .iter()
+        .filter(|r| r.key == key)
+        .map(|r| {
+            let v: serde_json::Value = serde_json::from_slice(&r.value).unwrap();
+            v["data"]["n"].as_u64().unwrap()
+        })
+        .collect()
+}
+
+async fn parked_count(client: &tokio_postgres::Client, slot: &str) -> i64 {
+    client
+        .query_one("SELECT count(*) FROM outboxd_parked WHERE slot = $1", &[&slot])
+        .await
+        .unwrap()
+        .get(0)
+}
+
+async fn wait_confirmed_past(client: &tokio_postgres::Client, slot: &str) {
+    let lsn = current_lsn(client).await;
+    wait_for(
+        "the slot to confirm past the writes",
+        Duration::from_secs(30),
+        || async { confirmed_flush(client, slot).await.filter(|c| *c >= lsn) },
+    )
+    .await;
+}
+
+fn outboxd(config: &Path, args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_outboxd"))
+        .arg("parked")
+        .args(args)
+        .arg("--config")
+        .arg(config)
+        .output()
+        .unwrap()
+}
+
+async fn raise_max_message_bytes(brokers: &str, topic: &str) {
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create()
+        .unwrap();
+    let alter = AlterConfig::new(ResourceSpecifier::Topic(topic)).set("max.message.bytes", "1048576");
+    let results = admin.alter_configs([&alter], &AdminOptions::new()).await.unwrap();
+    for r in results {
+        r.unwrap();
+    }
+}
+
+async fn park_then_redrive(delivery: &str) {
+    let b = broker();
+    let tag = delivery.replace('-', "_");
+    let db = TestDb::new(&format!("park_{tag}")).await;
+    let client = db.client().await;
+    let slot = format!("park_{tag}");
+    let prefix = format!("park-{tag}");
+    let topic = format!("{prefix}.order");
+    let text = config_text(
+        &db.superuser_url(),
+        &slot,
+        &b.brokers,
+        &format!("topic = \"{prefix}.{{aggregate_type}}\"\non_poison = \"park\""),
+        &format!("delivery = \"{delivery}\"\ntopic_config = {{ \"max.message.bytes\" = \"8192\" }}"),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("outboxd.toml");
+    std::fs::write(&path, &text).unwrap();
+
+    let (handle, tx) = spawn_relay_with_slot(&client, &slot, &text).await;
+    // The topic exists, and outboxd knows its limit, before the bad event.
+    write(&client, &prefix, &[("A", 1, 10), ("B", 1, 10)]).await;
+    consume(&b.brokers, &[&topic], 2, Duration::from_secs(30));
+    write(&client, &prefix, &[("A", 2, 10), ("B", 2, 10)]).await;
+    // A's third event is larger than the topic takes.
+    let a3 = write(&client, &prefix, &[("A", 3, 20_000), ("B", 3, 10)]).await[0];
+    write(&client, &prefix, &[("A", 4, 10), ("B", 4, 10)]).await;
+    write(&client, &prefix, &[("B", 5, 10), ("A", 5, 10)]).await;
+    let got = consume(&b.brokers, &[&topic], 7, Duration::from_secs(30));
+    assert_eq!(sequence(&got, &format!("{prefix}-B")), vec![1, 2, 3, 4, 5]);
+    // The slot moves past everything: A's later events are in the table.
+    wait_confirmed_past(&client, &slot).await;
+    assert_eq!(
+        sequence(&got, &format!("{prefix}-A")),
+        vec![1, 2],
+        "A stops at its bad event"
+    );
+    assert_eq!(parked_count(&client, &slot).await, 3);
+    let head: (String, String) = {
+        let r = client
+            .query_one(
+                "SELECT head_id, head_reason FROM outboxd_parked_sequences WHERE slot = $1",
+                &[&slot],
+            )
+            .await
+            .unwrap();
+        (r.get(0), r.get(1))
+    };
+    assert_eq!(head, (a3.to_string(), "too_large".to_owned()));
+
+    // A restart loads the parked set: A's next event is parked too.
+    stop_relay(handle, tx).await;
+    write(&client, &prefix, &[("A", 6, 10), ("B", 6, 10)]).await;
+    let (handle, tx) = spawn_relay_with_slot(&client, &slot, &text).await;
+    wait_confirmed_past(&client, &slot).await;
+    assert_eq!(parked_count(&client, &slot).await, 4);
+    // A takeover after a crash (the first relay is killed, not stopped).
+    handle.abort();
+    drop(tx);
+    let (handle, tx) = spawn_relay_with_slot(&client, &slot, &text).await;
+    write(&client, &prefix, &[("A", 7, 10), ("B", 7, 10)]).await;
+    wait_confirmed_past(&client, &slot).await;
+    assert_eq!(parked_count(&client, &slot).await, 5);
+
+    let list = outboxd(&path, &["list", "--json"]);
+    assert!(list.status.success(), "{}", String::from_utf8_lossy(&list.stderr));
+    let listed: serde_json::Value = serde_json::from_slice(&list.stdout).unwrap();
+    assert_eq!(listed[0]["events"], 5);
+    assert_eq!(listed[0]["head_reason"], "too_large");
+
+    // Redrive before the fix: the head fails again and stays; nothing moves.
+    let early = outboxd(&path, &["redrive", "--all"]);
+    assert!(!early.status.success());
+    assert!(String::from_utf8_lossy(&early.stderr).contains("still cannot be published"));
+    assert_eq!(parked_count(&client, &slot).await, 5);
+
+    // The fix, then the redrive: A in order, each once.
+    raise_max_message_bytes(&b.brokers, &topic).await;
+    let redrive = outboxd(&path, &["redrive", "--key", &format!("{prefix}-A")]);
+    assert!(
+        redrive.status.success(),
+        "{}",
+        String::from_utf8_lossy(&redrive.stderr)
+    );
+    assert_eq!(parked_count(&client, &slot).await, 0);
+    // Released: A's next event is the relay's to publish again.
+    write(&client, &prefix, &[("A", 8, 10), ("B", 8, 10)]).await;
+    let all = consume(&b.brokers, &[&topic], 16, Duration::from_secs(30));
+    assert_eq!(
+        sequence(&all, &format!("{prefix}-A")),
+        (1..=8).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        sequence(&all, &format!("{prefix}-B")),
+        (1..=8).collect::<Vec<_>>()
+    );
+    let redriven: HashMap<u64, bool> = all
+        .iter()
+        .filter(|r| r.key == format!("{prefix}-A"))
+        .map(|r| {
+            let v: serde_json::Value = serde_json::from_slice(&r.value).unwrap();
+            (v["data"]["n"].as_u64().unwrap(), r.header("redriven").is_some())
+        })
+        .collect();
+    assert!((3..=7).all(|n| redriven[&n]) && !redriven[&8] && !redriven[&1]);
+    // Each once: nothing more to read.
+    assert_eq!(
+        consume(&b.brokers, &[&topic], 17, Duration::from_secs(5)).len(),
+        16
+    );
+    let empty = outboxd(&path, &["list"]);
+    assert!(String::from_utf8_lossy(&empty.stdout).contains("no parked sequences"));
+    stop_relay(handle, tx).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_aggregate_parks_behind_its_bad_event_and_redrive_publishes_it_in_order_at_least_once() {
+    park_then_redrive("at-least-once").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_aggregate_parks_behind_its_bad_event_and_redrive_publishes_it_in_order_exactly_once() {
+    park_then_redrive("exactly-once").await;
+}
