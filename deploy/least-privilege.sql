@@ -6,7 +6,8 @@
 --   SELECT          on the outbox table, the only table outboxd reads
 --   the publication is created here by the owner, not by outboxd
 --
--- outboxd needs nothing else: no superuser, no CREATE, no write access.
+-- outboxd needs nothing else: no superuser, no CREATE, and no write access
+-- unless routing.on_poison = "park" (below).
 CREATE ROLE outboxd WITH LOGIN REPLICATION PASSWORD 'change-me';
 GRANT USAGE ON SCHEMA public TO outboxd;
 GRANT SELECT ON public.outbox TO outboxd;
@@ -23,3 +24,8 @@ CREATE PUBLICATION outboxd FOR TABLE public.outbox WITH (publish = 'insert', pub
 --   REVOKE EXECUTE ON FUNCTION pg_logical_emit_message(boolean, text, bytea) FROM PUBLIC;
 --   GRANT EXECUTE ON FUNCTION pg_logical_emit_message(boolean, text, text) TO <owner of outbox_emit>;
 -- and grant application roles EXECUTE on outbox_emit only.
+--
+-- routing.on_poison = "park" (migration 0009): outboxd writes the events it
+-- parks, and `outboxd parked` redrives and deletes them. It writes nothing
+-- else; the outbox stays read-only to it.
+GRANT SELECT, INSERT, UPDATE, DELETE ON public.outboxd_parked, public.outboxd_parked_sequences TO outboxd;

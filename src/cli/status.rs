@@ -55,6 +55,10 @@ pub struct StatusReport {
     /// is none).
     pub progress: Option<crate::relay::exactly_once::ProgressRecord>,
     pub progress_error: Option<String>,
+    /// `routing.on_poison = "park"`: the parked sequences, oldest first,
+    /// read from the table (so also while outboxd is down).
+    pub parked: Option<Vec<crate::cli::parked::Listed>>,
+    pub parked_error: Option<String>,
 }
 
 /// The status could not be read at all.
@@ -131,6 +135,8 @@ pub async fn gather(config: &Config, v: &Validated) -> Result<StatusReport, Stat
         kafka_error: None,
         progress: None,
         progress_error: None,
+        parked: None,
+        parked_error: None,
     };
     let bytes = |v: Option<i64>| v.and_then(|b| u64::try_from(b).ok());
     if let Some(row) = &row {
@@ -183,6 +189,12 @@ pub async fn gather(config: &Config, v: &Validated) -> Result<StatusReport, Stat
         {
             Ok(p) => r.progress = p,
             Err(e) => r.progress_error = Some(e.to_string()),
+        }
+    }
+    if config.routing.on_poison == crate::config::OnPoison::Park {
+        match crate::cli::parked::list(v).await {
+            Ok(l) => r.parked = Some(l),
+            Err(e) => r.parked_error = Some(e.to_string()),
         }
     }
     Ok(r)
@@ -324,6 +336,30 @@ impl StatusReport {
             }
             (None, Some(e)) => {
                 let _ = writeln!(o, "progress        UNREADABLE: {e}");
+            }
+            (None, None) => {}
+        }
+        match (&self.parked, &self.parked_error) {
+            (Some(l), _) if l.is_empty() => {
+                let _ = writeln!(o, "parked          none");
+            }
+            (Some(l), _) => {
+                let events: i64 = l.iter().map(|s| s.events).sum();
+                let _ = writeln!(
+                    o,
+                    "parked          {} sequence(s), {events} event(s): `outboxd parked list`",
+                    l.len()
+                );
+                for s in l.iter().take(5) {
+                    let _ = writeln!(
+                        o,
+                        "                {} key {:?}: {} event(s) since {}, head {} ({})",
+                        s.topic, s.key, s.events, s.parked_at, s.head_id, s.head_reason
+                    );
+                }
+            }
+            (None, Some(e)) => {
+                let _ = writeln!(o, "parked          UNREADABLE: {e}");
             }
             (None, None) => {}
         }
