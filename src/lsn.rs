@@ -12,6 +12,16 @@ use std::str::FromStr;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Lsn(pub u64);
 
+/// A row's place in the stream that a replay finds again: the commit LSN
+/// of its transaction (the Begin's final LSN) and its index among that
+/// transaction's outbox rows and messages. An insert's own LSN would not
+/// do: COPY writes many rows in one WAL record, which all share it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct RowPos {
+    pub commit_lsn: Lsn,
+    pub index: u32,
+}
+
 /// The text was not an LSN in `X/Y` notation.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[error("invalid LSN {input:?}: expected two hexadecimal halves such as \"16/B374D848\"")]

@@ -37,8 +37,9 @@ use crate::kafka::records::{
     build_record, dead_letter_for_row, dead_letter_for_unreadable, KafkaRecord, Poison,
 };
 use crate::kafka::sink::{KafkaSink, KafkaSinkError, SendOutcome, SinkKind};
+use crate::lsn::RowPos;
 use crate::park::{ParkError, ParkStore, ParkedEvent, ParkedRow, SequenceHead};
-use crate::relay::exactly_once::{self, Isolation, RowPos};
+use crate::relay::exactly_once::{self, Isolation};
 use crate::source::outbox::{RowError, UnreadableRow};
 
 /// The header a redriven record carries: when the redrive started.

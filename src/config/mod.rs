@@ -35,7 +35,7 @@ pub use ops::{HealthConfig, HttpConfig, LogConfig, LogFormat, OtelConfig, Shutdo
 pub use polling::{Mode, PollingConfig};
 pub use postgres::PostgresConfig;
 pub use registry::{SchemaRegistryConfig, SchemaRouting, SchemaRule, SchemaSource, SubjectStrategy};
-pub use routing::{CloudEventsData, KeyFormat, OnPoison, RoutingConfig, ValueFormat};
+pub use routing::{CloudEventsData, KeyFormat, OnPoison, ParkLimits, RoutingConfig, ValueFormat};
 
 use crate::config::conninfo::PgConnectConfig;
 use crate::config::ident::{PublicationName, SlotName, TableName};

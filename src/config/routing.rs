@@ -122,7 +122,7 @@ pub struct RoutingConfig {
     pub on_poison: OnPoison,
     /// With `park`: how much may be parked before outboxd stops.
     #[serde(default)]
-    pub park: crate::park::Limits,
+    pub park: ParkLimits,
     /// Where dead letters go.
     #[serde(default = "default_dead_letter_topic")]
     pub dead_letter_topic: String,
@@ -358,6 +358,43 @@ impl RecordValue {
         RecordValue {
             format,
             source: source.unwrap_or_else(|e| unreachable!("the default source parses: {e}")),
+        }
+    }
+}
+
+/// `[routing.park]`: how much may be parked before outboxd stops.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct ParkLimits {
+    /// Parked sequences (aggregates), at most.
+    #[serde(default = "default_sequences")]
+    pub max_sequences: u64,
+    /// Parked events, at most.
+    #[serde(default = "default_events")]
+    pub max_events: u64,
+    /// Bytes of parked payloads, headers and columns, at most.
+    #[serde(default = "default_bytes")]
+    pub max_bytes: u64,
+}
+
+fn default_sequences() -> u64 {
+    10_000
+}
+
+fn default_events() -> u64 {
+    1_000_000
+}
+
+fn default_bytes() -> u64 {
+    1 << 30
+}
+
+impl Default for ParkLimits {
+    fn default() -> Self {
+        ParkLimits {
+            max_sequences: default_sequences(),
+            max_events: default_events(),
+            max_bytes: default_bytes(),
         }
     }
 }

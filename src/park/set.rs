@@ -3,47 +3,9 @@
 
 use std::collections::HashMap;
 
-use serde::Deserialize;
-
 use super::store::SequenceHead;
-use crate::relay::exactly_once::RowPos;
-
-/// `[routing.park]`: how much may be parked before outboxd stops.
-#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
-#[serde(deny_unknown_fields)]
-pub struct Limits {
-    /// Parked sequences (aggregates), at most.
-    #[serde(default = "default_sequences")]
-    pub max_sequences: u64,
-    /// Parked events, at most.
-    #[serde(default = "default_events")]
-    pub max_events: u64,
-    /// Bytes of parked payloads, headers and columns, at most.
-    #[serde(default = "default_bytes")]
-    pub max_bytes: u64,
-}
-
-fn default_sequences() -> u64 {
-    10_000
-}
-
-fn default_events() -> u64 {
-    1_000_000
-}
-
-fn default_bytes() -> u64 {
-    1 << 30
-}
-
-impl Default for Limits {
-    fn default() -> Self {
-        Limits {
-            max_sequences: default_sequences(),
-            max_events: default_events(),
-            max_bytes: default_bytes(),
-        }
-    }
-}
+pub use crate::config::ParkLimits as Limits;
+use crate::lsn::RowPos;
 
 /// Which limit parking one more event would pass.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

@@ -9,8 +9,8 @@ use uuid::Uuid;
 use crate::config::conninfo::PgConnectConfig;
 use crate::config::ident::TableName;
 use crate::lsn::Lsn;
+use crate::lsn::RowPos;
 use crate::postgres::admin::{self, AdminError};
-use crate::relay::exactly_once::RowPos;
 use crate::source::outbox::{CreatedAt, OutboxRow, Payload};
 
 /// Why the parked-event tables could not be used.

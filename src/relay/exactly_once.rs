@@ -596,15 +596,7 @@ impl Refused {
     }
 }
 
-/// A row's place in the stream that a replay finds again: the commit LSN
-/// of its transaction (the Begin's final LSN) and its index among that
-/// transaction's outbox rows and messages. An insert's own LSN would not
-/// do: COPY writes many rows in one WAL record, which all share it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct RowPos {
-    pub commit_lsn: Lsn,
-    pub index: u32,
-}
+pub use crate::lsn::RowPos;
 
 /// Refused records by their place in the stream, kept across sessions
 /// until the slot has confirmed their transaction.

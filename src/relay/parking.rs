@@ -23,9 +23,9 @@ use tokio::time::Instant;
 
 use super::session::Session;
 use super::{Relay, RelayError};
+use crate::lsn::RowPos;
 use crate::ops::health::{Parked, ParkedSequence, PARKED_SHOWN};
 use crate::park::{ParkStore, ParkedEvent, ParkedRow, ParkedSet};
-use crate::relay::exactly_once::RowPos;
 use crate::relay::progress::TxnId;
 use crate::source::outbox::{OutboxRow, UnreadableRow};
 use crate::source::stream::OutboxStream;
