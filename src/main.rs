@@ -175,6 +175,9 @@ enum ParkedCommand {
         /// Required: the events are gone afterwards.
         #[arg(long)]
         confirm: bool,
+        /// How long to wait for the slot to confirm past the events.
+        #[arg(long, value_parser = humantime::parse_duration, default_value = "60s")]
+        wait: std::time::Duration,
     },
 }
 
@@ -250,8 +253,13 @@ async fn parked(args: ParkedArgs) -> ExitCode {
                 Err(e) => Err(e),
             }
         }
-        ParkedCommand::Discard { which, topic, confirm } => {
-            p::discard(&validated, &selection(&which, topic), confirm).await.map(|n| println!("discarded {n} parked event(s)"))
+        ParkedCommand::Discard {
+            which,
+            topic,
+            confirm,
+            wait,
+        } => {
+            p::discard(&validated, &selection(&which, topic), confirm, wait).await.map(|n| println!("discarded {n} parked event(s)"))
         }
     };
     match result {

@@ -149,11 +149,34 @@ pub async fn show(validated: &Validated, selection: &Selection) -> Result<Vec<Pa
     Ok(out)
 }
 
-/// `outboxd parked discard --confirm`: deletes the selected sequences.
+/// Waits, up to `wait`, until the slot has confirmed past the transaction
+/// at `lsn`: the WAL never brings it back to the relay, so what is done
+/// with its parked rows stays done.
+async fn wait_confirmed(store: &ParkStore, lsn: crate::lsn::Lsn, wait: Duration) -> Result<(), ParkedError> {
+    let deadline = Instant::now() + wait;
+    loop {
+        let confirmed = store
+            .confirmed_flush()
+            .await?
+            .ok_or_else(|| ParkedError::NoSlot(store.slot().to_owned()))?;
+        if lsn < confirmed {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(ParkedError::Unconfirmed(lsn.to_string()));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// `outboxd parked discard --confirm`: deletes the selected sequences,
+/// once the slot has confirmed past them (or a replay would park them
+/// again).
 pub async fn discard(
     validated: &Validated,
     selection: &Selection,
     confirm: bool,
+    wait: Duration,
 ) -> Result<u64, ParkedError> {
     if !confirm {
         return Err(ParkedError::NotConfirmed);
@@ -161,6 +184,9 @@ pub async fn discard(
     let mut store = store(validated).await?;
     let mut n = 0;
     for h in store.heads().await?.into_iter().filter(|h| selection.picks(h)) {
+        if let Some(last) = store.last_lsn(&h.topic, &h.key).await? {
+            wait_confirmed(&store, last, wait).await?;
+        }
         let deleted = store.discard(&h.topic, &h.key).await?;
         tracing::warn!(
             topic = h.topic,
@@ -203,6 +229,9 @@ struct Publisher {
     exactly_once: bool,
     started_at: String,
     marker_key: String,
+    /// Exactly-once: one record per Kafka transaction, after Kafka refused
+    /// a transaction of several (the refusal may have been a batch's).
+    one_by_one: bool,
 }
 
 /// The marker of an exactly-once redrive: the sequence and the last
@@ -213,6 +242,10 @@ struct Marker {
     key: String,
     lsn: String,
     index: u32,
+    /// The id of the event at that position: a marker is only ever applied
+    /// to the row it was written for (a restored database may park other
+    /// events at the same positions).
+    id: String,
 }
 
 impl Publisher {
@@ -241,6 +274,7 @@ impl Publisher {
             exactly_once,
             started_at: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
             marker_key: format!("parked-redrive/{}", validated.slot.as_str()),
+            one_by_one: false,
         })
     }
 
@@ -311,6 +345,11 @@ impl Publisher {
             commit_lsn: lsn,
             index: marker.index,
         };
+        // Applied already, or written for another history: nothing to do.
+        match store.at(through).await? {
+            Some(ev) if ev.id() == marker.id && ev.topic == marker.topic && ev.key == marker.key => {}
+            _ => return Ok(()),
+        }
         let n = store.delete_through(&marker.topic, &marker.key, through).await?;
         if n > 0 {
             tracing::info!(topic = marker.topic, key = marker.key, events = n, "an earlier redrive published these in a committed Kafka transaction: deleted them, not published again");
@@ -413,10 +452,11 @@ async fn redrive_sequence(
             tokio::time::sleep(Duration::from_millis(200)).await;
             continue;
         }
+        let ready = if p.one_by_one { &ready[..1] } else { &ready[..] };
         let stopped = if p.exactly_once {
-            publish_in_transaction(store, p, topic, key, &ready, done).await?
+            publish_in_transaction(store, p, topic, key, ready, done).await?
         } else {
-            publish_one_by_one(store, p, &ready, done).await?
+            publish_one_by_one(store, p, ready, done).await?
         };
         if stopped.is_some() {
             return Ok(stopped);
@@ -491,6 +531,7 @@ async fn publish_in_transaction(
             key: key.to_owned(),
             lsn: last.pos.commit_lsn.to_string(),
             index: last.pos.index,
+            id: last.id(),
         };
         let marker = KafkaRecord {
             topic: p.config.kafka.progress_topic().to_owned(),
@@ -499,29 +540,37 @@ async fn publish_in_transaction(
             headers: Vec::new(),
             timestamp_ms: chrono::Utc::now().timestamp_millis(),
         };
+        let timeout = p.config.kafka.exactly_once.commit_timeout.0;
+        let alone = records.len() == 1;
         let mut futures = Vec::with_capacity(records.len() + 1);
         for (ev, rec) in &records {
             match p.send(rec).await {
                 Ok(f) => futures.push(f),
                 Err(KafkaSinkError::Produce { source, topic }) => {
-                    p.sink
-                        .abort_transaction(p.config.kafka.exactly_once.commit_timeout.0)
-                        .await?;
-                    return refused(store, ev, &source, &topic).await;
+                    p.sink.abort_transaction(timeout).await?;
+                    return again_alone(store, p, ev, &source, &topic, alone).await;
                 }
                 Err(e) => return Err(e.into()),
             }
         }
         futures.push(p.send(&marker).await?);
         for (i, f) in futures.into_iter().enumerate() {
-            if let Err(e) = f.await.into_result() {
-                p.sink
-                    .abort_transaction(p.config.kafka.exactly_once.commit_timeout.0)
-                    .await?;
-                if let (Some((ev, rec)), KafkaSinkError::Delivery { source, .. }) = (records.get(i), &e) {
-                    return refused(store, ev, source, &rec.topic).await;
+            match (f.await, records.get(i)) {
+                (crate::kafka::delivery::Report::Failed(source, _), Some((ev, rec)))
+                    if matches!(
+                        crate::kafka::sink::Refusal::of(&source),
+                        crate::kafka::sink::Refusal::Record { .. }
+                    ) =>
+                {
+                    p.sink.abort_transaction(timeout).await?;
+                    return again_alone(store, p, ev, &source, &rec.topic, alone).await;
                 }
-                return Err(e.into());
+                (report, _) => {
+                    if let Err(e) = report.into_result() {
+                        p.sink.abort_transaction(timeout).await?;
+                        return Err(e.into());
+                    }
+                }
             }
         }
         p.sink
@@ -535,6 +584,26 @@ async fn publish_in_transaction(
         Some((ev, reason, error)) => failed(store, ev, reason, error).await,
         None => Ok(None),
     }
+}
+
+/// Kafka refused a record of an exactly-once redrive's transaction, which
+/// was aborted. Alone in it, the refusal is the record's own; among
+/// others, it may be a batch's: the redrive goes on one record per
+/// transaction, and finds out.
+async fn again_alone(
+    store: &mut ParkStore,
+    p: &mut Publisher,
+    ev: &ParkedEvent,
+    source: &rdkafka::error::KafkaError,
+    topic: &str,
+    alone: bool,
+) -> Result<Option<Stopped>, ParkedError> {
+    if alone {
+        return refused(store, ev, source, topic).await;
+    }
+    tracing::info!(error = %source, "Kafka refused a redrive's transaction; going on one record per transaction");
+    p.one_by_one = true;
+    Ok(None)
 }
 
 /// The head failed again under today's configuration.
@@ -587,6 +656,14 @@ pub async fn skip(
     options: &RedriveOptions,
 ) -> Result<Redriven, ParkedError> {
     let store = store(validated).await?;
+    // An exactly-once redrive that committed but did not delete first:
+    // its events are in Kafka, and none of them may become a dead letter.
+    if !options.dry_run {
+        Publisher::new(config, validated)
+            .await?
+            .finish_committed(&store)
+            .await?;
+    }
     let ev = store
         .by_id(id)
         .await?
@@ -611,20 +688,7 @@ pub async fn skip(
         return Ok(Redriven::default());
     }
     // As for a redrive: a replay of the WAL must not park it again.
-    let deadline = Instant::now() + options.wait;
-    loop {
-        let confirmed = store
-            .confirmed_flush()
-            .await?
-            .ok_or_else(|| ParkedError::NoSlot(store.slot().to_owned()))?;
-        if ev.pos.commit_lsn < confirmed {
-            break;
-        }
-        if Instant::now() >= deadline {
-            return Err(ParkedError::Unconfirmed(ev.pos.commit_lsn.to_string()));
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    wait_confirmed(&store, ev.pos.commit_lsn, options.wait).await?;
     let poison = Poison {
         reason: crate::metrics::DEAD_LETTER_REASONS
             .iter()

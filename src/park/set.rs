@@ -53,11 +53,12 @@ impl ParkedSet {
         self.heads.get(&(topic.to_owned(), key.to_owned())).copied()
     }
 
-    /// Whether an event at `pos` of the sequence goes behind a parked
-    /// head: only events after the head do (its predecessors replayed
-    /// after a crash are published as before).
+    /// Whether an event at `pos` of the sequence is parked: the head
+    /// itself (replayed after a crash, it parks again onto its own row,
+    /// even if it would be published today) and every event after it.
+    /// Its predecessors replayed after a crash are published as before.
     pub fn parks(&self, topic: &str, key: &str, pos: RowPos) -> bool {
-        !self.heads.is_empty() && self.head(topic, key).is_some_and(|h| pos > h)
+        !self.heads.is_empty() && self.head(topic, key).is_some_and(|h| pos >= h)
     }
 
     /// Checks that one more event of `bytes` (opening a sequence, if
@@ -137,7 +138,7 @@ mod tests {
         let mut s = ParkedSet::new(Limits::default());
         s.opened("order.events", "A", pos(100, 2));
         assert!(!s.parks("order.events", "A", pos(100, 1)));
-        assert!(!s.parks("order.events", "A", pos(100, 2)));
+        assert!(s.parks("order.events", "A", pos(100, 2)));
         assert!(s.parks("order.events", "A", pos(100, 3)));
         assert!(s.parks("order.events", "A", pos(200, 0)));
         assert!(!s.parks("order.events", "B", pos(200, 0)));

@@ -28,8 +28,12 @@ pub enum ParkError {
         schema: String,
         table: &'static str,
     },
+    #[error("the slot is no longer streamed by this relay's walsender (another outboxd took it over): nothing parked")]
+    Fenced,
     #[error("a parked row cannot be read back: {0}")]
     Unreadable(String),
+    #[error("the parked sequence of topic {topic:?} key {key:?} would now go to topic {now:?} (routing.topic or routing.lowercase_aggregate_type changed while it was parked): its later events would overtake it. Redrive it first with the new configuration while outboxd is stopped (`outboxd parked redrive --key {key}` publishes to {now:?}), or restore the old setting")]
+    Renamed { topic: String, key: String, now: String },
 }
 
 impl ParkError {
@@ -37,14 +41,16 @@ impl ParkError {
     /// restart), as opposed to a missing table or privilege.
     pub fn is_transient(&self) -> bool {
         match self {
-            ParkError::Admin(AdminError::Connect { .. } | AdminError::Query(_)) => true,
+            ParkError::Admin(AdminError::Connect { .. } | AdminError::Query(_)) | ParkError::Fenced => true,
             ParkError::Query(e) => e.as_db_error().is_none_or(|db| {
                 let code = db.code().code();
                 // Connection failures, serialization failures, deadlocks,
-                // operator intervention, insufficient resources.
+                // operator intervention, insufficient resources, a lock not
+                // granted within lock_timeout.
                 ["08", "40", "57", "53"]
                     .iter()
                     .any(|class| code.starts_with(class))
+                    || code == "55P03"
             }),
             _ => false,
         }
@@ -126,6 +132,9 @@ pub struct ParkStore {
     /// The quoted schema, with a trailing dot.
     schema: String,
     slot: String,
+    /// The relay's walsender: parking needs it to hold the slot still (a
+    /// leader frozen while another took the slot over parks nothing).
+    fenced_by: Option<i32>,
 }
 
 impl std::fmt::Debug for ParkStore {
@@ -186,12 +195,21 @@ impl ParkStore {
                 }
             }
         }
+        // A lock held by a stalled `outboxd parked` must not hold up the
+        // relay for good: waiting is an error, and the session tries again.
+        client.batch_execute("SET lock_timeout = '10s'").await?;
         let schema = format!("\"{}\".", schema_name.replace('"', "\"\""));
         Ok(ParkStore {
             client,
             schema,
             slot: slot.to_owned(),
+            fenced_by: None,
         })
+    }
+
+    /// Parks only while the walsender `pid` streams the slot.
+    pub fn fence(&mut self, pid: i32) {
+        self.fenced_by = Some(pid);
     }
 
     /// The slot whose events these are.
@@ -270,30 +288,101 @@ impl ParkStore {
             commit_lsn: lsn(row.get(0))?,
             index: self::index(row.get(1))?,
         };
+        check_fence(&tx, &self.slot, self.fenced_by).await?;
         let inserted = insert_event(&tx, &self.schema, &self.slot, ev).await?;
         tx.commit().await?;
         Ok((head, inserted))
     }
 
-    /// Parks a later event of a sequence, behind its head: `None` when
-    /// the sequence was released (redriven or discarded) meanwhile, and
-    /// the event is the relay's to publish; else whether it was new.
-    pub async fn append(&mut self, ev: &ParkedEvent) -> Result<Option<bool>, ParkError> {
+    /// Parks an event of a parked sequence: `None` when the sequence was
+    /// released (redriven or discarded) meanwhile, and the event is the
+    /// relay's to publish; else the sequence's head and whether the event
+    /// was new. An event before the head (a predecessor replayed after a
+    /// crash, which fails today) becomes the head.
+    pub async fn append(&mut self, ev: &ParkedEvent) -> Result<Option<(RowPos, bool)>, ParkError> {
         let tx = self.client.transaction().await?;
         let sql = format!(
-            "SELECT 1 FROM {}outboxd_parked_sequences WHERE (slot, topic, key) = ($1, $2, $3) FOR SHARE",
+            "SELECT head_lsn::text, head_index FROM {}outboxd_parked_sequences \
+              WHERE (slot, topic, key) = ($1, $2, $3) FOR SHARE",
             self.schema
         );
-        if tx
-            .query_opt(&sql, &[&self.slot, &ev.topic, &ev.key])
-            .await?
-            .is_none()
-        {
+        let Some(row) = tx.query_opt(&sql, &[&self.slot, &ev.topic, &ev.key]).await? else {
             return Ok(None);
+        };
+        let mut head = RowPos {
+            commit_lsn: lsn(row.get(0))?,
+            index: index(row.get(1))?,
+        };
+        if ev.pos < head {
+            let sql = format!(
+                "UPDATE {}outboxd_parked_sequences SET head_lsn = $4::text::pg_lsn, head_index = $5, \
+                        head_id = $6, head_reason = $7 \
+                  WHERE (slot, topic, key) = ($1, $2, $3)",
+                self.schema
+            );
+            let i = i32::try_from(ev.pos.index).unwrap_or(i32::MAX);
+            let at = ev.pos.commit_lsn.to_string();
+            tx.execute(
+                &sql,
+                &[&self.slot, &ev.topic, &ev.key, &at, &i, &ev.id(), &ev.reason],
+            )
+            .await?;
+            head = ev.pos;
         }
+        check_fence(&tx, &self.slot, self.fenced_by).await?;
         let inserted = insert_event(&tx, &self.schema, &self.slot, ev).await?;
         tx.commit().await?;
-        Ok(Some(inserted))
+        Ok(Some((head, inserted)))
+    }
+
+    /// Whether the event at `pos` is parked already (a replay parks it
+    /// again without adding anything).
+    pub async fn contains(&self, pos: RowPos) -> Result<bool, ParkError> {
+        let sql = format!(
+            "SELECT 1 FROM {}outboxd_parked WHERE (slot, commit_lsn, position) = ($1, $2::text::pg_lsn, $3)",
+            self.schema
+        );
+        let i = i32::try_from(pos.index).unwrap_or(i32::MAX);
+        let at = pos.commit_lsn.to_string();
+        Ok(self
+            .client
+            .query_opt(&sql, &[&self.slot, &at, &i])
+            .await?
+            .is_some())
+    }
+
+    /// The event at `pos`, if it is parked.
+    pub async fn at(&self, pos: RowPos) -> Result<Option<ParkedEvent>, ParkError> {
+        let sql = format!(
+            "SELECT {EVENT_COLUMNS} FROM {}outboxd_parked WHERE (slot, commit_lsn, position) = ($1, $2::text::pg_lsn, $3)",
+            self.schema
+        );
+        let i = i32::try_from(pos.index).unwrap_or(i32::MAX);
+        let at = pos.commit_lsn.to_string();
+        let row = self.client.query_opt(&sql, &[&self.slot, &at, &i]).await?;
+        row.as_ref().map(row_from).transpose()
+    }
+
+    /// The commit LSN of a sequence's last parked event.
+    pub async fn last_lsn(&self, topic: &str, key: &str) -> Result<Option<Lsn>, ParkError> {
+        let sql = format!(
+            "SELECT max(commit_lsn)::text FROM {}outboxd_parked WHERE (slot, topic, key) = ($1, $2, $3)",
+            self.schema
+        );
+        let row = self.client.query_one(&sql, &[&self.slot, &topic, &key]).await?;
+        row.get::<_, Option<String>>(0).map(lsn).transpose()
+    }
+
+    /// The first parked event of every sequence, for the check that the
+    /// sequences are still named as the configuration names them.
+    pub async fn first_events(&self) -> Result<Vec<ParkedEvent>, ParkError> {
+        let sql = format!(
+            "SELECT DISTINCT ON (topic, key) {EVENT_COLUMNS} FROM {}outboxd_parked WHERE slot = $1 \
+              ORDER BY topic, key, commit_lsn, position",
+            self.schema
+        );
+        let rows = self.client.query(&sql, &[&self.slot]).await?;
+        rows.iter().map(row_from).collect()
     }
 
     /// Up to `limit` parked events of a sequence after `after`, in order.
@@ -322,10 +411,15 @@ impl ParkStore {
     }
 
     /// One parked event by its id, with its sequence.
+    /// Ids need not be unique (an unreadable row's may be empty): one that
+    /// heads its sequence comes first.
     pub async fn by_id(&self, id: &str) -> Result<Option<ParkedEvent>, ParkError> {
         let sql = format!(
-            "SELECT {EVENT_COLUMNS} FROM {}outboxd_parked WHERE slot = $1 AND event_id = $2 \
-              ORDER BY commit_lsn, position LIMIT 1",
+            "SELECT {EVENT_COLUMNS} FROM {0}outboxd_parked p WHERE slot = $1 AND event_id = $2 \
+              ORDER BY EXISTS (SELECT 1 FROM {0}outboxd_parked q \
+                                WHERE (q.slot, q.topic, q.key) = (p.slot, p.topic, p.key) \
+                                  AND (q.commit_lsn, q.position) < (p.commit_lsn, p.position)), \
+                       commit_lsn, position LIMIT 1",
             self.schema
         );
         let row = self.client.query_opt(&sql, &[&self.slot, &id]).await?;
@@ -471,6 +565,22 @@ impl ParkStore {
             None => Ok(None),
         }
     }
+}
+
+/// Inside a parking transaction: the slot is still streamed by `pid`.
+async fn check_fence(
+    tx: &tokio_postgres::Transaction<'_>,
+    slot: &str,
+    pid: Option<i32>,
+) -> Result<(), ParkError> {
+    let Some(pid) = pid else { return Ok(()) };
+    let held = tx
+        .query_opt(
+            "SELECT 1 FROM pg_catalog.pg_replication_slots WHERE slot_name = $1 AND active_pid = $2",
+            &[&slot, &pid],
+        )
+        .await?;
+    held.map(|_| ()).ok_or(ParkError::Fenced)
 }
 
 async fn insert_event(

@@ -1026,7 +1026,7 @@ impl Relay {
             to_park: std::collections::VecDeque::new(),
             isolated_row: None,
         };
-        self.start_parking().await?;
+        self.start_parking(stream.backend_pid()).await?;
         let result = self.stream_loop(&mut stream, &mut s, shutdown).await;
         match result {
             Ok(()) => {

@@ -74,8 +74,9 @@ impl Session {
 
 impl Relay {
     /// At a session's start: connects the store (again, if its connection
-    /// was lost) and loads the parked sequences.
-    pub(super) async fn start_parking(&mut self) -> Result<(), RelayError> {
+    /// was lost), fences it with the session's walsender, and loads the
+    /// parked sequences.
+    pub(super) async fn start_parking(&mut self, walsender_pid: i32) -> Result<(), RelayError> {
         let Some(parking) = self.parking.as_mut() else {
             return Ok(());
         };
@@ -89,7 +90,28 @@ impl Relay {
                 .await?,
             );
         }
+        if let Some(store) = parking.store.as_mut() {
+            store.fence(walsender_pid);
+        }
         if let Some(store) = &parking.store {
+            // Sequences are named by routing.topic: one parked under another
+            // name would be overtaken by its own later events.
+            for first in store.first_events().await? {
+                if let ParkedRow::Row(row) = &first.row {
+                    let now = self
+                        .validated
+                        .topic
+                        .render_unchecked(&row.aggregate_type, &row.event_type);
+                    if now != first.topic {
+                        return Err(crate::park::ParkError::Renamed {
+                            topic: first.topic,
+                            key: first.key,
+                            now,
+                        }
+                        .into());
+                    }
+                }
+            }
             let heads = store.heads().await?;
             parking.set.load(&heads);
             parking.refreshed = Some(Instant::now());
@@ -115,31 +137,68 @@ impl Relay {
     }
 
     /// The sequence of a parked row; an unreadable row's aggregate type and
-    /// event type are read from its columns' text where they are there.
-    fn sequence_of_parked(&self, row: &ParkedRow) -> (String, String) {
+    /// event type are read from its columns' text. `None` when they (or its
+    /// aggregate id) cannot be read: parking it would not hold its
+    /// aggregate's later events back.
+    fn sequence_of_parked(&self, row: &ParkedRow) -> Option<(String, String)> {
         match row {
-            ParkedRow::Row(r) => self.sequence_of(r),
+            ParkedRow::Row(r) => Some(self.sequence_of(r)),
             ParkedRow::Unreadable {
                 aggregate_id,
                 columns_json,
                 ..
             } => {
                 let columns: serde_json::Value = serde_json::from_str(columns_json).unwrap_or_default();
-                let text = |name: &str| {
-                    columns
-                        .get(name)
-                        .and_then(|v| v.as_str())
-                        .unwrap_or("")
-                        .to_owned()
-                };
-                (
+                let text = |name: &str| columns.get(name).and_then(|v| v.as_str()).map(str::to_owned);
+                let (aggregate_type, event_type) = (text("aggregate_type")?, text("type")?);
+                if aggregate_id.is_empty() || aggregate_type.is_empty() {
+                    return None;
+                }
+                Some((
                     self.validated
                         .topic
-                        .render_unchecked(&text("aggregate_type"), &text("type")),
+                        .render_unchecked(&aggregate_type, &event_type),
                     aggregate_id.clone(),
-                )
+                ))
             }
         }
+    }
+
+    /// Checks the limits before `event` is parked. Totals may be stale (a
+    /// redrive released sequences since the last read): past a limit they
+    /// are read again. An event parked already (a replay) adds nothing and
+    /// always goes.
+    async fn ensure_room(
+        &mut self,
+        stream: &mut OutboxStream,
+        s: &Session,
+        event: &ParkedEvent,
+        opens: bool,
+    ) -> Result<(), RelayError> {
+        let Some(parking) = self.parking.as_mut() else {
+            return Ok(());
+        };
+        if parking.set.room(event.bytes(), opens).is_ok() {
+            return Ok(());
+        }
+        let Some(store) = parking.store.as_ref() else {
+            return Ok(());
+        };
+        let (received, flushed, every) = s.beat();
+        let heads = stream
+            .keep_alive_while(received, flushed, every, store.heads())
+            .await??;
+        parking.set.load(&heads);
+        let Err(limit) = parking.set.room(event.bytes(), opens) else {
+            return Ok(());
+        };
+        if stream
+            .keep_alive_while(received, flushed, every, store.contains(event.pos))
+            .await??
+        {
+            return Ok(());
+        }
+        Err(limit.into())
     }
 
     /// A good event whose sequence is parked goes behind its head: written
@@ -159,9 +218,13 @@ impl Relay {
             self.flush_parked(stream, s).await?;
         }
         let (topic, key) = self.sequence_of(row);
-        let Some(parking) = self.parking.as_mut().filter(|p| p.set.parks(&topic, &key, pos)) else {
+        if !self
+            .parking
+            .as_ref()
+            .is_some_and(|p| p.set.parks(&topic, &key, pos))
+        {
             return Ok(false);
-        };
+        }
         let event = ParkedEvent {
             pos,
             topic,
@@ -171,7 +234,14 @@ impl Relay {
             error: "an earlier event of its sequence is parked".into(),
             attempts: 0,
         };
-        parking.set.room(event.bytes(), false)?;
+        // A leader that lost its lease parks nothing, as it sends nothing.
+        if !self.election.still_held() {
+            return Err(RelayError::LeadershipLost);
+        }
+        self.ensure_room(stream, s, &event, false).await?;
+        let Some(parking) = self.parking.as_mut() else {
+            return Ok(false);
+        };
         let Some(store) = parking.store.as_mut() else {
             return Ok(false);
         };
@@ -180,7 +250,8 @@ impl Relay {
             .keep_alive_while(received, flushed, every, store.append(&event))
             .await??
         {
-            Some(inserted) => {
+            Some((head, inserted)) => {
+                parking.set.opened(&event.topic, &event.key, head);
                 if inserted {
                     parking.set.added(event.bytes());
                 }
@@ -208,7 +279,19 @@ impl Relay {
         s: &mut Session,
     ) -> Result<(), RelayError> {
         while let Some(job) = s.to_park.front() {
-            let (topic, key) = self.sequence_of_parked(&job.row);
+            let Some((topic, key)) = self.sequence_of_parked(&job.row) else {
+                let ParkedRow::Unreadable { id, .. } = &job.row else {
+                    return Err(RelayError::OutOfOrder("an outbox row without a sequence"));
+                };
+                return Err(RelayError::Poison {
+                    id: id.clone(),
+                    lsn: job.pos.commit_lsn,
+                    error: format!("{}; its aggregate type, type or aggregate id cannot be read either, so parking it would not hold its aggregate's later events back: fix the row, or set routing.on_poison = \"dead-letter\" for it", job.error),
+                });
+            };
+            if !self.election.still_held() {
+                return Err(RelayError::LeadershipLost);
+            }
             let event = ParkedEvent {
                 pos: job.pos,
                 topic,
@@ -218,13 +301,17 @@ impl Relay {
                 error: job.error.clone(),
                 attempts: 1,
             };
+            let reason = job.reason;
+            let known = self
+                .parking
+                .as_ref()
+                .is_some_and(|p| p.set.head(&event.topic, &event.key).is_some());
+            self.ensure_room(stream, s, &event, !known).await?;
             let Some(parking) = self.parking.as_mut() else {
                 return Err(RelayError::OutOfOrder(
                     "an event to park without routing.on_poison = \"park\"",
                 ));
             };
-            let known = parking.set.head(&event.topic, &event.key).is_some();
-            parking.set.room(event.bytes(), !known)?;
             let Some(store) = parking.store.as_mut() else {
                 return Err(RelayError::OutOfOrder(
                     "an event to park before the park store is connected",
@@ -240,22 +327,22 @@ impl Relay {
             } else {
                 None
             };
-            let inserted = match joined {
-                Some(inserted) => inserted,
+            let (head, inserted) = match joined {
+                Some(joined) => joined,
                 None => {
-                    let (head, inserted) = stream
+                    let opened = stream
                         .keep_alive_while(received, flushed, every, store.open(&event))
                         .await??;
-                    parking.set.opened(&event.topic, &event.key, head);
                     tracing::warn!(id = event.id(), topic = event.topic, key = event.key, reason = event.reason, error = event.error,
                         "parked: this event and every later one of its topic and key wait for `outboxd parked redrive`");
-                    inserted
+                    opened
                 }
             };
+            parking.set.opened(&event.topic, &event.key, head);
             if inserted {
                 parking.set.added(event.bytes());
             }
-            self.metrics.parked_total.with_label_values(&[job.reason]).inc();
+            self.metrics.parked_total.with_label_values(&[reason]).inc();
             if let Some(job) = s.to_park.pop_front() {
                 s.tracker.acked(job.txn);
             }

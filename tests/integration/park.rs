@@ -50,6 +50,18 @@ fn sequence(records: &[Consumed], key: &str) -> Vec<u64> {
         .collect()
 }
 
+/// The `n` of each record of `key`, first copies only (an at-least-once
+/// replay repeats records), in offset order.
+fn first_copies(records: &[Consumed], key: &str) -> Vec<u64> {
+    let mut seen = std::collections::HashSet::new();
+    let firsts: Vec<Consumed> = records
+        .iter()
+        .filter(|r| r.key == key && seen.insert(r.header("id").unwrap_or_default().to_owned()))
+        .cloned()
+        .collect();
+    sequence(&firsts, key)
+}
+
 async fn parked_count(client: &tokio_postgres::Client, slot: &str) -> i64 {
     client
         .query_one("SELECT count(*) FROM outboxd_parked WHERE slot = $1", &[&slot])
@@ -433,25 +445,26 @@ async fn generated_bad_events_park_their_aggregates_and_nothing_is_lost_or_reord
     stop_relay(handle, tx).await;
 }
 
-/// Exactly-once, with compressed records (so outboxd cannot predict a
-/// size refusal): the broker refuses A's large event inside a Kafka
-/// transaction, which is aborted; the replay parks it and A's later
-/// events, and a read_committed consumer sees A's first event, every one
-/// of B's, and nothing of the aborted transaction.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_refusal_inside_a_kafka_transaction_parks_the_aggregate_exactly_once() {
+/// With compressed records (so outboxd cannot predict a size refusal), the
+/// broker refuses A's large event. Exactly-once, inside a Kafka
+/// transaction, which is aborted; at-least-once, in a batch, while A's
+/// later events may be in flight behind it. Either way the replay parks it
+/// and A's later events, and a consumer sees A's first event, every one of
+/// B's, and nothing of A's after the refused one.
+async fn an_unpredicted_refusal_parks_the_aggregate(delivery: &str) {
     let b = broker();
-    let db = TestDb::new("park_refused_eo").await;
+    let tag = delivery.replace('-', "_");
+    let db = TestDb::new(&format!("park_refused_{tag}")).await;
     let client = db.client().await;
-    let slot = "park_refused_eo";
-    let prefix = "park-refused-eo";
+    let slot = &format!("park_refused_{tag}");
+    let prefix = &format!("park-refused-{tag}");
     let topic = format!("{prefix}.order");
     let text = config_text(
         &db.superuser_url(),
         slot,
         &b.brokers,
         &format!("topic = \"{prefix}.{{aggregate_type}}\"\non_poison = \"park\""),
-        "delivery = \"exactly-once\"\ntopic_config = { \"max.message.bytes\" = \"8192\" }\n[kafka.options]\n\"compression.type\" = \"lz4\"",
+        &format!("delivery = \"{delivery}\"\ntopic_config = {{ \"max.message.bytes\" = \"8192\" }}\n[kafka.options]\n\"compression.type\" = \"lz4\"\n\"linger.ms\" = \"0\""),
     );
     let (handle, tx) = spawn_relay_with_slot(&client, slot, &text).await;
     write(&client, prefix, &[("A", 1, 10), ("B", 1, 10)]).await;
@@ -463,18 +476,38 @@ async fn a_refusal_inside_a_kafka_transaction_parks_the_aggregate_exactly_once()
             "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload) VALUES
                (gen_random_uuid(), 'Order', '{prefix}-B', 'E2', '{{\"n\": 2}}'),
                ('{big}', 'Order', '{prefix}-A', 'E2', jsonb_build_object('n', 2, 'pad',
-                  (SELECT string_agg(md5(random()::text), '') FROM generate_series(1, 1500)))),
+                  (SELECT string_agg(md5(random()::text), '') FROM generate_series(1, 1500))));
+             INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload) VALUES
                (gen_random_uuid(), 'Order', '{prefix}-A', 'E3', '{{\"n\": 3}}'),
                (gen_random_uuid(), 'Order', '{prefix}-B', 'E3', '{{\"n\": 3}}')"
         ))
         .await
         .unwrap();
-    write(&client, prefix, &[("A", 4, 10), ("B", 4, 10)]).await;
+    // Many small transactions at once: A's later events are in flight, in
+    // batches of their own, behind the refused one.
+    let later: Vec<String> = (4..=12)
+        .flat_map(|n| {
+            ["A", "B"].map(|agg| {
+                format!(
+                    "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload) VALUES \
+                     (gen_random_uuid(), 'Order', '{prefix}-{agg}', 'E{n}', '{{\"n\": {n}}}');"
+                )
+            })
+        })
+        .collect();
+    client.batch_execute(&later.concat()).await.unwrap();
     wait_confirmed_past(&client, slot).await;
-    let got = consume(&b.brokers, &[&topic], 5, Duration::from_secs(30));
-    assert_eq!(sequence(&got, &format!("{prefix}-B")), vec![1, 2, 3, 4]);
-    assert_eq!(sequence(&got, &format!("{prefix}-A")), vec![1]);
-    assert_eq!(consume(&b.brokers, &[&topic], 6, Duration::from_secs(5)).len(), 5);
+    // Everything there is (at-least-once, the replay may repeat some of B).
+    let got = consume(&b.brokers, &[&topic], usize::MAX, Duration::from_secs(10));
+    assert_eq!(
+        first_copies(&got, &format!("{prefix}-B")),
+        (1..=12).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        first_copies(&got, &format!("{prefix}-A")),
+        vec![1],
+        "nothing of A after the refused event"
+    );
     let head: String = client
         .query_one(
             "SELECT head_id FROM outboxd_parked_sequences WHERE slot = $1",
@@ -484,8 +517,18 @@ async fn a_refusal_inside_a_kafka_transaction_parks_the_aggregate_exactly_once()
         .unwrap()
         .get(0);
     assert_eq!(head, big.to_string());
-    assert_eq!(parked_count(&client, slot).await, 3);
+    assert_eq!(parked_count(&client, slot).await, 11);
     stop_relay(handle, tx).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unpredicted_refusal_parks_the_aggregate_exactly_once() {
+    an_unpredicted_refusal_parks_the_aggregate("exactly-once").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unpredicted_refusal_parks_the_aggregate_at_least_once() {
+    an_unpredicted_refusal_parks_the_aggregate("at-least-once").await;
 }
 
 /// Past `routing.park.max_events`, the relay stops with an error naming the
@@ -604,4 +647,49 @@ async fn a_redrive_while_events_keep_arriving_keeps_the_aggregates_order() {
         (1..=140).collect::<Vec<_>>()
     );
     stop_relay(handle, tx).await;
+}
+
+/// A parked sequence is named by `routing.topic`: with the template
+/// changed while it is parked, its later events would go to a sequence
+/// that is not parked. The relay refuses to start and says how to go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_whose_topic_template_changed_under_a_parked_sequence_refuses_to_start() {
+    let b = broker();
+    let db = TestDb::new("park_renamed").await;
+    let client = db.client().await;
+    let slot = "park_renamed";
+    let prefix = "park-renamed";
+    let config = |lowercase: bool| {
+        config_text(
+            &db.superuser_url(),
+            slot,
+            &b.brokers,
+            &format!(
+                "topic = \"{prefix}.{{aggregate_type}}\"\non_poison = \"park\"\nlowercase_aggregate_type = {lowercase}"
+            ),
+            "",
+        )
+    };
+    let (handle, tx) = spawn_relay_with_slot(&client, slot, &config(true)).await;
+    client
+        .batch_execute(&format!(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload, headers) VALUES
+               (gen_random_uuid(), 'Order', '{prefix}-A', 'E', '{{}}', '[1]')"
+        ))
+        .await
+        .unwrap();
+    wait_confirmed_past(&client, slot).await;
+    assert_eq!(parked_count(&client, slot).await, 1);
+    stop_relay(handle, tx).await;
+    let (handle, _tx) = crate::relay::spawn_relay(&config(false));
+    let err = tokio::time::timeout(Duration::from_secs(30), handle)
+        .await
+        .expect("the relay stops")
+        .unwrap()
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("would now go to topic \"park-renamed.Order\""),
+        "{err}"
+    );
 }
