@@ -90,7 +90,7 @@ pub enum ParkedError {
     NoSuchEvent(String),
     #[error("event {id} is not the head of its sequence (the head is {head}): only a head can be skipped, or the sequence would be reordered")]
     NotHead { id: String, head: String },
-    #[error("the slot has not confirmed past {0} within --wait: is outboxd running?")]
+    #[error("{UNPASSED} {0} within --wait: is outboxd running? A transaction left open on the server holds the slot back too (pg_stat_activity)")]
     Unconfirmed(String),
     #[error("discard deletes parked events for good: add --confirm")]
     NotConfirmed,
@@ -149,17 +149,20 @@ pub async fn show(validated: &Validated, selection: &Selection) -> Result<Vec<Pa
     Ok(out)
 }
 
-/// Waits, up to `wait`, until the slot has confirmed past the transaction
-/// at `lsn`: the WAL never brings it back to the relay, so what is done
-/// with its parked rows stays done.
+/// The start of the message that the slot has not passed a position.
+const UNPASSED: &str = "the slot has not durably passed (restart_lsn, which follows the confirmed position at checkpoints and running-transaction records, every 15 s or so)";
+
+/// Waits, up to `wait`, until the slot has durably passed the transaction
+/// at `lsn` ([`ParkStore::durably_passed`]): the WAL never brings it back
+/// to the relay, so what is done with its parked rows stays done.
 async fn wait_confirmed(store: &ParkStore, lsn: crate::lsn::Lsn, wait: Duration) -> Result<(), ParkedError> {
     let deadline = Instant::now() + wait;
     loop {
-        let confirmed = store
-            .confirmed_flush()
+        let passed = store
+            .durably_passed()
             .await?
             .ok_or_else(|| ParkedError::NoSlot(store.slot().to_owned()))?;
-        if lsn < confirmed {
+        if lsn < passed {
             return Ok(());
         }
         if Instant::now() >= deadline {
@@ -184,17 +187,32 @@ pub async fn discard(
     let mut store = store(validated).await?;
     let mut n = 0;
     for h in store.heads().await?.into_iter().filter(|h| selection.picks(h)) {
-        if let Some(last) = store.last_lsn(&h.topic, &h.key).await? {
+        // Events the relay parks meanwhile keep the sequence: they are
+        // discarded too once the slot has passed them, and never unseen.
+        loop {
+            let Some(last) = store.last_lsn(&h.topic, &h.key).await? else {
+                if store
+                    .discard_through(&h.topic, &h.key, crate::lsn::Lsn::ZERO)
+                    .await?
+                    .1
+                {
+                    break;
+                }
+                continue;
+            };
             wait_confirmed(&store, last, wait).await?;
+            let (deleted, released) = store.discard_through(&h.topic, &h.key, last).await?;
+            n += deleted;
+            tracing::warn!(
+                topic = h.topic,
+                key = h.key,
+                events = deleted,
+                "discarded parked events"
+            );
+            if released {
+                break;
+            }
         }
-        let deleted = store.discard(&h.topic, &h.key).await?;
-        tracing::warn!(
-            topic = h.topic,
-            key = h.key,
-            events = deleted,
-            "discarded a parked sequence"
-        );
-        n += deleted;
     }
     Ok(n)
 }
@@ -408,7 +426,7 @@ pub async fn redrive(
             }
             Some(Stopped::NotConfirmed { lsn }) => {
                 done.left += 1;
-                eprintln!("outboxd: topic {:?} key {:?}: the slot has not confirmed past {lsn} within --wait: is outboxd running? The rest stays parked", h.topic, h.key);
+                eprintln!("outboxd: topic {:?} key {:?}: {UNPASSED} {lsn} within --wait: is outboxd running? The rest stays parked", h.topic, h.key);
             }
         }
     }
@@ -425,7 +443,9 @@ async fn redrive_sequence(
     options: &RedriveOptions,
     done: &mut Redriven,
 ) -> Result<Option<Stopped>, ParkedError> {
-    let deadline = Instant::now() + options.wait;
+    // The wait is for each look at the slot: a redrive that makes progress
+    // goes on.
+    let mut deadline = Instant::now() + options.wait;
     loop {
         let batch = store.events(topic, key, None, BATCH).await?;
         if batch.is_empty() {
@@ -434,15 +454,13 @@ async fn redrive_sequence(
             }
             continue;
         }
-        let confirmed = store
-            .confirmed_flush()
+        let passed = store
+            .durably_passed()
             .await?
             .ok_or_else(|| ParkedError::NoSlot(store.slot().to_owned()))?;
-        // Only what the slot has passed: the WAL never brings it back.
-        let ready: Vec<&ParkedEvent> = batch
-            .iter()
-            .take_while(|e| e.pos.commit_lsn < confirmed)
-            .collect();
+        // Only what the slot has durably passed: the WAL never brings it
+        // back, not even after a crash of PostgreSQL.
+        let ready: Vec<&ParkedEvent> = batch.iter().take_while(|e| e.pos.commit_lsn < passed).collect();
         if ready.is_empty() {
             if Instant::now() >= deadline {
                 return Ok(Some(Stopped::NotConfirmed {
@@ -452,6 +470,7 @@ async fn redrive_sequence(
             tokio::time::sleep(Duration::from_millis(200)).await;
             continue;
         }
+        deadline = Instant::now() + options.wait;
         let ready = if p.one_by_one { &ready[..1] } else { &ready[..] };
         let stopped = if p.exactly_once {
             publish_in_transaction(store, p, topic, key, ready, done).await?
@@ -553,7 +572,13 @@ async fn publish_in_transaction(
                 Err(e) => return Err(e.into()),
             }
         }
-        futures.push(p.send(&marker).await?);
+        match p.send(&marker).await {
+            Ok(f) => futures.push(f),
+            Err(e) => {
+                p.sink.abort_transaction(timeout).await?;
+                return Err(e.into());
+            }
+        }
         for (i, f) in futures.into_iter().enumerate() {
             match (f.await, records.get(i)) {
                 (crate::kafka::delivery::Report::Failed(source, _), Some((ev, rec)))
@@ -687,8 +712,21 @@ pub async fn skip(
         );
         return Ok(Redriven::default());
     }
-    // As for a redrive: a replay of the WAL must not park it again.
+    // As for a redrive: a replay of the WAL must not park it again. A
+    // predecessor replayed meanwhile may have become the head: look again.
     wait_confirmed(&store, ev.pos.commit_lsn, options.wait).await?;
+    let head = store
+        .events(&ev.topic, &ev.key, None, 1)
+        .await?
+        .into_iter()
+        .next()
+        .ok_or_else(|| ParkedError::NoSuchEvent(id.to_owned()))?;
+    if head.pos != ev.pos {
+        return Err(ParkedError::NotHead {
+            id: id.to_owned(),
+            head: head.id(),
+        });
+    }
     let poison = Poison {
         reason: crate::metrics::DEAD_LETTER_REASONS
             .iter()

@@ -48,6 +48,11 @@ impl TopicTemplate {
         Ok(topic)
     }
 
+    /// Whether the topic depends on the event type (`{type}`).
+    pub fn uses_event_type(&self) -> bool {
+        self.parts.contains(&TopicPart::EventType)
+    }
+
     /// The template filled in, whether or not the aggregate type is
     /// allowed and the name is a legal topic: the sequence a row belongs
     /// to when it is parked (see [`crate::park`]).

@@ -265,33 +265,16 @@ impl ParkStore {
             self.schema
         );
         let index = i32::try_from(ev.pos.index).unwrap_or(i32::MAX);
+        let at = ev.pos.commit_lsn.to_string();
         tx.execute(
             &sql,
-            &[
-                &self.slot,
-                &ev.topic,
-                &ev.key,
-                &ev.pos.commit_lsn.to_string(),
-                &index,
-                &ev.id(),
-                &ev.reason,
-            ],
+            &[&self.slot, &ev.topic, &ev.key, &at, &index, &ev.id(), &ev.reason],
         )
         .await?;
-        let head = format!(
-            "SELECT head_lsn::text, head_index FROM {}outboxd_parked_sequences \
-              WHERE (slot, topic, key) = ($1, $2, $3) FOR SHARE",
-            self.schema
-        );
-        let row = tx.query_one(&head, &[&self.slot, &ev.topic, &ev.key]).await?;
-        let head = RowPos {
-            commit_lsn: lsn(row.get(0))?,
-            index: self::index(row.get(1))?,
-        };
-        check_fence(&tx, &self.slot, self.fenced_by).await?;
-        let inserted = insert_event(&tx, &self.schema, &self.slot, ev).await?;
+        let joined = join(&tx, &self.schema, &self.slot, self.fenced_by, ev).await?;
         tx.commit().await?;
-        Ok((head, inserted))
+        joined
+            .ok_or_else(|| ParkError::Unreadable("the sequence's header vanished while it was opened".into()))
     }
 
     /// Parks an event of a parked sequence: `None` when the sequence was
@@ -301,38 +284,11 @@ impl ParkStore {
     /// crash, which fails today) becomes the head.
     pub async fn append(&mut self, ev: &ParkedEvent) -> Result<Option<(RowPos, bool)>, ParkError> {
         let tx = self.client.transaction().await?;
-        let sql = format!(
-            "SELECT head_lsn::text, head_index FROM {}outboxd_parked_sequences \
-              WHERE (slot, topic, key) = ($1, $2, $3) FOR SHARE",
-            self.schema
-        );
-        let Some(row) = tx.query_opt(&sql, &[&self.slot, &ev.topic, &ev.key]).await? else {
-            return Ok(None);
-        };
-        let mut head = RowPos {
-            commit_lsn: lsn(row.get(0))?,
-            index: index(row.get(1))?,
-        };
-        if ev.pos < head {
-            let sql = format!(
-                "UPDATE {}outboxd_parked_sequences SET head_lsn = $4::text::pg_lsn, head_index = $5, \
-                        head_id = $6, head_reason = $7 \
-                  WHERE (slot, topic, key) = ($1, $2, $3)",
-                self.schema
-            );
-            let i = i32::try_from(ev.pos.index).unwrap_or(i32::MAX);
-            let at = ev.pos.commit_lsn.to_string();
-            tx.execute(
-                &sql,
-                &[&self.slot, &ev.topic, &ev.key, &at, &i, &ev.id(), &ev.reason],
-            )
-            .await?;
-            head = ev.pos;
+        let joined = join(&tx, &self.schema, &self.slot, self.fenced_by, ev).await?;
+        if joined.is_some() {
+            tx.commit().await?;
         }
-        check_fence(&tx, &self.slot, self.fenced_by).await?;
-        let inserted = insert_event(&tx, &self.schema, &self.slot, ev).await?;
-        tx.commit().await?;
-        Ok(Some((head, inserted)))
+        Ok(joined)
     }
 
     /// Whether the event at `pos` is parked already (a replay parks it
@@ -528,35 +484,69 @@ impl ParkStore {
         Ok(true)
     }
 
-    /// Deletes a sequence, events and header; returns the events deleted.
-    pub async fn discard(&mut self, topic: &str, key: &str) -> Result<u64, ParkError> {
+    /// Deletes a sequence's events committed at or before `through`, and
+    /// its header if none is left (events parked meanwhile stay, and keep
+    /// it). Returns the events deleted, and whether the header went.
+    pub async fn discard_through(
+        &mut self,
+        topic: &str,
+        key: &str,
+        through: Lsn,
+    ) -> Result<(u64, bool), ParkError> {
         let tx = self.client.transaction().await?;
         let lock = format!(
             "SELECT 1 FROM {}outboxd_parked_sequences WHERE (slot, topic, key) = ($1, $2, $3) FOR UPDATE",
             self.schema
         );
-        tx.query_opt(&lock, &[&self.slot, &topic, &key]).await?;
+        if tx.query_opt(&lock, &[&self.slot, &topic, &key]).await?.is_none() {
+            return Ok((0, true));
+        }
         let events = format!(
-            "DELETE FROM {}outboxd_parked WHERE (slot, topic, key) = ($1, $2, $3)",
+            "DELETE FROM {}outboxd_parked WHERE (slot, topic, key) = ($1, $2, $3) AND commit_lsn <= $4::text::pg_lsn",
             self.schema
         );
-        let n = tx.execute(&events, &[&self.slot, &topic, &key]).await?;
-        let header = format!(
-            "DELETE FROM {}outboxd_parked_sequences WHERE (slot, topic, key) = ($1, $2, $3)",
+        let n = tx
+            .execute(&events, &[&self.slot, &topic, &key, &through.to_string()])
+            .await?;
+        let left = format!(
+            "SELECT 1 FROM {}outboxd_parked WHERE (slot, topic, key) = ($1, $2, $3) LIMIT 1",
             self.schema
         );
-        tx.execute(&header, &[&self.slot, &topic, &key]).await?;
+        let released = tx.query_opt(&left, &[&self.slot, &topic, &key]).await?.is_none();
+        if released {
+            let header = format!(
+                "DELETE FROM {}outboxd_parked_sequences WHERE (slot, topic, key) = ($1, $2, $3)",
+                self.schema
+            );
+            tx.execute(&header, &[&self.slot, &topic, &key]).await?;
+        }
         tx.commit().await?;
-        Ok(n)
+        Ok((n, released))
     }
 
-    /// The slot's confirmed position (`None`: no such slot). A parked
-    /// event whose transaction lies before it is never streamed again.
-    pub async fn confirmed_flush(&self) -> Result<Option<Lsn>, ParkError> {
+    /// The walsender streaming the slot, if any.
+    pub async fn active_pid(&self) -> Result<Option<i32>, ParkError> {
         let row = self
             .client
             .query_opt(
-                "SELECT confirmed_flush_lsn::text FROM pg_catalog.pg_replication_slots WHERE slot_name = $1",
+                "SELECT active_pid FROM pg_catalog.pg_replication_slots WHERE slot_name = $1",
+                &[&self.slot],
+            )
+            .await?;
+        Ok(row.and_then(|r| r.get::<_, Option<i32>>(0)))
+    }
+
+    /// How far the slot has durably passed (`None`: no such slot, or an
+    /// invalidated one): its `restart_lsn`. A parked event whose
+    /// transaction committed before it is never streamed again, not even
+    /// after a crash of PostgreSQL: a moved `restart_lsn` is written to disk
+    /// at once, with a `confirmed_flush_lsn` at least as far, while a moved
+    /// `confirmed_flush_lsn` alone waits for the next checkpoint.
+    pub async fn durably_passed(&self) -> Result<Option<Lsn>, ParkError> {
+        let row = self
+            .client
+            .query_opt(
+                "SELECT restart_lsn::text FROM pg_catalog.pg_replication_slots WHERE slot_name = $1",
                 &[&self.slot],
             )
             .await?;
@@ -565,6 +555,44 @@ impl ParkStore {
             None => Ok(None),
         }
     }
+}
+
+/// Inside a parking transaction: writes `ev` behind its sequence's header
+/// (held `FOR SHARE`), moving the head back if `ev` comes before it.
+/// `None` when there is no header.
+async fn join(
+    tx: &tokio_postgres::Transaction<'_>,
+    schema: &str,
+    slot: &str,
+    fenced_by: Option<i32>,
+    ev: &ParkedEvent,
+) -> Result<Option<(RowPos, bool)>, ParkError> {
+    let sql = format!(
+        "SELECT head_lsn::text, head_index FROM {schema}outboxd_parked_sequences \
+          WHERE (slot, topic, key) = ($1, $2, $3) FOR SHARE"
+    );
+    let Some(row) = tx.query_opt(&sql, &[&slot, &ev.topic, &ev.key]).await? else {
+        return Ok(None);
+    };
+    let mut head = RowPos {
+        commit_lsn: lsn(row.get(0))?,
+        index: index(row.get(1))?,
+    };
+    if ev.pos < head {
+        let sql = format!(
+            "UPDATE {schema}outboxd_parked_sequences SET head_lsn = $4::text::pg_lsn, head_index = $5, \
+                    head_id = $6, head_reason = $7 \
+              WHERE (slot, topic, key) = ($1, $2, $3)"
+        );
+        let i = i32::try_from(ev.pos.index).unwrap_or(i32::MAX);
+        let at = ev.pos.commit_lsn.to_string();
+        tx.execute(&sql, &[&slot, &ev.topic, &ev.key, &at, &i, &ev.id(), &ev.reason])
+            .await?;
+        head = ev.pos;
+    }
+    check_fence(tx, slot, fenced_by).await?;
+    let inserted = insert_event(tx, schema, slot, ev).await?;
+    Ok(Some((head, inserted)))
 }
 
 /// Inside a parking transaction: the slot is still streamed by `pid`.

@@ -90,28 +90,41 @@ impl Relay {
                 .await?,
             );
         }
-        if let Some(store) = parking.store.as_mut() {
-            store.fence(walsender_pid);
-        }
-        if let Some(store) = &parking.store {
-            // Sequences are named by routing.topic: one parked under another
-            // name would be overtaken by its own later events.
-            for first in store.first_events().await? {
-                if let ParkedRow::Row(row) = &first.row {
-                    let now = self
-                        .validated
-                        .topic
-                        .render_unchecked(&row.aggregate_type, &row.event_type);
-                    if now != first.topic {
-                        return Err(crate::park::ParkError::Renamed {
-                            topic: first.topic,
-                            key: first.key,
-                            now,
-                        }
-                        .into());
+        let firsts = match parking.store.as_mut() {
+            Some(store) => {
+                // The walsender as PostgreSQL sees it (a pooler in between
+                // may hand out a pid of its own).
+                match store.active_pid().await? {
+                    Some(pid) => store.fence(pid),
+                    None => tracing::warn!(
+                        walsender_pid,
+                        "the slot shows no walsender: parking is not fenced this session"
+                    ),
+                }
+                store.first_events().await?
+            }
+            None => Vec::new(),
+        };
+        // Sequences are named by routing.topic: one parked under another
+        // name would be overtaken by its own later events.
+        for first in firsts {
+            match self.sequence_of_parked(&first.row) {
+                Some((now, _)) if now == first.topic => {}
+                now => {
+                    return Err(crate::park::ParkError::Renamed {
+                        topic: first.topic,
+                        key: first.key,
+                        now: now
+                            .map_or_else(|| "(none: its aggregate cannot be read)".to_owned(), |(t, _)| t),
                     }
+                    .into())
                 }
             }
+        }
+        let Some(parking) = self.parking.as_mut() else {
+            return Ok(());
+        };
+        if let Some(store) = &parking.store {
             let heads = store.heads().await?;
             parking.set.load(&heads);
             parking.refreshed = Some(Instant::now());
@@ -150,7 +163,13 @@ impl Relay {
             } => {
                 let columns: serde_json::Value = serde_json::from_str(columns_json).unwrap_or_default();
                 let text = |name: &str| columns.get(name).and_then(|v| v.as_str()).map(str::to_owned);
-                let (aggregate_type, event_type) = (text("aggregate_type")?, text("type")?);
+                let aggregate_type = text("aggregate_type")?;
+                // The type matters only to a template that names it.
+                let event_type = match text("type") {
+                    Some(t) => t,
+                    None if self.validated.topic.uses_event_type() => return None,
+                    None => String::new(),
+                };
                 if aggregate_id.is_empty() || aggregate_type.is_empty() {
                     return None;
                 }
@@ -185,20 +204,19 @@ impl Relay {
             return Ok(());
         };
         let (received, flushed, every) = s.beat();
-        let heads = stream
-            .keep_alive_while(received, flushed, every, store.heads())
-            .await??;
-        parking.set.load(&heads);
-        let Err(limit) = parking.set.room(event.bytes(), opens) else {
-            return Ok(());
-        };
         if stream
             .keep_alive_while(received, flushed, every, store.contains(event.pos))
             .await??
         {
             return Ok(());
         }
-        Err(limit.into())
+        let heads = stream
+            .keep_alive_while(received, flushed, every, store.heads())
+            .await??;
+        parking.set.load(&heads);
+        // Opening, unless the reload found the sequence parked.
+        let opens = opens && parking.set.head(&event.topic, &event.key).is_none();
+        parking.set.room(event.bytes(), opens).map_err(Into::into)
     }
 
     /// A good event whose sequence is parked goes behind its head: written
@@ -307,6 +325,11 @@ impl Relay {
                 .as_ref()
                 .is_some_and(|p| p.set.head(&event.topic, &event.key).is_some());
             self.ensure_room(stream, s, &event, !known).await?;
+            // The room check may have read the sequences again.
+            let known = self
+                .parking
+                .as_ref()
+                .is_some_and(|p| p.set.head(&event.topic, &event.key).is_some());
             let Some(parking) = self.parking.as_mut() else {
                 return Err(RelayError::OutOfOrder(
                     "an event to park without routing.on_poison = \"park\"",
