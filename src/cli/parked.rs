@@ -672,6 +672,23 @@ async fn refused(
     }
 }
 
+/// Only a sequence's head may be skipped: the rest keeps its order.
+async fn is_head(store: &ParkStore, ev: &ParkedEvent) -> Result<(), ParkedError> {
+    let head = store
+        .events(&ev.topic, &ev.key, None, 1)
+        .await?
+        .into_iter()
+        .next()
+        .ok_or_else(|| ParkedError::NoSuchEvent(ev.id()))?;
+    if head.pos != ev.pos {
+        return Err(ParkedError::NotHead {
+            id: ev.id(),
+            head: head.id(),
+        });
+    }
+    Ok(())
+}
+
 /// `outboxd parked skip --id`: sends the head of its sequence to the
 /// dead-letter topic, deletes it, and redrives the rest.
 pub async fn skip(
@@ -693,18 +710,7 @@ pub async fn skip(
         .by_id(id)
         .await?
         .ok_or_else(|| ParkedError::NoSuchEvent(id.to_owned()))?;
-    let head = store
-        .events(&ev.topic, &ev.key, None, 1)
-        .await?
-        .into_iter()
-        .next()
-        .ok_or_else(|| ParkedError::NoSuchEvent(id.to_owned()))?;
-    if head.pos != ev.pos {
-        return Err(ParkedError::NotHead {
-            id: id.to_owned(),
-            head: head.id(),
-        });
-    }
+    is_head(&store, &ev).await?;
     if options.dry_run {
         println!(
             "would send event {id} to {} and redrive the rest of topic {:?} key {:?}",
@@ -715,18 +721,7 @@ pub async fn skip(
     // As for a redrive: a replay of the WAL must not park it again. A
     // predecessor replayed meanwhile may have become the head: look again.
     wait_confirmed(&store, ev.pos.commit_lsn, options.wait).await?;
-    let head = store
-        .events(&ev.topic, &ev.key, None, 1)
-        .await?
-        .into_iter()
-        .next()
-        .ok_or_else(|| ParkedError::NoSuchEvent(id.to_owned()))?;
-    if head.pos != ev.pos {
-        return Err(ParkedError::NotHead {
-            id: id.to_owned(),
-            head: head.id(),
-        });
-    }
+    is_head(&store, &ev).await?;
     let poison = Poison {
         reason: crate::metrics::DEAD_LETTER_REASONS
             .iter()

@@ -14,6 +14,54 @@ use uuid::Uuid;
 use crate::harness::broker::{broker, consume, consume_to_end, Consumed};
 use crate::harness::{wait_for, TestDb};
 use crate::relay::{config_text, confirmed_flush, current_lsn, spawn_relay_with_slot, stop_relay};
+use outboxd::relay::RelayError;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+/// A database, a config file and a running relay for one test.
+struct Setup {
+    db: TestDb,
+    client: tokio_postgres::Client,
+    slot: String,
+    prefix: String,
+    topic: String,
+    text: String,
+    path: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Setup {
+    /// `name` names the database, the slot and (with `-` for `_`) the topics.
+    async fn new(name: &str, routing_extra: &str, kafka_extra: &str) -> Self {
+        let db = TestDb::new(name).await;
+        let client = db.client().await;
+        let prefix = name.replace('_', "-");
+        let text = config_text(
+            &db.superuser_url(),
+            name,
+            &broker().brokers,
+            &format!("topic = \"{prefix}.{{aggregate_type}}\"\non_poison = \"park\"\n{routing_extra}"),
+            kafka_extra,
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("outboxd.toml");
+        std::fs::write(&path, &text).unwrap();
+        Setup {
+            db,
+            client,
+            slot: name.to_owned(),
+            topic: format!("{prefix}.order"),
+            prefix,
+            text,
+            path,
+            _dir: dir,
+        }
+    }
+
+    async fn spawn(&self) -> (JoinHandle<Result<(), RelayError>>, watch::Sender<bool>) {
+        spawn_relay_with_slot(&self.client, &self.slot, &self.text).await
+    }
+}
 
 /// Writes one transaction of events, `(aggregate id, sequence number,
 /// payload bytes)` each; returns their ids.
@@ -593,34 +641,27 @@ async fn past_a_park_limit_the_relay_stops_and_the_slot_holds_the_event() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redrive_while_events_keep_arriving_keeps_the_aggregates_order() {
     let b = broker();
-    let db = TestDb::new("park_concurrent").await;
-    let client = db.client().await;
-    let slot = "park_concurrent";
-    let prefix = "park-concurrent";
-    let topic = format!("{prefix}.order");
-    let text = config_text(
-        &db.superuser_url(),
-        slot,
-        &b.brokers,
-        &format!("topic = \"{prefix}.{{aggregate_type}}\"\non_poison = \"park\""),
+    let t = Setup::new(
+        "park_concurrent",
+        "",
         "topic_config = { \"max.message.bytes\" = \"8192\" }",
-    );
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("outboxd.toml");
-    std::fs::write(&path, &text).unwrap();
-    let (handle, tx) = spawn_relay_with_slot(&client, slot, &text).await;
-    write(&client, prefix, &[("A", 1, 10)]).await;
-    consume(&b.brokers, &[&topic], 1, Duration::from_secs(30));
-    write(&client, prefix, &[("A", 2, 20_000)]).await;
+    )
+    .await;
+    let (client, slot, prefix, topic, path) =
+        (&t.client, t.slot.as_str(), t.prefix.as_str(), &t.topic, &t.path);
+    let (handle, tx) = t.spawn().await;
+    write(client, prefix, &[("A", 1, 10)]).await;
+    consume(&b.brokers, &[topic], 1, Duration::from_secs(30));
+    write(client, prefix, &[("A", 2, 20_000)]).await;
     for n in 3..=40 {
-        write(&client, prefix, &[("A", n, 10)]).await;
+        write(client, prefix, &[("A", n, 10)]).await;
     }
-    wait_confirmed_past(&client, slot).await;
-    assert_eq!(parked_count(&client, slot).await, 39);
-    raise_max_message_bytes(&b.brokers, &topic).await;
+    wait_confirmed_past(client, slot).await;
+    assert_eq!(parked_count(client, slot).await, 39);
+    raise_max_message_bytes(&b.brokers, topic).await;
     // The writer goes on during the redrive, and after it.
     let writer = {
-        let client = db.client().await;
+        let client = t.db.client().await;
         let prefix = prefix.to_owned();
         tokio::spawn(async move {
             for n in 41..=140 {
@@ -639,19 +680,19 @@ async fn a_redrive_while_events_keep_arriving_keeps_the_aggregates_order() {
         String::from_utf8_lossy(&redrive.stderr)
     );
     writer.await.unwrap();
-    wait_confirmed_past(&client, slot).await;
+    wait_confirmed_past(client, slot).await;
     // Events parked after the redrive's last look (the relay had not yet
     // seen the release) go with a second redrive; none may be left behind.
-    if parked_count(&client, slot).await > 0 {
-        let again = outboxd(&path, &["redrive", "--all"]);
+    if parked_count(client, slot).await > 0 {
+        let again = outboxd(path, &["redrive", "--all"]);
         assert!(
             again.status.success(),
             "{}",
             String::from_utf8_lossy(&again.stderr)
         );
     }
-    assert_eq!(parked_count(&client, slot).await, 0);
-    let got = consume(&b.brokers, &[&topic], 141, Duration::from_secs(10));
+    assert_eq!(parked_count(client, slot).await, 0);
+    let got = consume(&b.brokers, &[topic], 141, Duration::from_secs(10));
     assert_eq!(
         sequence(&got, &format!("{prefix}-A")),
         (1..=140).collect::<Vec<_>>()
@@ -710,22 +751,10 @@ async fn a_relay_whose_topic_template_changed_under_a_parked_sequence_refuses_to
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn discard_needs_confirm_and_releases_the_sequence() {
     let b = broker();
-    let db = TestDb::new("park_discard").await;
-    let client = db.client().await;
-    let slot = "park_discard";
-    let prefix = "park-discard";
-    let topic = format!("{prefix}.order");
-    let text = config_text(
-        &db.superuser_url(),
-        slot,
-        &b.brokers,
-        &format!("topic = \"{prefix}.{{aggregate_type}}\"\non_poison = \"park\""),
-        "",
-    );
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("outboxd.toml");
-    std::fs::write(&path, &text).unwrap();
-    let (handle, tx) = spawn_relay_with_slot(&client, slot, &text).await;
+    let t = Setup::new("park_discard", "", "").await;
+    let (client, slot, prefix, topic, path) =
+        (&t.client, t.slot.as_str(), t.prefix.as_str(), &t.topic, &t.path);
+    let (handle, tx) = t.spawn().await;
     client
         .batch_execute(&format!(
             "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload, headers) VALUES
@@ -734,16 +763,16 @@ async fn discard_needs_confirm_and_releases_the_sequence() {
         ))
         .await
         .unwrap();
-    wait_confirmed_past(&client, slot).await;
-    assert_eq!(parked_count(&client, slot).await, 2);
-    let refused = outboxd(&path, &["discard", "--all"]);
+    wait_confirmed_past(client, slot).await;
+    assert_eq!(parked_count(client, slot).await, 2);
+    let refused = outboxd(path, &["discard", "--all"]);
     assert!(!refused.status.success());
-    assert_eq!(parked_count(&client, slot).await, 2);
-    let out = outboxd(&path, &["discard", "--key", &format!("{prefix}-A"), "--confirm"]);
+    assert_eq!(parked_count(client, slot).await, 2);
+    let out = outboxd(path, &["discard", "--key", &format!("{prefix}-A"), "--confirm"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(parked_count(&client, slot).await, 0);
-    write(&client, prefix, &[("A", 3, 10)]).await;
-    let got = consume(&b.brokers, &[&topic], 1, Duration::from_secs(30));
+    assert_eq!(parked_count(client, slot).await, 0);
+    write(client, prefix, &[("A", 3, 10)]).await;
+    let got = consume(&b.brokers, &[topic], 1, Duration::from_secs(30));
     assert_eq!(sequence(&got, &format!("{prefix}-A")), vec![3]);
     stop_relay(handle, tx).await;
 }
