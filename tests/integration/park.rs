@@ -776,3 +776,55 @@ async fn discard_needs_confirm_and_releases_the_sequence() {
     assert_eq!(sequence(&got, &format!("{prefix}-A")), vec![3]);
     stop_relay(handle, tx).await;
 }
+
+/// Exactly-once: a head parked while its Kafka transaction is still open,
+/// and the relay killed before that transaction commits, so the slot
+/// replays the head. Its cause is fixed meanwhile (the topic takes it
+/// now): the replay parks it again, onto its own row, instead of
+/// publishing it, and the redrive publishes it once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replayed_head_parks_again_even_once_it_would_publish() {
+    let b = broker();
+    let t = Setup::new(
+        "park_flip",
+        "",
+        "delivery = \"exactly-once\"\ntopic_config = { \"max.message.bytes\" = \"8192\" }\n[kafka.exactly_once]\nmax_wait = \"20s\"",
+    )
+    .await;
+    let (client, slot, prefix, topic) = (&t.client, t.slot.as_str(), t.prefix.as_str(), &t.topic);
+    let (handle, tx) = t.spawn().await;
+    let before = current_lsn(client).await;
+    // B's event and A's too-large one in one transaction: B's record waits
+    // in the open Kafka transaction (max_wait), A's is parked.
+    write(client, prefix, &[("B", 1, 10), ("A", 1, 20_000)]).await;
+    wait_for("A's event to be parked", Duration::from_secs(30), || async {
+        (parked_count(client, slot).await == 1).then_some(())
+    })
+    .await;
+    handle.abort();
+    drop(tx);
+    assert!(
+        confirmed_flush(client, slot).await.unwrap() <= before,
+        "precondition: the Kafka transaction did not commit before the kill"
+    );
+    raise_max_message_bytes(&b.brokers, topic).await;
+    let (handle, tx) = t.spawn().await;
+    let got = consume(&b.brokers, &[topic], 1, Duration::from_secs(60));
+    assert_eq!(sequence(&got, &format!("{prefix}-B")), vec![1]);
+    wait_confirmed_past(client, slot).await;
+    assert_eq!(
+        parked_count(client, slot).await,
+        1,
+        "the head parked again, onto its own row"
+    );
+    let redrive = outboxd(&t.path, &["redrive", "--all"]);
+    assert!(
+        redrive.status.success(),
+        "{}",
+        String::from_utf8_lossy(&redrive.stderr)
+    );
+    let all = consume(&b.brokers, &[topic], 3, Duration::from_secs(10));
+    assert_eq!(sequence(&all, &format!("{prefix}-A")), vec![1], "A's event once");
+    assert_eq!(all.len(), 2);
+    stop_relay(handle, tx).await;
+}
