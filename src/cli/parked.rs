@@ -763,6 +763,7 @@ pub async fn skip(
     };
     sent.await.into_result()?;
     store.delete(&ev).await?;
+    store.advance_head(&ev.topic, &ev.key).await?;
     tracing::warn!(
         id,
         topic = ev.topic,

@@ -396,6 +396,21 @@ impl ParkStore {
         Ok(())
     }
 
+    /// Names a sequence's first parked event as its head (after its head
+    /// went to the dead-letter topic).
+    pub async fn advance_head(&self, topic: &str, key: &str) -> Result<(), ParkError> {
+        let sql = format!(
+            "UPDATE {0}outboxd_parked_sequences s \
+                SET head_lsn = p.commit_lsn, head_index = p.position, head_id = p.event_id, head_reason = p.reason \
+               FROM (SELECT commit_lsn, position, event_id, reason FROM {0}outboxd_parked \
+                      WHERE (slot, topic, key) = ($1, $2, $3) ORDER BY commit_lsn, position LIMIT 1) p \
+              WHERE (s.slot, s.topic, s.key) = ($1, $2, $3)",
+            self.schema
+        );
+        self.client.execute(&sql, &[&self.slot, &topic, &key]).await?;
+        Ok(())
+    }
+
     /// Deletes a sequence's events at or before `through` (redriven in a
     /// Kafka transaction that committed); returns how many.
     pub async fn delete_through(&self, topic: &str, key: &str, through: RowPos) -> Result<u64, ParkError> {

@@ -828,3 +828,76 @@ async fn a_replayed_head_parks_again_even_once_it_would_publish() {
     assert_eq!(all.len(), 2);
     stop_relay(handle, tx).await;
 }
+
+/// Exactly-once: a redrive that committed its Kafka transaction and then
+/// died before deleting its rows leaves its marker; the next redrive
+/// deletes what the marker names without publishing it again. A marker
+/// whose event id is not the row's at its position (written for another
+/// history) changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redrive_marker_finishes_a_crashed_redrive_and_only_for_its_own_event() {
+    let b = broker();
+    let t = Setup::new("park_marker", "", "delivery = \"exactly-once\"").await;
+    let (client, slot, prefix, topic) = (&t.client, t.slot.as_str(), t.prefix.as_str(), &t.topic);
+    let (handle, tx) = t.spawn().await;
+    client
+        .batch_execute(&format!(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload, headers) VALUES
+               (gen_random_uuid(), 'Order', '{prefix}-A', 'E1', '{{\"n\": 1}}', '{{}}');
+             INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload, headers) VALUES
+               (gen_random_uuid(), 'Order', '{prefix}-A', 'E2', '{{\"n\": 2}}', '[1]');
+             INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload, headers) VALUES
+               (gen_random_uuid(), 'Order', '{prefix}-A', 'E3', '{{\"n\": 3}}', '{{}}')"
+        ))
+        .await
+        .unwrap();
+    wait_confirmed_past(client, slot).await;
+    assert_eq!(parked_count(client, slot).await, 2);
+    let head = client
+        .query_one(
+            "SELECT commit_lsn::text, position, event_id, topic, key FROM outboxd_parked
+              WHERE slot = $1 ORDER BY commit_lsn, position LIMIT 1",
+            &[&slot],
+        )
+        .await
+        .unwrap();
+    let (config, _) = outboxd::config::Config::from_toml(&t.text, |_| None).unwrap();
+    let marker = |id: &str| {
+        serde_json::json!({
+            "topic": head.get::<_, String>(3), "key": head.get::<_, String>(4),
+            "lsn": head.get::<_, String>(0), "index": head.get::<_, i32>(1), "id": id,
+        })
+        .to_string()
+        .into_bytes()
+    };
+    let write_marker = |value: Vec<u8>| {
+        let kafka = config.kafka.clone();
+        let key = format!("parked-redrive/{slot}");
+        async move {
+            outboxd::relay::exactly_once::write_plain(
+                &kafka,
+                kafka.progress_topic(),
+                &key,
+                Some(value),
+                Duration::from_secs(10),
+            )
+            .await
+            .unwrap()
+        }
+    };
+    // Another history's marker at the head's position: the head (bad
+    // headers) is tried, fails again, and stays.
+    write_marker(marker("someone-else")).await;
+    let out = outboxd(&t.path, &["redrive", "--all"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("still cannot be published"));
+    assert_eq!(parked_count(client, slot).await, 2);
+    // The head's own marker, as a redrive that published it would leave
+    // it: deleted unpublished, and the rest is redriven.
+    write_marker(marker(&head.get::<_, String>(2))).await;
+    let out = outboxd(&t.path, &["redrive", "--all"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(parked_count(client, slot).await, 0);
+    let got = consume(&b.brokers, &[topic], 3, Duration::from_secs(10));
+    assert_eq!(sequence(&got, &format!("{prefix}-A")), vec![1, 3]);
+    stop_relay(handle, tx).await;
+}
