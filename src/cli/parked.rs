@@ -18,9 +18,10 @@
 //!   the two is finished by the next redrive, which reads the marker and
 //!   deletes what it covers without publishing it again.
 //!
-//! Only rows whose transaction the slot has confirmed past are redriven
-//! (a replay of the WAL could otherwise bring a redriven event back): a
-//! redrive waits, up to `--wait`, for the relay to confirm them. The
+//! Only rows whose transaction the slot has durably passed are redriven
+//! (see [`ParkStore::durably_passed`]; a replay of the WAL could otherwise
+//! bring a redriven event back): a redrive waits, up to `--wait`, for the
+//! relay to confirm them and the slot's `restart_lsn` to follow. The
 //! header goes last (see [`ParkStore::release`]), so events the relay
 //! parks meanwhile are redriven after the others, and events after the
 //! release are the relay's to publish.
@@ -84,7 +85,7 @@ pub enum ParkedError {
     Schema(#[from] crate::schema::SchemaError),
     #[error("schema_registry: {0}")]
     RegistrySetup(String),
-    #[error("slot {0} does not exist: parked events are redriven once the slot has confirmed past them; start outboxd (or create the slot) first")]
+    #[error("slot {0} does not exist: parked events are redriven once the slot has passed them; start outboxd (or create the slot) first")]
     NoSlot(String),
     #[error("no parked event has id {0} (see `outboxd parked list` and `show`)")]
     NoSuchEvent(String),
@@ -173,7 +174,7 @@ async fn wait_confirmed(store: &ParkStore, lsn: crate::lsn::Lsn, wait: Duration)
 }
 
 /// `outboxd parked discard --confirm`: deletes the selected sequences,
-/// once the slot has confirmed past them (or a replay would park them
+/// once the slot has durably passed them (or a replay would park them
 /// again).
 pub async fn discard(
     validated: &Validated,

@@ -35,8 +35,9 @@
 //! deletes each row only after Kafka acknowledged it (with exactly-once,
 //! after the Kafka transaction that holds it committed, with a marker in
 //! the progress topic for a crash between the two). Only rows the slot has
-//! confirmed past are redriven, so a replay of the WAL never brings a
-//! redriven event back. The header goes last, under `FOR UPDATE`, and only
+//! durably passed (its `restart_lsn`) are redriven, so a replay of the
+//! WAL, even after a crash of PostgreSQL, never brings a redriven event
+//! back. The header goes last, under `FOR UPDATE`, and only
 //! when no row is left; the relay parks under `FOR SHARE` on the same
 //! header and publishes the event itself once the header is gone. Every
 //! event of the sequence is so published once, in order: by the redrive

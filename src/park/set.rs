@@ -47,6 +47,11 @@ impl ParkedSet {
         self.oldest = heads.iter().map(|h| h.parked_at.timestamp()).min();
     }
 
+    /// No sequence is parked: nothing to look up per event.
+    pub fn is_empty(&self) -> bool {
+        self.heads.is_empty()
+    }
+
     /// The head of the sequence, if it is parked.
     pub fn head(&self, topic: &str, key: &str) -> Option<RowPos> {
         // The map is keyed by owned pairs; sequences are few.

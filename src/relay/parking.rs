@@ -229,11 +229,12 @@ impl Relay {
         row: &OutboxRow,
         pos: RowPos,
     ) -> Result<bool, RelayError> {
-        if self.parking.is_none() {
-            return Ok(false);
-        }
         if !s.to_park.is_empty() {
             self.flush_parked(stream, s).await?;
+        }
+        // The common case, per event: nothing parked, nothing to name.
+        if self.parking.as_ref().is_none_or(|p| p.set.is_empty()) {
+            return Ok(false);
         }
         let (topic, key) = self.sequence_of(row);
         if !self
