@@ -15,7 +15,10 @@
 //! * [`kafka`]: the producer and topics ([`kafka::sink`]), records and dead
 //!   letters ([`kafka::records`]), CloudEvents, and table rows handed to the
 //!   producer ([`kafka::enqueue`]).
-//! * [`ops`]: the HTTP endpoints, liveness and readiness, logging, tracing.
+//! * [`daemon`]: the supervisor, one relay per configured source
+//!   (`[[sources]]`), their lifecycle (failures, SIGHUP, pause/resume).
+//! * [`ops`]: the HTTP endpoints, the sources' board, liveness and
+//!   readiness, logging, tracing.
 //! * [`cli`]: the commands built on the floors below: check, status,
 //!   replay, retention, progress.
 //! * [`config`]: the configuration file, one module per section: types and
@@ -30,6 +33,7 @@
 
 pub mod cli;
 pub mod config;
+pub mod daemon;
 pub mod kafka;
 pub mod lsn;
 pub mod metrics;

@@ -6,15 +6,51 @@ use std::sync::Arc;
 
 use clap::{Parser, Subcommand};
 use outboxd::config::Config;
-use outboxd::relay::Relay;
 use tokio::sync::watch;
 
 /// Relay transactional-outbox rows from PostgreSQL logical replication to Kafka.
 #[derive(Debug, Parser)]
 #[command(name = "outboxd", version, about, long_about = None)]
 struct Cli {
+    /// With `[[sources]]`: the source a command acts on (`run`: run only
+    /// this one; `check` and `status`: every source when left out).
+    #[arg(long, global = true, env = "OUTBOXD_SOURCE")]
+    source: Option<String>,
     #[command(subcommand)]
     command: Command,
+}
+
+/// `--source`, set once in `main` before any command runs.
+static SOURCE: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+
+fn chosen_source() -> Option<&'static str> {
+    SOURCE.get().and_then(|s| s.as_deref())
+}
+
+/// The sources a command covers: the one `--source` names, else all.
+fn chosen_sources(path: &std::path::Path) -> Result<Vec<outboxd::config::sources::SourceConfig>, ExitCode> {
+    let all = Config::load_sources(path).map_err(|e| {
+        eprintln!("outboxd: {e}");
+        ExitCode::from(2)
+    })?;
+    match chosen_source() {
+        None => Ok(all),
+        Some(name) => {
+            let known: Vec<String> = all.iter().map(|s| s.name.clone()).collect();
+            let one: Vec<_> = all.into_iter().filter(|s| s.name == name).collect();
+            if one.is_empty() {
+                eprintln!(
+                    "outboxd: {}",
+                    outboxd::config::ConfigError::NoSuchSource {
+                        name: name.to_owned(),
+                        known
+                    }
+                );
+                return Err(ExitCode::from(2));
+            }
+            Ok(one)
+        }
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -411,26 +447,31 @@ async fn replay(args: ReplayArgs) -> ExitCode {
 }
 
 fn load(path: &std::path::Path) -> Result<(Config, outboxd::config::Validated), ExitCode> {
-    Config::load(path).map_err(|e| {
+    Config::load_source(path, chosen_source()).map_err(|e| {
         eprintln!("outboxd: {e}");
         ExitCode::from(2)
     })
 }
 
 async fn run(path: PathBuf) -> ExitCode {
-    let (config, validated) = match load(&path) {
-        Ok(c) => c,
+    let sources = match chosen_sources(&path) {
+        Ok(s) => s,
         Err(code) => return code,
     };
-    outboxd::ops::telemetry::init(&config.log);
+    let Some(first) = sources.first() else {
+        eprintln!("outboxd: the config file lists no source");
+        return ExitCode::from(2);
+    };
+    let (shared, listen, token) = (
+        first.config.clone(),
+        first.validated.listen,
+        first.config.http.admin_token.clone(),
+    );
+    outboxd::ops::telemetry::init(&shared.log);
     tracing::info!(
         version = env!("CARGO_PKG_VERSION"),
-        mode = ?config.mode,
-        postgres = %validated.pg.target(),
-        table = %validated.table,
-        slot = validated.slot.as_str(),
-        publication = validated.publication.as_str(),
-        brokers = config.kafka.brokers.as_str(),
+        sources = ?sources.iter().map(|s| s.name.as_str()).collect::<Vec<_>>(),
+        brokers = shared.kafka.brokers.as_str(),
         "starting outboxd"
     );
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -441,40 +482,31 @@ async fn run(path: PathBuf) -> ExitCode {
         // A second signal is not needed: the drain is bounded by shutdown.drain_timeout.
         std::future::pending::<()>().await;
     });
-    let metrics = match outboxd::metrics::Metrics::new() {
-        Ok(m) => Arc::new(m),
+    let (supervisor, board) = match outboxd::daemon::Supervisor::new(Some(path), sources) {
+        Ok(s) => s,
         Err(e) => {
-            tracing::error!(error = %e, "cannot set up metrics");
+            tracing::error!(error = %e, "cannot set up the sources");
             return ExitCode::FAILURE;
         }
     };
-    let health = Arc::new(outboxd::ops::health::Health::new(config.health.thresholds()));
-    match outboxd::ops::http::serve(validated.listen, metrics.clone(), health.clone()).await {
+    match outboxd::ops::http::serve(listen, board, token.clone()).await {
+        Ok(addr) if token.is_some() => tracing::info!(
+            %addr,
+            "serving /metrics, /healthz, /readyz, /status and the source verbs under /sources"
+        ),
         Ok(addr) => tracing::info!(%addr, "serving /metrics, /healthz, /readyz and /status"),
         Err(e) => {
             tracing::error!(error = %e, "cannot start the HTTP server");
             return ExitCode::FAILURE;
         }
     }
-    let result = match config.mode {
-        outboxd::config::Mode::Cdc => match Relay::new(config, validated, metrics, health) {
-            Ok(mut relay) => relay.run(stop_rx).await.map_err(|e| e.to_string()),
-            Err(e) => Err(e.to_string()),
-        },
-        outboxd::config::Mode::Polling => {
-            match outboxd::relay::polling::PollingRelay::new(config, validated, metrics, health) {
-                Ok(mut relay) => relay.run(stop_rx).await.map_err(|e| e.to_string()),
-                Err(e) => Err(e.to_string()),
-            }
-        }
-    };
-    match result {
-        Ok(()) => {
+    match supervisor.run(stop_rx).await {
+        outboxd::daemon::Ending::Stopped => {
             tracing::info!("stopped");
             ExitCode::SUCCESS
         }
-        Err(e) => {
-            tracing::error!(error = %e, "stopped on an error that a restart will not fix");
+        outboxd::daemon::Ending::Failed => {
+            tracing::error!("every source stopped on an error that a restart will not fix");
             ExitCode::FAILURE
         }
     }
@@ -496,19 +528,26 @@ async fn wait_for_signal() {
 }
 
 async fn check(path: PathBuf, config_only: bool) -> ExitCode {
-    let (config, validated) = match load(&path) {
-        Ok(c) => c,
+    let sources = match chosen_sources(&path) {
+        Ok(s) => s,
         Err(code) => return code,
     };
     if config_only {
         println!("ok   config       parsed and valid");
         return ExitCode::SUCCESS;
     }
-    let lines = outboxd::cli::check::run_checks(&config, &validated).await;
-    for l in &lines {
-        println!("{l}");
+    let mut ok = true;
+    for source in &sources {
+        if sources.len() > 1 {
+            println!("source {}", source.name);
+        }
+        let lines = outboxd::cli::check::run_checks(&source.config, &source.validated).await;
+        for l in &lines {
+            println!("{l}");
+        }
+        ok &= lines.iter().all(|l| l.ok);
     }
-    if lines.iter().all(|l| l.ok) {
+    if ok {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
@@ -652,30 +691,38 @@ async fn progress(path: PathBuf, reset: bool, create_slot: bool, accept_publicat
 }
 
 async fn status(path: PathBuf, json: bool) -> ExitCode {
-    let (config, validated) = match load(&path) {
-        Ok(c) => c,
+    let sources = match chosen_sources(&path) {
+        Ok(s) => s,
         Err(code) => return code,
     };
-    match outboxd::cli::status::gather(&config, &validated).await {
-        Ok(report) if json => match serde_json::to_string_pretty(&report) {
-            Ok(text) => {
-                println!("{text}");
-                ExitCode::SUCCESS
-            }
+    let mut reports = Vec::new();
+    for s in &sources {
+        match outboxd::cli::status::gather(&s.config, &s.validated, &s.name).await {
+            Ok(report) => reports.push(report),
             Err(e) => {
-                eprintln!("outboxd: {e}");
-                ExitCode::FAILURE
+                eprintln!("outboxd: source {}: {e}", s.name);
+                return ExitCode::FAILURE;
             }
-        },
-        Ok(report) => {
-            print!("{}", report.render());
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            eprintln!("outboxd: {e}");
-            ExitCode::FAILURE
         }
     }
+    if json {
+        // One source prints its report as before sources existed.
+        let text = match reports.as_slice() {
+            [one] => serde_json::to_string_pretty(one),
+            all => serde_json::to_string_pretty(all),
+        };
+        match text {
+            Ok(text) => println!("{text}"),
+            Err(e) => {
+                eprintln!("outboxd: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    } else {
+        let texts: Vec<String> = reports.iter().map(|r| r.render()).collect();
+        print!("{}", texts.join("\n"));
+    }
+    ExitCode::SUCCESS
 }
 
 async fn migrate(path: PathBuf) -> ExitCode {
@@ -781,6 +828,7 @@ async fn retention(
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    let _ = SOURCE.set(cli.source.clone());
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

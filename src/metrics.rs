@@ -142,9 +142,20 @@ pub const DEAD_LETTER_REASONS: &[&str] = &[
 ];
 
 impl Metrics {
-    /// Creates the metrics on a fresh registry.
+    /// Creates the metrics on a fresh registry, without labels of their own.
     pub fn new() -> Result<Self, prometheus::Error> {
-        let registry = Registry::new();
+        Self::on(Registry::new())
+    }
+
+    /// Creates the metrics of one source: every series carries
+    /// `source="<name>"` (a validated name, so the label stays bounded).
+    /// [`encode_all`] writes several sources as one exposition.
+    pub fn for_source(name: &str) -> Result<Self, prometheus::Error> {
+        let labels = std::collections::HashMap::from([("source".to_owned(), name.to_owned())]);
+        Self::on(Registry::new_custom(None, Some(labels))?)
+    }
+
+    fn on(registry: Registry) -> Result<Self, prometheus::Error> {
         let publish_errors = register(
             &registry,
             IntCounterVec::new(
@@ -368,15 +379,28 @@ impl Metrics {
 
     /// The Prometheus text exposition.
     pub fn encode(&self) -> String {
-        let mut buf = Vec::new();
-        if TextEncoder::new()
-            .encode(&self.registry.gather(), &mut buf)
-            .is_err()
-        {
-            return String::new();
-        }
-        String::from_utf8(buf).unwrap_or_default()
+        encode_all(std::slice::from_ref(self))
     }
+}
+
+/// One exposition of several sources' metrics: each family once, with
+/// every source's series under it (a family repeated would be refused by
+/// Prometheus).
+pub fn encode_all<'a>(sources: impl IntoIterator<Item = &'a Metrics>) -> String {
+    let mut families: Vec<prometheus::proto::MetricFamily> = Vec::new();
+    for m in sources {
+        for mut family in m.registry.gather() {
+            match families.iter_mut().find(|f| f.name() == family.name()) {
+                Some(known) => known.mut_metric().extend(family.take_metric()),
+                None => families.push(family),
+            }
+        }
+    }
+    let mut buf = Vec::new();
+    if TextEncoder::new().encode(&families, &mut buf).is_err() {
+        return String::new();
+    }
+    String::from_utf8(buf).unwrap_or_default()
 }
 
 #[cfg(test)]
@@ -413,6 +437,20 @@ mod tests {
             assert!(text.contains(name), "missing {name}");
         }
         assert!(text.contains("outboxd_publish_errors_total{reason=\"delivery\"} 1"));
+        // Two sources: each family once, a series per source.
+        let (a, b) = (
+            Metrics::for_source("a").unwrap(),
+            Metrics::for_source("b").unwrap(),
+        );
+        a.events_published.inc_by(3);
+        let both = encode_all([&a, &b]);
+        assert_eq!(both.matches("# TYPE outboxd_events_published_total").count(), 1);
+        assert!(
+            both.contains("outboxd_events_published_total{source=\"a\"} 3"),
+            "{both}"
+        );
+        assert!(both.contains("outboxd_events_published_total{source=\"b\"} 0"));
+        assert!(both.contains("outboxd_publish_errors_total{reason=\"delivery\",source=\"b\"} 0"));
         // Every reason is there from the start, at zero.
         let fresh = Metrics::new().unwrap().encode();
         for reason in PUBLISH_ERROR_REASONS {

@@ -203,7 +203,7 @@ async fn register_check(config: &Config, v: &Validated) -> CheckLine {
                 &r,
                 system.timeline,
                 kafka.progress_topic(),
-                v.source.as_deref(),
+                &v.config_args(),
             )
             .to_string(),
         ),
@@ -212,7 +212,7 @@ async fn register_check(config: &Config, v: &Validated) -> CheckLine {
             false,
             format!(
                 "slot {slot} was invalidated: after recreating it, re-publish the gap with `{}`",
-                crate::relay::slot_register::replay_command(v.source.as_deref(), r.as_ref())
+                crate::relay::slot_register::replay_command(&v.config_args(), r.as_ref())
             ),
         ),
         (Ok(_), Ok(Some(r))) => line(
@@ -265,7 +265,7 @@ async fn resumption_problem(
             "the publication cannot be shown unchanged since the slot's position {}: {}. `run` refuses to stream. Re-publish the window with `{}`, then run `outboxd progress --accept-publication`",
             info.confirmed_flush_lsn.map(|l| l.to_string()).unwrap_or_else(|| "-".into()),
             why.because(),
-            crate::relay::slot_register::replay_command(v.source.as_deref(), record)
+            crate::relay::slot_register::replay_command(&v.config_args(), record)
         )),
         _ => None,
     }

@@ -24,6 +24,8 @@ use crate::postgres::pgoutput::{decode, LogicalMessage};
 /// Everything `status` reports.
 #[derive(Clone, Debug, Serialize)]
 pub struct StatusReport {
+    /// The source of the config file (`default` without `[[sources]]`).
+    pub source: String,
     pub postgres: String,
     pub slot: String,
     pub slot_exists: bool,
@@ -68,8 +70,8 @@ pub enum StatusError {
     Admin(#[from] admin::AdminError),
 }
 
-/// Asks the running outboxd for its `/status`.
-fn daemon_snapshot(config: &Config, v: &Validated) -> Result<Snapshot, String> {
+/// Asks the running outboxd for its `/status`, and takes `source`'s part.
+fn daemon_snapshot(config: &Config, v: &Validated, source: &str) -> Result<Snapshot, String> {
     if v.listen.port() == 0 {
         return Err("http.listen uses port 0, so the daemon cannot be found".into());
     }
@@ -90,11 +92,22 @@ fn daemon_snapshot(config: &Config, v: &Validated) -> Result<Snapshot, String> {
         .body_mut()
         .read_to_string()
         .map_err(|e| e.to_string())?;
-    serde_json::from_str(&body).map_err(|e| format!("unexpected /status answer: {e}"))
+    let mut all: serde_json::Value =
+        serde_json::from_str(&body).map_err(|e| format!("unexpected /status answer: {e}"))?;
+    let part = match all.get_mut("sources").and_then(|s| s.get_mut(source)) {
+        Some(p) => p.take(),
+        None => {
+            return Err(format!(
+                "the outboxd at {} runs no source {source:?}",
+                config.http.listen
+            ))
+        }
+    };
+    serde_json::from_value(part).map_err(|e| format!("unexpected /status answer: {e}"))
 }
 
 /// Gathers the report.
-pub async fn gather(config: &Config, v: &Validated) -> Result<StatusReport, StatusError> {
+pub async fn gather(config: &Config, v: &Validated, source: &str) -> Result<StatusReport, StatusError> {
     let client = admin::connect(&v.pg).await?;
     let row = client
         .query_opt(
@@ -111,6 +124,7 @@ pub async fn gather(config: &Config, v: &Validated) -> Result<StatusReport, Stat
         .await
         .map_err(admin::AdminError::from)?;
     let mut r = StatusReport {
+        source: source.to_owned(),
         postgres: v.pg.target(),
         slot: v.slot.as_str().to_owned(),
         slot_exists: row.is_some(),
@@ -154,7 +168,8 @@ pub async fn gather(config: &Config, v: &Validated) -> Result<StatusReport, Stat
     }
     let cfg = config.clone();
     let val = v.clone();
-    match tokio::task::spawn_blocking(move || daemon_snapshot(&cfg, &val)).await {
+    let name = source.to_owned();
+    match tokio::task::spawn_blocking(move || daemon_snapshot(&cfg, &val, &name)).await {
         Ok(Ok(snap)) => {
             r.received_lsn = Some(snap.received_lsn.clone());
             r.inflight_events = Some(snap.inflight_events);
@@ -241,6 +256,9 @@ impl StatusReport {
     pub fn render(&self) -> String {
         let mut o = String::new();
         let dash = || "-".to_owned();
+        if self.source != crate::config::sources::DEFAULT_SOURCE {
+            let _ = writeln!(o, "source          {}", self.source);
+        }
         let _ = writeln!(o, "postgres        {}", self.postgres);
         if !self.slot_exists {
             let _ = writeln!(

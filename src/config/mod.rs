@@ -29,6 +29,7 @@ pub mod polling;
 pub mod postgres;
 pub mod registry;
 pub mod routing;
+pub mod sources;
 
 pub use kafka::{Delivery, ExactlyOnceConfig, KafkaConfig};
 pub use ops::{HealthConfig, HttpConfig, LogConfig, LogFormat, OtelConfig, ShutdownConfig, Thresholds};
@@ -54,6 +55,27 @@ pub enum ConfigError {
     Invalid { path: String, reason: String },
     #[error("config: {0}")]
     Syntax(String),
+    #[error("the config file has {} sources ({}); name one with --source", .0.len(), .0.join(", "))]
+    WhichSource(Vec<String>),
+    #[error("the config file has no source {name:?}; it has {}", .known.join(", "))]
+    NoSuchSource { name: String, known: Vec<String> },
+}
+
+/// The source `name` of `all`, or with `None` the only one.
+fn pick(all: Vec<sources::SourceConfig>, name: Option<&str>) -> Result<(Config, Validated), ConfigError> {
+    let names = || all.iter().map(|s| s.name.clone()).collect::<Vec<_>>();
+    let found = match name {
+        None if all.len() == 1 => all.first(),
+        None => return Err(ConfigError::WhichSource(names())),
+        Some(n) => all.iter().find(|s| s.name == n),
+    };
+    match found {
+        Some(s) => Ok((s.config.clone(), s.validated.clone())),
+        None => Err(ConfigError::NoSuchSource {
+            name: name.unwrap_or_default().to_owned(),
+            known: names(),
+        }),
+    }
 }
 
 fn invalid(path: &str, reason: impl Into<String>) -> ConfigError {
@@ -163,6 +185,24 @@ pub struct Validated {
     /// The file the configuration was read from, for the commands outboxd
     /// prints (`None` when it came from text).
     pub source: Option<std::path::PathBuf>,
+    /// The source's name in a file of `[[sources]]` (`None` for a file of
+    /// one source), for the commands outboxd prints.
+    pub source_name: Option<String>,
+}
+
+impl Validated {
+    /// `--config <file> [--source <name>]`, for the commands outboxd
+    /// prints.
+    pub fn config_args(&self) -> String {
+        use crate::shell::shell_word;
+        let file = self.source.as_ref().map_or("<config file>".to_owned(), |p| {
+            shell_word(&p.display().to_string())
+        });
+        match &self.source_name {
+            Some(name) => format!("--config {file} --source {name}"),
+            None => format!("--config {file}"),
+        }
+    }
 }
 
 /// Replaces `${VAR}` and `${VAR:-default}` in one string value (at the
@@ -238,26 +278,45 @@ fn interpolate_value(
 }
 
 impl Config {
-    /// Reads, interpolates, parses and validates a config file.
+    /// Reads, interpolates, parses and validates a config file of one
+    /// source (see [`Config::load_source`] for a file of several).
     pub fn load(path: &Path) -> Result<(Config, Validated), ConfigError> {
+        Self::load_source(path, None)
+    }
+
+    /// Every source of a config file (one, `default`, for a file without
+    /// `[[sources]]`).
+    pub fn load_sources(path: &Path) -> Result<Vec<sources::SourceConfig>, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.display().to_string(),
             source,
         })?;
-        let (config, mut validated) = Self::from_toml(&text, |v| std::env::var(v).ok())?;
-        validated.source = Some(path.to_owned());
-        Ok((config, validated))
+        let mut all = sources::from_toml(&text, |v| std::env::var(v).ok())?;
+        for s in &mut all {
+            s.validated.source = Some(path.to_owned());
+        }
+        Ok(all)
     }
 
-    /// Parses and validates config text with the given environment.
+    /// The source `name` of a config file; with `None`, its only source.
+    pub fn load_source(path: &Path, name: Option<&str>) -> Result<(Config, Validated), ConfigError> {
+        let all = Self::load_sources(path)?;
+        pick(all, name)
+    }
+
+    /// Parses and validates config text of one source with the given
+    /// environment.
     pub fn from_toml(
         text: &str,
         env: impl Fn(&str) -> Option<String>,
     ) -> Result<(Config, Validated), ConfigError> {
-        let table: toml::Table = toml::from_str(text).map_err(|e| ConfigError::Syntax(e.to_string()))?;
-        let mut value = toml::Value::Table(table);
-        interpolate_value(&mut value, "", &env)?;
-        let config: Config = serde_path_to_error::deserialize(value).map_err(|e| {
+        pick(sources::from_toml(text, env)?, None)
+    }
+
+    /// Deserializes and validates one source's table (already
+    /// interpolated and merged with the shared sections).
+    pub(crate) fn from_table(table: toml::Table) -> Result<(Config, Validated), ConfigError> {
+        let config: Config = serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|e| {
             let path = e.path().to_string();
             let reason = e.into_inner().message().to_owned();
             if path == "." || path.is_empty() {
@@ -379,6 +438,14 @@ impl Config {
                 format!("{:?} is not an address such as 0.0.0.0:9187", self.http.listen),
             )
         })?;
+        if let Some(token) = &self.http.admin_token {
+            if token.0.len() < 16 || token.0.chars().any(char::is_whitespace) {
+                return Err(invalid(
+                    "http.admin_token",
+                    "must be at least 16 characters without spaces (for example `openssl rand -hex 24`)",
+                ));
+            }
+        }
         let transactional_id = match self.kafka.delivery {
             Delivery::AtLeastOnce => None,
             Delivery::ExactlyOnce => Some(
@@ -399,6 +466,7 @@ impl Config {
             transactional_id,
             value,
             source: None,
+            source_name: None,
         })
     }
 

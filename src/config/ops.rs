@@ -14,12 +14,17 @@ pub struct HttpConfig {
     /// Address of /metrics, /healthz and /readyz.
     #[serde(default = "default_listen")]
     pub listen: String,
+    /// A bearer token that turns on the source verbs (`/sources`, pause,
+    /// resume, restart); unset, those routes do not exist.
+    #[serde(default)]
+    pub admin_token: Option<Secret>,
 }
 
 impl Default for HttpConfig {
     fn default() -> Self {
         HttpConfig {
             listen: default_listen(),
+            admin_token: None,
         }
     }
 }

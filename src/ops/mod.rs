@@ -1,7 +1,8 @@
-//! Running outboxd: the HTTP endpoints ([`http`]), liveness and readiness
-//! ([`health`]), logs ([`telemetry`]) and OpenTelemetry spans of published
+//! Running outboxd: the HTTP endpoints ([`http`]) over the sources'
+//! [`board`], liveness and readiness ([`health`]), logs ([`telemetry`]) and OpenTelemetry spans of published
 //! events ([`otel`]).
 
+pub mod board;
 pub mod health;
 pub mod http;
 pub mod otel;

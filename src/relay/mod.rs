@@ -709,7 +709,7 @@ impl Relay {
         let resume::PublicationProof::Unproven(why) = proof else {
             return Ok(());
         };
-        let replay = slot_register::replay_command(self.validated.source.as_deref(), record);
+        let replay = slot_register::replay_command(&self.validated.config_args(), record);
         // A slot outboxd never streamed (no record: a first start on a slot
         // made by hand or by Debezium, or after `progress --reset`): there
         // is no earlier session whose proof could carry over, as before
@@ -747,7 +747,7 @@ impl Relay {
         RelayError::SlotInvalidated {
             slot: slot.to_owned(),
             reason,
-            replay: slot_register::replay_command(self.validated.source.as_deref(), record.as_ref()),
+            replay: slot_register::replay_command(&self.validated.config_args(), record.as_ref()),
         }
     }
 
@@ -767,7 +767,7 @@ impl Relay {
             record,
             system.timeline,
             self.config.kafka.progress_topic(),
-            self.validated.source.as_deref(),
+            &self.validated.config_args(),
         ))))
     }
 

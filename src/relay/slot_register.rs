@@ -175,19 +175,15 @@ const COMMIT_ORDER_MARGIN: chrono::Duration = chrono::Duration::seconds(1);
 
 /// The `outboxd replay` command that re-publishes what a lost slot did not
 /// deliver: every row committed after the record's confirmed LSN.
-pub fn replay_command(config: Option<&std::path::Path>, record: Option<&SlotRecord>) -> String {
-    use crate::shell::shell_word;
-    let config = config.map_or("<config file>".to_owned(), |p| {
-        shell_word(&p.display().to_string())
-    });
+pub fn replay_command(config_args: &str, record: Option<&SlotRecord>) -> String {
     let since = record
         .and_then(|r| r.confirmed_commit_time.as_deref())
         .and_then(|t| chrono::DateTime::parse_from_rfc3339(t).ok())
         .map(|t| (t.to_utc() - COMMIT_ORDER_MARGIN).to_rfc3339_opts(chrono::SecondsFormat::Micros, true));
     match since {
-        Some(since) => format!("outboxd replay --config {config} --since {since}"),
+        Some(since) => format!("outboxd replay {config_args} --since {since}"),
         None => format!(
-            "outboxd replay --config {config} --since <commit time of the last event your consumers have>"
+            "outboxd replay {config_args} --since <commit time of the last event your consumers have>"
         ),
     }
 }
@@ -280,15 +276,10 @@ pub struct SlotLost {
 }
 
 impl SlotLost {
-    pub fn new(
-        record: &SlotRecord,
-        now_timeline: u32,
-        topic: &str,
-        config: Option<&std::path::Path>,
-    ) -> Self {
+    pub fn new(record: &SlotRecord, now_timeline: u32, topic: &str, config_args: &str) -> Self {
         SlotLost {
             slot: record.slot.clone(),
-            replay: replay_command(config, Some(record)),
+            replay: replay_command(config_args, Some(record)),
             confirmed: record.confirmed_lsn.clone(),
             seen_at: record.seen_at.clone(),
             then_timeline: record.timeline,
@@ -317,7 +308,7 @@ mod tests {
             .contains("\"confirmedLsn\":\"0/16B3748\""));
         assert_eq!(key("73", "s1"), "slot/73/s1");
 
-        let promoted = SlotLost::new(&r, 2, "outboxd.progress", None).to_string();
+        let promoted = SlotLost::new(&r, 2, "outboxd.progress", "--config <config file>").to_string();
         assert!(
             promoted.contains("promoted") && promoted.contains("progress --reset"),
             "{promoted}"
@@ -326,7 +317,7 @@ mod tests {
             promoted.contains(&r.seen_at) && promoted.contains("0/16B3748"),
             "{promoted}"
         );
-        let dropped = SlotLost::new(&r, 1, "outboxd.progress", None).to_string();
+        let dropped = SlotLost::new(&r, 1, "outboxd.progress", "--config <config file>").to_string();
         assert!(dropped.contains("dropped"), "{dropped}");
         assert!(
             dropped.contains("outboxd replay --config <config file> --since <commit time"),
@@ -358,12 +349,7 @@ mod tests {
         let old = r#"{"version":1,"slot":"s1","database":"app","systemId":"73","timeline":1,"confirmedLsn":"0/1","seenAt":"x","writer":"h/1"}"#;
         let back: SlotRecord = serde_json::from_str(old).unwrap();
         assert_eq!((back.last_commit(), back.publication), (None, None));
-        let lost = SlotLost::new(
-            &timed,
-            1,
-            "outboxd.progress",
-            Some(std::path::Path::new("/etc/my outboxd.toml")),
-        );
+        let lost = SlotLost::new(&timed, 1, "outboxd.progress", "--config '/etc/my outboxd.toml'");
         assert!(
             lost.to_string().contains(
                 "run `outboxd replay --config '/etc/my outboxd.toml' --since 2026-12-01T09:59:59.500000Z`"

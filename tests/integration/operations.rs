@@ -2,13 +2,8 @@
 
 use std::net::SocketAddr;
 use std::process::{Command, Stdio};
-use std::sync::Arc;
 use std::time::Duration;
 
-use outboxd::config::Config;
-use outboxd::metrics::Metrics;
-use outboxd::ops::health::Health;
-use outboxd::relay::Relay;
 use tokio::sync::watch;
 
 use crate::harness::broker::{self, broker};
@@ -48,33 +43,32 @@ ack_max_age = "5s"
 pub(crate) struct Running {
     addr: SocketAddr,
     stop: watch::Sender<bool>,
-    handle: tokio::task::JoinHandle<Result<(), outboxd::relay::RelayError>>,
+    handle: tokio::task::JoinHandle<outboxd::daemon::Ending>,
 }
 
-/// Runs a relay with its HTTP server, as `outboxd run` does.
+/// Runs the sources of `text` with the HTTP server, as `outboxd run` does.
 pub(crate) async fn start(text: &str) -> Running {
-    let (config, validated) = Config::from_toml(text, |_| None).unwrap();
-    let metrics = Arc::new(Metrics::new().unwrap());
-    let health = Arc::new(Health::new(config.health.thresholds()));
-    let addr = outboxd::ops::http::serve(validated.listen, metrics.clone(), health.clone())
-        .await
-        .unwrap();
+    crate::harness::init_logs();
+    let sources = outboxd::config::sources::from_toml(text, |_| None).unwrap();
+    let (listen, token) = (
+        sources[0].validated.listen,
+        sources[0].config.http.admin_token.clone(),
+    );
+    let (supervisor, board) = outboxd::daemon::Supervisor::new(None, sources).unwrap();
+    let addr = outboxd::ops::http::serve(listen, board, token).await.unwrap();
     let (stop, rx) = watch::channel(false);
-    let handle = tokio::spawn(async move {
-        let mut relay = Relay::new(config, validated, metrics, health)?;
-        relay.run(rx).await
-    });
+    let handle = tokio::spawn(supervisor.run(rx));
     Running { addr, stop, handle }
 }
 
 impl Running {
     async fn shutdown(self) {
         self.stop.send(true).unwrap();
-        tokio::time::timeout(Duration::from_secs(30), self.handle)
+        let ending = tokio::time::timeout(Duration::from_secs(30), self.handle)
             .await
             .expect("stops in time")
-            .unwrap()
-            .expect("clean stop");
+            .unwrap();
+        assert_eq!(ending, outboxd::daemon::Ending::Stopped, "clean stop");
     }
 }
 
@@ -97,8 +91,13 @@ pub(crate) async fn get(addr: SocketAddr, path: &str) -> (u16, String) {
 
 /// The value of an unlabelled metric in Prometheus text.
 pub(crate) fn metric(text: &str, name: &str) -> Option<f64> {
+    // Unlabelled, or with the `source` label only.
     text.lines()
-        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+        .find(|l| {
+            l.strip_prefix(name).is_some_and(|rest| {
+                rest.starts_with(' ') || (rest.starts_with("{source=\"") && rest.matches('=').count() == 1)
+            })
+        })
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
 }

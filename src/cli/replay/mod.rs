@@ -198,14 +198,9 @@ impl Replay {
 
     /// The command that resumes this replay.
     pub fn resume_command(&self) -> String {
-        let config = self
-            .validated
-            .source
-            .as_ref()
-            .map_or("<config file>".to_owned(), |p| p.display().to_string());
         format!(
-            "outboxd replay --config {} --state {} --resume",
-            shell_word(&config),
+            "outboxd replay {} --state {} --resume",
+            self.validated.config_args(),
             shell_word(&self.options.state.display().to_string())
         )
     }

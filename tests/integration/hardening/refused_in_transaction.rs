@@ -18,8 +18,10 @@ use crate::relay::{confirmed_flush, Daemon};
 
 /// The count of one labelled metric (`name{label="value"} n`).
 fn labelled(text: &str, series: &str) -> f64 {
+    // Other labels (`source`) may follow the ones named.
+    let open = series.strip_suffix('}').unwrap_or(series);
     text.lines()
-        .find(|l| l.starts_with(series))
+        .find(|l| l.starts_with(open) && l[open.len()..].starts_with([',', '}']))
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
         .unwrap_or(0.0)

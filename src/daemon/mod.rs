@@ -1,0 +1,397 @@
+//! The supervisor: every source of the file as a relay of its own.
+//!
+//! # Isolation
+//!
+//! Each source ([`crate::config::sources`]) runs as one task holding one
+//! [`Relay`] (or [`PollingRelay`]): its own replication connection, leader
+//! lock, publication guard, slot register record, backoff, Kafka clients,
+//! parking store, metrics (labelled `source`) and health. Nothing of one
+//! source waits on another, so a source whose database is down keeps
+//! reconnecting with its own backoff while the others stream; LSN progress
+//! is per slot and each relay confirms only what Kafka acknowledged for it.
+//!
+//! # Lifecycle
+//!
+//! The supervisor's loop owns the tasks, and changes them on:
+//!
+//! * **a source's end**: a relay that returns an error a retry will not
+//!   fix marks its source `failed` with that error; the others go on.
+//!   When no source is left running or paused, outboxd exits with failure,
+//!   as it did with one source;
+//! * **SIGHUP**: the file is read and validated again. A file that fails
+//!   changes nothing (the error is logged). Otherwise sources are matched by
+//!   name: added ones start, removed ones drain and stop, changed ones
+//!   (another fingerprint of their merged settings) drain and start again,
+//!   the others are untouched. Shared settings that only a restart can
+//!   apply (`http.listen`, `log`) are named in a warning;
+//! * **an operator's verb** ([`crate::ops::board::Control`]): pause drains
+//!   the relay through its shutdown path (every acknowledged LSN is
+//!   confirmed) and leaves the slot unstreamed, so its WAL is kept and its
+//!   lag shows; resume starts it again; restart drains and starts it (a
+//!   failed source too). These change the running state only;
+//! * **SIGTERM / Ctrl-C**: every source drains at once, then outboxd exits.
+//!
+//! A stopping relay is drained before anything else starts on its slot, so
+//! two relays of one source never overlap.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+use tracing::Instrument;
+
+use crate::config::sources::SourceConfig;
+use crate::config::{Config, Mode};
+use crate::metrics::Metrics;
+use crate::ops::board::{Board, Control, ControlError, Source, State, Verb};
+use crate::ops::health::Health;
+use crate::relay::polling::PollingRelay;
+use crate::relay::Relay;
+
+/// How the process ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ending {
+    /// Asked to stop; every source drained.
+    Stopped,
+    /// Every source stopped on an error that a restart will not fix.
+    Failed,
+}
+
+/// A relay that runs.
+#[derive(Debug)]
+struct Task {
+    stop: watch::Sender<bool>,
+    join: JoinHandle<()>,
+    generation: u64,
+}
+
+/// A relay's end, as its task reports it.
+#[derive(Debug)]
+struct Exit {
+    name: String,
+    generation: u64,
+    result: Result<(), String>,
+}
+
+/// The sources and their tasks.
+#[derive(Debug)]
+pub struct Supervisor {
+    /// The file, read again on SIGHUP (`None`: no reload).
+    path: Option<PathBuf>,
+    board: Arc<Board>,
+    configs: HashMap<String, SourceConfig>,
+    tasks: HashMap<String, Task>,
+    generation: u64,
+    exits_tx: mpsc::UnboundedSender<Exit>,
+    exits: mpsc::UnboundedReceiver<Exit>,
+    control: mpsc::Receiver<Control>,
+}
+
+/// The supervisor could not set a source up.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot set up the metrics of source {name:?}: {source}")]
+pub struct SetupError {
+    name: String,
+    source: prometheus::Error,
+}
+
+impl Supervisor {
+    /// A supervisor for `sources`, and the board the HTTP server reads.
+    pub fn new(path: Option<PathBuf>, sources: Vec<SourceConfig>) -> Result<(Self, Arc<Board>), SetupError> {
+        let (control_tx, control) = mpsc::channel(16);
+        let board = Arc::new(Board::new(control_tx));
+        let (exits_tx, exits) = mpsc::unbounded_channel();
+        let mut supervisor = Supervisor {
+            path,
+            board: board.clone(),
+            configs: HashMap::new(),
+            tasks: HashMap::new(),
+            generation: 0,
+            exits_tx,
+            exits,
+            control,
+        };
+        for s in sources {
+            supervisor.add(s, None)?;
+        }
+        Ok((supervisor, board))
+    }
+
+    /// Puts a source on the board (keeping `metrics` of an earlier
+    /// version of it, so its counters go on).
+    fn add(&mut self, config: SourceConfig, metrics: Option<Arc<Metrics>>) -> Result<(), SetupError> {
+        let metrics = match metrics {
+            Some(m) => m,
+            None => Arc::new(Metrics::for_source(&config.name).map_err(|source| SetupError {
+                name: config.name.clone(),
+                source,
+            })?),
+        };
+        let health = Arc::new(Health::new(config.config.health.thresholds()));
+        self.board.put(Arc::new(Source::new(&config, metrics, health)));
+        self.configs.insert(config.name.clone(), config);
+        Ok(())
+    }
+
+    /// Starts every source, then runs until `stop` or until no source is
+    /// left running or paused.
+    pub async fn run(mut self, mut stop: watch::Receiver<bool>) -> Ending {
+        let names: Vec<String> = self.board.sources().iter().map(|s| s.name.clone()).collect();
+        for name in &names {
+            self.start(name);
+        }
+        let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
+        loop {
+            if self.nothing_left() {
+                return Ending::Failed;
+            }
+            tokio::select! {
+                _ = stop.changed() => break,
+                Some(exit) = self.exits.recv() => self.ended(exit),
+                Some(c) = self.control.recv() => {
+                    let outcome = self.apply(&c.source, c.verb).await;
+                    let _ = c.reply.send(outcome);
+                }
+                Some(()) = async { match hangup.as_mut() { Some(h) => h.recv().await, None => None } } => {
+                    self.reload().await;
+                }
+            }
+        }
+        let all: Vec<String> = self.tasks.keys().cloned().collect();
+        self.stop_all(&all, State::Stopping).await;
+        Ending::Stopped
+    }
+
+    /// No source runs or waits paused: everything failed.
+    fn nothing_left(&self) -> bool {
+        self.tasks.is_empty() && self.board.sources().iter().all(|s| s.state().0 == State::Failed)
+    }
+
+    fn start(&mut self, name: &str) {
+        let (Some(config), Some(source)) = (self.configs.get(name), self.board.get(name)) else {
+            return;
+        };
+        self.generation += 1;
+        let generation = self.generation;
+        let (stop, stop_rx) = watch::channel(false);
+        let exits = self.exits_tx.clone();
+        let config = config.clone();
+        let span = tracing::info_span!("source", source = %name);
+        source.set_state(State::Running, None);
+        let key = name.to_owned();
+        let name = name.to_owned();
+        let join = tokio::spawn(
+            async move {
+                tracing::info!(
+                    mode = source.mode,
+                    postgres = %source.postgres,
+                    table = %source.table,
+                    slot = %source.slot,
+                    "source starting"
+                );
+                let result = run_relay(config, source.metrics.clone(), source.health.clone(), stop_rx).await;
+                let _ = exits.send(Exit {
+                    name,
+                    generation,
+                    result,
+                });
+            }
+            .instrument(span),
+        );
+        self.tasks.insert(
+            key,
+            Task {
+                stop,
+                join,
+                generation,
+            },
+        );
+    }
+
+    /// A relay ended on its own (its task reported before being asked).
+    fn ended(&mut self, exit: Exit) {
+        let current = self
+            .tasks
+            .get(&exit.name)
+            .is_some_and(|t| t.generation == exit.generation);
+        if !current {
+            return; // a drain the supervisor asked for; already accounted
+        }
+        self.tasks.remove(&exit.name);
+        let Some(source) = self.board.get(&exit.name) else {
+            return;
+        };
+        match exit.result {
+            Ok(()) => {
+                tracing::info!(source = %exit.name, "source stopped");
+                source.set_state(State::Paused, None);
+            }
+            Err(e) if self.configs.len() == 1 => {
+                tracing::error!(error = %e, "stopped on an error that a restart will not fix");
+                source.set_state(State::Failed, Some(e));
+            }
+            Err(e) => {
+                tracing::error!(source = %exit.name, error = %e, "source stopped on an error that a restart will not fix; the other sources go on");
+                source.set_state(State::Failed, Some(e));
+            }
+        }
+    }
+
+    /// Drains the named sources' relays (all at once) and leaves them in
+    /// `then`.
+    async fn stop_all(&mut self, names: &[String], then: State) {
+        let mut draining = Vec::new();
+        for name in names {
+            if let Some(task) = self.tasks.remove(name) {
+                if let Some(s) = self.board.get(name) {
+                    s.set_state(State::Stopping, None);
+                }
+                let _ = task.stop.send(true);
+                draining.push((name.clone(), task.join));
+            }
+        }
+        for (name, join) in draining {
+            if let Err(e) = join.await {
+                tracing::error!(source = %name, error = %e, "a source's task ended abnormally");
+            }
+            if let Some(s) = self.board.get(&name) {
+                s.set_state(then, None);
+            }
+        }
+        // Their exits are stale now: drop them, keep any other source's.
+        while let Ok(exit) = self.exits.try_recv() {
+            self.ended(exit);
+        }
+    }
+
+    /// Carries out an operator's verb.
+    async fn apply(&mut self, name: &str, verb: Verb) -> Result<(), ControlError> {
+        let Some(source) = self.board.get(name) else {
+            return Err(ControlError::NoSuchSource(name.to_owned()));
+        };
+        let state = source.state().0;
+        match (verb, state) {
+            (Verb::Pause, State::Paused) => Ok(()),
+            (Verb::Pause, State::Failed) => {
+                source.set_state(State::Paused, source.state().1);
+                Ok(())
+            }
+            (Verb::Pause, _) => {
+                tracing::info!(source = %name, "pausing: draining, then holding the slot unstreamed");
+                self.stop_all(&[name.to_owned()], State::Paused).await;
+                Ok(())
+            }
+            (Verb::Resume, State::Paused) => {
+                tracing::info!(source = %name, "resuming");
+                self.start(name);
+                Ok(())
+            }
+            (Verb::Resume, State::Running | State::Stopping) => Ok(()),
+            (Verb::Resume, State::Failed) => Err(ControlError::Conflict(
+                name.to_owned(),
+                "failed",
+                "fix the cause, then POST /sources/<name>/restart",
+            )),
+            (Verb::Restart, _) => {
+                tracing::info!(source = %name, "restarting");
+                self.stop_all(&[name.to_owned()], State::Stopping).await;
+                self.start(name);
+                Ok(())
+            }
+        }
+    }
+
+    /// SIGHUP: reads the file again and applies the difference.
+    async fn reload(&mut self) {
+        let Some(path) = self.path.clone() else {
+            return;
+        };
+        let fresh = match Config::load_sources(&path) {
+            Ok(f) => f,
+            Err(e) => {
+                tracing::error!(error = %e, file = %path.display(), "reload refused: the file is not valid; nothing changed");
+                return;
+            }
+        };
+        if let (Some(old), Some(new)) = (self.configs.values().next(), fresh.first()) {
+            if old.config.http.listen != new.config.http.listen {
+                tracing::warn!("http.listen changes only when outboxd restarts");
+            }
+        }
+        let names: Vec<String> = fresh.iter().map(|s| s.name.clone()).collect();
+        let removed: Vec<String> = self
+            .configs
+            .keys()
+            .filter(|n| !names.contains(n))
+            .cloned()
+            .collect();
+        let changed: Vec<String> = fresh
+            .iter()
+            .filter(|s| {
+                self.configs
+                    .get(&s.name)
+                    .is_some_and(|old| old.fingerprint != s.fingerprint || old.required != s.required)
+            })
+            .map(|s| s.name.clone())
+            .collect();
+        let added: Vec<String> = names
+            .iter()
+            .filter(|n| !self.configs.contains_key(*n))
+            .cloned()
+            .collect();
+        tracing::info!(?added, ?removed, ?changed, "reloading the config file");
+        let paused: Vec<String> = changed
+            .iter()
+            .filter(|n| self.board.get(n).is_some_and(|s| s.state().0 == State::Paused))
+            .cloned()
+            .collect();
+        let draining: Vec<String> = removed.iter().chain(&changed).cloned().collect();
+        self.stop_all(&draining, State::Stopping).await;
+        for name in &removed {
+            self.board.remove(name);
+            self.configs.remove(name);
+            tracing::info!(source = %name, "source removed");
+        }
+        for config in fresh {
+            let name = config.name.clone();
+            let is_changed = changed.contains(&name);
+            if !is_changed && !added.contains(&name) {
+                continue;
+            }
+            let metrics = self.board.get(&name).map(|s| s.metrics.clone());
+            if let Err(e) = self.add(config, metrics) {
+                tracing::error!(error = %e, "source not started");
+                continue;
+            }
+            if paused.contains(&name) {
+                if let Some(s) = self.board.get(&name) {
+                    s.set_state(State::Paused, None);
+                }
+            } else {
+                self.start(&name);
+            }
+        }
+        self.board.order(&names);
+    }
+}
+
+/// Builds and runs one source's relay until `stop` or a definite error.
+async fn run_relay(
+    source: SourceConfig,
+    metrics: Arc<Metrics>,
+    health: Arc<Health>,
+    stop: watch::Receiver<bool>,
+) -> Result<(), String> {
+    match source.config.mode {
+        Mode::Cdc => match Relay::new(source.config, source.validated, metrics, health) {
+            Ok(mut relay) => relay.run(stop).await.map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        },
+        Mode::Polling => match PollingRelay::new(source.config, source.validated, metrics, health) {
+            Ok(mut relay) => relay.run(stop).await.map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        },
+    }
+}
