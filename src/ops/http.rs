@@ -85,8 +85,8 @@ async fn status(State(s): State<AppState>) -> Response {
     Json(top).into_response()
 }
 
-/// `Err` with the response when the request does not carry the token.
-fn authorized(s: &AppState, headers: &HeaderMap) -> Result<(), Response> {
+/// Whether the request carries the token.
+fn authorized(s: &AppState, headers: &HeaderMap) -> bool {
     let given = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
@@ -96,29 +96,29 @@ fn authorized(s: &AppState, headers: &HeaderMap) -> Result<(), Response> {
         (Some(want), Some(given)) => bool::from(want.0.as_bytes().ct_eq(given.as_bytes())),
         _ => false,
     };
-    if ok {
-        Ok(())
-    } else {
-        Err((
-            StatusCode::UNAUTHORIZED,
-            [(header::WWW_AUTHENTICATE, "Bearer")],
-            "the source verbs need Authorization: Bearer <http.admin_token>\n",
-        )
-            .into_response())
-    }
+    ok
+}
+
+fn unauthorized() -> Response {
+    (
+        StatusCode::UNAUTHORIZED,
+        [(header::WWW_AUTHENTICATE, "Bearer")],
+        "the source verbs need Authorization: Bearer <http.admin_token>\n",
+    )
+        .into_response()
 }
 
 async fn list_sources(State(s): State<AppState>, headers: HeaderMap) -> Response {
-    if let Err(r) = authorized(&s, &headers) {
-        return r;
+    if !authorized(&s, &headers) {
+        return unauthorized();
     }
     let all: Vec<_> = s.board.sources().iter().map(|s| s.status()).collect();
     Json(all).into_response()
 }
 
 async fn one_source(State(s): State<AppState>, headers: HeaderMap, Path(name): Path<String>) -> Response {
-    if let Err(r) = authorized(&s, &headers) {
-        return r;
+    if !authorized(&s, &headers) {
+        return unauthorized();
     }
     match s.board.get(&name) {
         Some(source) => Json(source.status()).into_response(),
@@ -136,8 +136,8 @@ fn refused(e: ControlError) -> Response {
 }
 
 async fn verb(s: AppState, headers: HeaderMap, name: String, verb: Verb) -> Response {
-    if let Err(r) = authorized(&s, &headers) {
-        return r;
+    if !authorized(&s, &headers) {
+        return unauthorized();
     }
     tracing::info!(source = %name, ?verb, "operator request over HTTP");
     match s.board.control(&name, verb).await {
