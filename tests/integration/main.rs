@@ -23,3 +23,4 @@ mod reliability;
 mod replay;
 mod schema_registry;
 mod sdk;
+mod sources;
