@@ -5,7 +5,8 @@
 # side by side on the same WAL), commit-to-consumer latency at a steady
 # rate, and start-up to the first event. Flags: --events N (default
 # 200000), --rate N (default 2000), --latency-secs N (default 30),
-# --warmup-secs N (default 10), --startup-rounds N (default 3),
+# --warmup-secs N (default 10), --startup-rounds N (default 3), --sources
+# (three sources in one process beside one), --only-sources (that table alone),
 # --skip-debezium, --skip-exactly-once (no exactly-once run beside
 # at-least-once), --skip-tracing (no run with a span per event), --exactly-once-setting 'key = value' (a line for its
 # [kafka.exactly_once] table), --outboxd-kafka 'key = value' (a line for outboxd's

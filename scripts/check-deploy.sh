@@ -37,6 +37,17 @@ helm template t helm/outboxd --set secrets.PGPASSWORD=x --set replicaCount=2 --s
   --set podDisruptionBudget.enabled=true >"$render/ha.yaml"
 printf 'drainTimeoutSeconds: 60\nconfig: |\n  [postgres]\n  url = "postgres://u@h/db"\n' >"$render/other-values.yaml"
 helm template t helm/outboxd --set secrets.PGPASSWORD=x -f "$render/other-values.yaml" >"$render/other-config.yaml"
+cat >"$render/sources-values.yaml" <<'YAML'
+sources:
+  - name: orders
+    postgres: {url: "postgres://outboxd:${PGPASSWORD}@orders-db/orders", slot: outboxd_orders, publication: outboxd_orders}
+  - name: billing
+    required: false
+    postgres: {url: "postgres://outboxd:${PGPASSWORD}@billing-db/billing", slot: outboxd_billing, publication: outboxd_billing}
+    routing: {topic: "billing.{aggregate_type}", on_poison: park, park: {max_sequences: 50}}
+    kafka: {delivery: exactly-once}
+YAML
+helm template t helm/outboxd --set secrets.PGPASSWORD=x -f "$render/sources-values.yaml" >"$render/sources.yaml"
 
 log "kubernetes-validate --strict (core kinds)"
 "$py" - "$render" <<'PY'
@@ -101,6 +112,13 @@ binary="$target/debug/outboxd"
   "$render/default.yaml" >"$render/outboxd.toml"
 PGPASSWORD=x "$binary" check --config-only --config "$render/outboxd.toml" \
   || fail "the chart's config does not validate"
+"$py" -c 'import sys,yaml; print([d for d in yaml.safe_load_all(open(sys.argv[1])) if d and d["kind"]=="ConfigMap"][0]["data"]["outboxd.toml"])' \
+  "$render/sources.yaml" >"$render/sources.toml"
+grep -q '^\[\[sources\]\]' "$render/sources.toml" || fail "values.sources rendered no [[sources]]"
+for s in orders billing; do
+  PGPASSWORD=x "$binary" check --config-only --source "$s" --config "$render/sources.toml" \
+    || fail "the chart's config of source $s does not validate"
+done
 
 log "image: the whole Dockerfile, checked as the chart runs it"
 scripts/lib/image.sh "$target/debug/outboxd-consume"

@@ -32,6 +32,8 @@
 //!    producer with no PostgreSQL, the Kafka side's limit; its unmeasured
 //!    twin warms the broker before the first drain.
 //! g. With `--scaling`, the cost as work grows (`scaling`).
+//! h. With `--sources`, three sources in one process beside one
+//!    (`sources`); `--only-sources` runs that table alone.
 //!
 //! Results: markdown tables on stdout and JSON in target/bench/results.json
 //! (`vs_debezium` holds the side-by-side figures). All measures run side by
@@ -47,6 +49,7 @@ mod harness;
 mod measure;
 mod relays;
 mod scaling;
+mod sources;
 mod watch;
 
 use std::collections::HashMap;
@@ -79,6 +82,10 @@ struct Args {
     avro: bool,
     /// Also the table of cost as work grows (`scaling`).
     scaling: bool,
+    /// Also the table of many sources in one process (`sources`); `only`:
+    /// nothing else.
+    sources: bool,
+    only_sources: bool,
     outboxd_kafka: Vec<String>,
     exactly_once_settings: Vec<String>,
 }
@@ -95,6 +102,8 @@ fn args() -> Args {
         tracing: true,
         avro: true,
         scaling: false,
+        sources: false,
+        only_sources: false,
         outboxd_kafka: Vec::new(),
         exactly_once_settings: Vec::new(),
     };
@@ -117,6 +126,8 @@ fn args() -> Args {
             "--skip-tracing" => a.tracing = false,
             "--skip-avro" => a.avro = false,
             "--scaling" => a.scaling = true,
+            "--sources" => a.sources = true,
+            "--only-sources" => a.only_sources = true,
             "--exactly-once-setting" => {
                 a.exactly_once_settings.push(
                     argv.get(i + 1)
@@ -210,6 +221,11 @@ async fn write_backlog(client: &mut tokio_postgres::Client, n: usize) -> Lsn {
 
 /// [`write_backlog`] with rows of another shape.
 async fn write_rows(client: &mut tokio_postgres::Client, n: usize, shape: Shape) -> Lsn {
+    write_rows_into(client, "outbox", n, shape).await
+}
+
+/// [`write_rows`] into another outbox table.
+async fn write_rows_into(client: &mut tokio_postgres::Client, table: &str, n: usize, shape: Shape) -> Lsn {
     let mut last = Lsn::ZERO;
     let transactions = n.div_ceil(100);
     let aggregate_type = if shape.types > 1 {
@@ -232,7 +248,7 @@ async fn write_rows(client: &mut tokio_postgres::Client, n: usize, shape: Shape)
         let rows = (n - t * 100).min(100) as i32;
         let tx = client.transaction().await.unwrap();
         tx.execute(
-            &format!("INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload, headers)
+            &format!("INSERT INTO {table} (id, aggregate_type, aggregate_id, type, payload, headers)
              SELECT gen_random_uuid(), {aggregate_type}, 'order-' || ($1::int * 100 + g) % 5000, 'ordering.order-placed.v1',
                     {payload},
                     jsonb_build_object('correlationId', md5(($1::int * 100 + g)::text),
@@ -733,6 +749,18 @@ async fn main() {
         exactly_once_settings: a.exactly_once_settings.clone(),
         registry_url: a.avro.then(|| harness::registry::registry().url.clone()),
     };
+    if a.only_sources {
+        let out_dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench");
+        std::fs::create_dir_all(&out_dir).unwrap();
+        let results = json!({"sources": sources::run(&mut client, &s, n).await});
+        std::fs::write(
+            out_dir.join("sources.json"),
+            serde_json::to_string_pretty(&results).unwrap(),
+        )
+        .unwrap();
+        broker.kill();
+        return;
+    }
     let mut kinds = vec![Kind::Outboxd];
     if a.exactly_once {
         kinds.push(Kind::OutboxdExactlyOnce);
@@ -1046,6 +1074,14 @@ async fn main() {
     }
     if let Some(d) = fig(Kind::Debezium) {
         side_by_side(n, o, d);
+    }
+    if a.sources {
+        results["sources"] = sources::run(&mut client, &s, n).await;
+        std::fs::write(
+            out_dir.join("results.json"),
+            serde_json::to_string_pretty(&results).unwrap(),
+        )
+        .unwrap();
     }
     if a.scaling {
         results["scaling"] = json!(scaling::run(&mut client, &s).await);

@@ -437,6 +437,30 @@ table = "{table}"
     }
 
     #[test]
+    fn the_shipped_example_is_valid() {
+        let text = include_str!("../../config/sources.toml");
+        let s = from_toml(text, |v| v.ends_with("PGPASSWORD").then(|| "p".to_owned())).unwrap();
+        assert_eq!(s.len(), 2);
+        assert!(!s[1].required);
+        assert_eq!(s[1].validated.source_name.as_deref(), Some("billing"));
+        assert_eq!(s[0].validated.pg.password.as_deref(), Some("p"));
+        // An unset variable is named by its source's key.
+        let err = from_toml(text, |_| None).unwrap_err().to_string();
+        assert!(err.contains("sources[0].postgres.url"), "{err}");
+    }
+
+    #[test]
+    fn one_progress_key_in_one_topic_is_refused() {
+        let text = format!(
+            "{SHARED}{}\n[sources.kafka]\ndelivery = \"exactly-once\"\n[sources.kafka.exactly_once]\ntransactional_id = \"t1\"\n{}\n[sources.kafka]\ndelivery = \"exactly-once\"\n[sources.kafka.exactly_once]\ntransactional_id = \"t2\"\n",
+            source("a", "postgres://u@h1/x", "s", "outbox"),
+            source("b", "postgres://u@h2/x", "s", "outbox"),
+        );
+        let err = load(&text).unwrap_err();
+        assert!(err.contains("progress key"), "{err}");
+    }
+
+    #[test]
     fn a_per_source_error_names_its_source() {
         let text = format!(
             "{SHARED}{}{}",

@@ -37,3 +37,38 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- define "outboxd.monitoringApi" -}}
 {{- if .Capabilities.APIVersions.Has "monitoring.coreos.com/v1" -}}true{{- end -}}
 {{- end -}}
+
+{{/*
+The [[sources]] tables of .Values.sources, as TOML. Values are written with
+toJson: a JSON string, number, boolean or array of them is valid TOML.
+*/}}
+{{- define "outboxd.sources" -}}
+{{- range $src := .Values.sources }}
+[[sources]]
+name = {{ required "every entry of sources needs a name" $src.name | toJson }}
+{{- if hasKey $src "required" }}
+required = {{ $src.required | toJson }}
+{{- end }}
+{{- with $src.mode }}
+mode = {{ . | toJson }}
+{{- end }}
+{{- range $section := list "postgres" "routing" "polling" "kafka" }}
+{{- with index $src $section }}
+[sources.{{ $section }}]
+{{- range $k, $v := . }}
+{{- if not (kindIs "map" $v) }}
+{{ $k }} = {{ $v | toJson }}
+{{- end }}
+{{- end }}
+{{- range $k, $v := . }}
+{{- if kindIs "map" $v }}
+[sources.{{ $section }}.{{ $k }}]
+{{- range $k2, $v2 := $v }}
+{{ $k2 }} = {{ $v2 | toJson }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
