@@ -482,7 +482,8 @@ async fn run(path: PathBuf) -> ExitCode {
         // A second signal is not needed: the drain is bounded by shutdown.drain_timeout.
         std::future::pending::<()>().await;
     });
-    let (supervisor, board) = match outboxd::daemon::Supervisor::new(Some(path), sources) {
+    let only = chosen_source().map(str::to_owned);
+    let (supervisor, board) = match outboxd::daemon::Supervisor::new(Some(path), only, sources) {
         Ok(s) => s,
         Err(e) => {
             tracing::error!(error = %e, "cannot set up the sources");
@@ -695,20 +696,25 @@ async fn status(path: PathBuf, json: bool) -> ExitCode {
         Ok(s) => s,
         Err(code) => return code,
     };
+    // Every source is reported; one that cannot be read is named, and the
+    // exit code says so at the end.
     let mut reports = Vec::new();
+    let mut failed = false;
     for s in &sources {
         match outboxd::cli::status::gather(&s.config, &s.validated, &s.name).await {
             Ok(report) => reports.push(report),
             Err(e) => {
                 eprintln!("outboxd: source {}: {e}", s.name);
-                return ExitCode::FAILURE;
+                failed = true;
             }
         }
     }
+    let single_shape = sources.len() == 1 && sources[0].validated.source_name.is_none();
     if json {
-        // One source prints its report as before sources existed.
+        // A file without [[sources]] prints its report as before; a file
+        // with them, an array (also of one, under --source).
         let text = match reports.as_slice() {
-            [one] => serde_json::to_string_pretty(one),
+            [one] if single_shape => serde_json::to_string_pretty(one),
             all => serde_json::to_string_pretty(all),
         };
         match text {
@@ -722,7 +728,11 @@ async fn status(path: PathBuf, json: bool) -> ExitCode {
         let texts: Vec<String> = reports.iter().map(|r| r.render()).collect();
         print!("{}", texts.join("\n"));
     }
-    ExitCode::SUCCESS
+    if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    }
 }
 
 async fn migrate(path: PathBuf) -> ExitCode {

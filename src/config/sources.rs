@@ -227,16 +227,28 @@ fn merge_kafka(table: &mut toml::Table, own: toml::Value, i: usize) -> Result<()
                 format!("is shared by every source: set kafka.{key} at the top of the file"),
             ));
         }
-        shared.insert(key, value);
+        // A table (`exactly_once`) is laid key by key over the shared one,
+        // so the keys the source leaves out keep the shared values.
+        match (shared.get_mut(&key), value) {
+            (Some(toml::Value::Table(base)), toml::Value::Table(over)) => base.extend(over),
+            (_, value) => {
+                shared.insert(key, value);
+            }
+        }
     }
     Ok(())
 }
 
-/// A stable digest of a merged table (TOML tables are ordered maps).
+/// A stable digest of a merged table (TOML tables are ordered maps),
+/// without `[http]` and `[log]`: a reload cannot apply those (they belong
+/// to the process), so they restart no relay.
 fn fingerprint(table: &toml::Table) -> u64 {
     use std::hash::{Hash, Hasher};
+    let mut relayed = table.clone();
+    relayed.remove("http");
+    relayed.remove("log");
     let mut h = std::collections::hash_map::DefaultHasher::new();
-    table.to_string().hash(&mut h);
+    relayed.to_string().hash(&mut h);
     h.finish()
 }
 
@@ -269,7 +281,9 @@ fn clash(a: &SourceConfig, b: &SourceConfig) -> Option<String> {
     let (va, vb) = (&a.validated, &b.validated);
     let one_server = va.pg.hosts.iter().any(|h| vb.pg.hosts.contains(h));
     let one_database = one_server && va.pg.dbname == vb.pg.dbname;
-    if one_server && va.slot == vb.slot {
+    // Polling sources use no slot and no publication.
+    let cdc = a.config.mode == super::Mode::Cdc && b.config.mode == super::Mode::Cdc;
+    if cdc && one_server && va.slot == vb.slot {
         return Some(format!(
             "use one replication slot ({:?}) on one server; give each source its own postgres.slot",
             va.slot.as_str()
@@ -281,7 +295,7 @@ fn clash(a: &SourceConfig, b: &SourceConfig) -> Option<String> {
             va.table
         ));
     }
-    if one_database && va.publication == vb.publication {
+    if cdc && one_database && va.publication == vb.publication {
         return Some(format!(
             "use one publication ({:?}) in one database for different tables; give each source its own postgres.publication",
             va.publication.as_str()
@@ -447,6 +461,47 @@ table = "{table}"
         // An unset variable is named by its source's key.
         let err = from_toml(text, |_| None).unwrap_err().to_string();
         assert!(err.contains("sources[0].postgres.url"), "{err}");
+    }
+
+    #[test]
+    fn a_source_exactly_once_table_keeps_the_shared_keys() {
+        let text = format!(
+            "{SHARED}\n[kafka.exactly_once]\nprogress_topic = \"p\"\nmax_events = 77\n{}\n[sources.kafka]\ndelivery = \"exactly-once\"\n[sources.kafka.exactly_once]\ntransactional_id = \"t1\"\n",
+            source("a", "postgres://u@h1/x", "s", "outbox"),
+        );
+        let s = load(&text).unwrap();
+        let k = &s[0].config.kafka;
+        assert_eq!(k.progress_topic(), "p");
+        assert_eq!(k.exactly_once.transactional_id.as_deref(), Some("t1"));
+        assert!(
+            format!("{:?}", k.exactly_once).contains("77"),
+            "{:?}",
+            k.exactly_once
+        );
+    }
+
+    #[test]
+    fn polling_sources_share_no_slot() {
+        let one = |name: &str, db: &str| {
+            format!("\n[[sources]]\nname = \"{name}\"\nmode = \"polling\"\n[sources.postgres]\nurl = \"postgres://u@h/{db}\"\n")
+        };
+        let text = format!("{SHARED}{}{}", one("a", "x"), one("b", "y"));
+        assert!(load(&text).is_ok(), "{:?}", load(&text).err());
+        let cdc = text.replace("mode = \"polling\"\n", "");
+        assert!(load(&cdc).unwrap_err().contains("one replication slot"));
+    }
+
+    #[test]
+    fn http_and_log_restart_no_relay() {
+        let base = format!("{SHARED}{}", source("a", "postgres://u@h/x", "s", "outbox"));
+        let other = base.replace(
+            "listen = \"127.0.0.1:0\"",
+            "listen = \"127.0.0.1:1\"\nadmin_token = \"0123456789abcdef0\"",
+        );
+        let (a, b) = (load(&base).unwrap(), load(&other).unwrap());
+        assert_eq!(a[0].fingerprint, b[0].fingerprint);
+        let routed = base.replace("table = \"outbox\"", "table = \"outbox2\"");
+        assert_ne!(a[0].fingerprint, load(&routed).unwrap()[0].fingerprint);
     }
 
     #[test]

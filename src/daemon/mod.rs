@@ -37,6 +37,7 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
@@ -67,6 +68,38 @@ struct Task {
     generation: u64,
 }
 
+/// Sends a relay's end once: with its result, or on a panic (dropped
+/// without sending) as a failure.
+struct ExitGuard {
+    exits: mpsc::UnboundedSender<Exit>,
+    name: Option<String>,
+    generation: u64,
+}
+
+impl ExitGuard {
+    fn send(mut self, result: Result<(), String>) {
+        if let Some(name) = self.name.take() {
+            let _ = self.exits.send(Exit {
+                name,
+                generation: self.generation,
+                result,
+            });
+        }
+    }
+}
+
+impl Drop for ExitGuard {
+    fn drop(&mut self) {
+        if let Some(name) = self.name.take() {
+            let _ = self.exits.send(Exit {
+                name,
+                generation: self.generation,
+                result: Err("the relay panicked (a bug: please report it with the log)".into()),
+            });
+        }
+    }
+}
+
 /// A relay's end, as its task reports it.
 #[derive(Debug)]
 struct Exit {
@@ -80,6 +113,15 @@ struct Exit {
 pub struct Supervisor {
     /// The file, read again on SIGHUP (`None`: no reload).
     path: Option<PathBuf>,
+    /// `run --source NAME`: the one source of the file this process runs,
+    /// at start and after every reload.
+    only: Option<String>,
+    /// SIGHUP, registered before anything starts (its default action would
+    /// end the process).
+    hangup: Option<tokio::signal::unix::Signal>,
+    /// The slot watchers of paused and failed sources: their retained WAL
+    /// and lag stay current while no relay streams.
+    watchers: HashMap<String, JoinHandle<()>>,
     board: Arc<Board>,
     configs: HashMap<String, SourceConfig>,
     tasks: HashMap<String, Task>,
@@ -98,13 +140,29 @@ pub struct SetupError {
 }
 
 impl Supervisor {
-    /// A supervisor for `sources`, and the board the HTTP server reads.
-    pub fn new(path: Option<PathBuf>, sources: Vec<SourceConfig>) -> Result<(Self, Arc<Board>), SetupError> {
+    /// A supervisor for `sources` (of the file `path`, of which it runs
+    /// only the source `only` when set), and the board the HTTP server
+    /// reads. Registers SIGHUP at once.
+    pub fn new(
+        path: Option<PathBuf>,
+        only: Option<String>,
+        sources: Vec<SourceConfig>,
+    ) -> Result<(Self, Arc<Board>), SetupError> {
         let (control_tx, control) = mpsc::channel(16);
         let board = Arc::new(Board::new(control_tx));
         let (exits_tx, exits) = mpsc::unbounded_channel();
+        let hangup = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGHUP; the config file is not reloaded");
+                None
+            }
+        };
         let mut supervisor = Supervisor {
             path,
+            only,
+            hangup,
+            watchers: HashMap::new(),
             board: board.clone(),
             configs: HashMap::new(),
             tasks: HashMap::new(),
@@ -142,7 +200,7 @@ impl Supervisor {
         for name in &names {
             self.start(name);
         }
-        let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
+        let mut hangup = self.hangup.take();
         loop {
             if self.nothing_left() {
                 return Ending::Failed;
@@ -161,6 +219,9 @@ impl Supervisor {
         }
         let all: Vec<String> = self.tasks.keys().cloned().collect();
         self.stop_all(&all, State::Stopping).await;
+        for (_, w) in self.watchers.drain() {
+            w.abort();
+        }
         Ending::Stopped
     }
 
@@ -173,6 +234,9 @@ impl Supervisor {
         let (Some(config), Some(source)) = (self.configs.get(name), self.board.get(name)) else {
             return;
         };
+        if let Some(w) = self.watchers.remove(name) {
+            w.abort();
+        }
         self.generation += 1;
         let generation = self.generation;
         let (stop, stop_rx) = watch::channel(false);
@@ -191,12 +255,14 @@ impl Supervisor {
                     slot = %source.slot,
                     "source starting"
                 );
-                let result = run_relay(config, source.metrics.clone(), source.health.clone(), stop_rx).await;
-                let _ = exits.send(Exit {
-                    name,
+                // A panic in the relay still reports the source's end.
+                let guard = ExitGuard {
+                    exits,
+                    name: Some(name),
                     generation,
-                    result,
-                });
+                };
+                let result = run_relay(config, source.metrics.clone(), source.health.clone(), stop_rx).await;
+                guard.send(result);
             }
             .instrument(span),
         );
@@ -223,6 +289,7 @@ impl Supervisor {
         let Some(source) = self.board.get(&exit.name) else {
             return;
         };
+        self.watch(&exit.name);
         match exit.result {
             Ok(()) => {
                 tracing::info!(source = %exit.name, "source stopped");
@@ -252,17 +319,59 @@ impl Supervisor {
                 draining.push((name.clone(), task.join));
             }
         }
-        for (name, join) in draining {
-            if let Err(e) = join.await {
-                tracing::error!(source = %name, error = %e, "a source's task ended abnormally");
+        for (name, mut join) in draining {
+            // The relay's drain is bounded by shutdown.drain_timeout; a
+            // set-up step that ignores the stop (a connect) gets a margin.
+            let bound = self
+                .configs
+                .get(&name)
+                .map_or(Duration::from_secs(30), |c| c.config.shutdown.drain_timeout.0)
+                + Duration::from_secs(30);
+            match tokio::time::timeout(bound, &mut join).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::error!(source = %name, error = %e, "a source's task ended abnormally"),
+                Err(_) => {
+                    tracing::error!(source = %name, waited = ?bound, "a source did not stop in time; aborted (what it had not confirmed is published again)");
+                    join.abort();
+                }
             }
             if let Some(s) = self.board.get(&name) {
                 s.set_state(then, None);
+            }
+            if then == State::Paused {
+                self.watch(&name);
             }
         }
         // Their exits are stale now: drop them, keep any other source's.
         while let Ok(exit) = self.exits.try_recv() {
             self.ended(exit);
+        }
+    }
+
+    /// Watches the slot of a source no relay streams (paused, failed).
+    fn watch(&mut self, name: &str) {
+        let (Some(config), Some(source)) = (self.configs.get(name), self.board.get(name)) else {
+            return;
+        };
+        if config.config.mode != Mode::Cdc {
+            return;
+        }
+        let task = tokio::spawn(crate::relay::poller::poll_slot_and_brokers(
+            config.validated.clone(),
+            None,
+            config.config.health.poll_interval.0,
+            config.config.health.max_retained_wal_bytes,
+            source.metrics.clone(),
+            source.health.clone(),
+        ));
+        if let Some(old) = self.watchers.insert(name.to_owned(), task) {
+            old.abort();
+        }
+    }
+
+    fn unwatch(&mut self, name: &str) {
+        if let Some(w) = self.watchers.remove(name) {
+            w.abort();
         }
     }
 
@@ -308,16 +417,27 @@ impl Supervisor {
         let Some(path) = self.path.clone() else {
             return;
         };
-        let fresh = match Config::load_sources(&path) {
+        let mut fresh = match Config::load_sources(&path) {
             Ok(f) => f,
             Err(e) => {
                 tracing::error!(error = %e, file = %path.display(), "reload refused: the file is not valid; nothing changed");
                 return;
             }
         };
+        if let Some(only) = &self.only {
+            fresh.retain(|s| s.name == *only);
+            if fresh.is_empty() {
+                tracing::error!(source = %only, file = %path.display(), "reload refused: the file has no source of this name (outboxd runs it with --source); nothing changed");
+                return;
+            }
+        }
         if let (Some(old), Some(new)) = (self.configs.values().next(), fresh.first()) {
-            if old.config.http.listen != new.config.http.listen {
-                tracing::warn!("http.listen changes only when outboxd restarts");
+            let (o, n) = (&old.config, &new.config);
+            if o.http.listen != n.http.listen || o.http.admin_token != n.http.admin_token {
+                tracing::warn!("[http] (listen, admin_token) changes only when outboxd restarts");
+            }
+            if format!("{:?}", o.log) != format!("{:?}", n.log) {
+                tracing::warn!("[log] changes only when outboxd restarts");
             }
         }
         let names: Vec<String> = fresh.iter().map(|s| s.name.clone()).collect();
@@ -327,12 +447,15 @@ impl Supervisor {
             .filter(|n| !names.contains(n))
             .cloned()
             .collect();
+        // A failed source starts again too, as a restart of outboxd would
+        // start it.
+        let failed = |n: &str| self.board.get(n).is_some_and(|s| s.state().0 == State::Failed);
         let changed: Vec<String> = fresh
             .iter()
             .filter(|s| {
                 self.configs
                     .get(&s.name)
-                    .is_some_and(|old| old.fingerprint != s.fingerprint || old.required != s.required)
+                    .is_some_and(|old| old.fingerprint != s.fingerprint || failed(&s.name))
             })
             .map(|s| s.name.clone())
             .collect();
@@ -350,6 +473,7 @@ impl Supervisor {
         let draining: Vec<String> = removed.iter().chain(&changed).cloned().collect();
         self.stop_all(&draining, State::Stopping).await;
         for name in &removed {
+            self.unwatch(name);
             self.board.remove(name);
             self.configs.remove(name);
             tracing::info!(source = %name, "source removed");
@@ -358,6 +482,21 @@ impl Supervisor {
             let name = config.name.clone();
             let is_changed = changed.contains(&name);
             if !is_changed && !added.contains(&name) {
+                // Only `required` may differ: readiness changes, the relay
+                // is untouched.
+                if self
+                    .configs
+                    .get(&name)
+                    .is_some_and(|old| old.required != config.required)
+                {
+                    if let Some(old) = self.board.get(&name) {
+                        let entry = Source::new(&config, old.metrics.clone(), old.health.clone());
+                        let (state, error) = old.state();
+                        entry.set_state(state, error);
+                        self.board.put(Arc::new(entry));
+                    }
+                    self.configs.insert(name, config);
+                }
                 continue;
             }
             let metrics = self.board.get(&name).map(|s| s.metrics.clone());
@@ -369,6 +508,7 @@ impl Supervisor {
                 if let Some(s) = self.board.get(&name) {
                     s.set_state(State::Paused, None);
                 }
+                self.watch(&name);
             } else {
                 self.start(&name);
             }

@@ -253,7 +253,14 @@ impl Board {
                     format!("{}: {r}", s.name)
                 }
             };
-            if reasons.is_empty() {
+            // With several sources and two replicas, leadership may split
+            // (one replica leads some slots, the other the rest): a source
+            // standing by for another replica fails neither pod. Alone, a
+            // standby is not ready, as before.
+            let standing_by = !one && s.state().0 == State::Running && s.health.snapshot().standby;
+            if standing_by {
+                notes.push(name("standby: another outboxd leads this slot"));
+            } else if reasons.is_empty() {
                 notes.extend(s.health.degraded_reasons().iter().map(|r| name(r)));
             } else if s.required {
                 failing.extend(reasons.iter().map(|r| name(r)));

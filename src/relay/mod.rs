@@ -80,7 +80,7 @@ mod durability;
 pub mod exactly_once;
 pub mod leader;
 mod parking;
-mod poller;
+pub(crate) mod poller;
 pub mod polling;
 pub mod progress;
 pub(crate) mod resume;
@@ -470,7 +470,7 @@ impl Relay {
         }
         let poller = tokio::spawn(poll_slot_and_brokers(
             self.validated.clone(),
-            self.sink.probe(),
+            Some(self.sink.probe()),
             self.config.health.poll_interval.0,
             self.config.health.max_retained_wal_bytes,
             self.metrics.clone(),

@@ -13,10 +13,12 @@ use crate::postgres::{admin, failover};
 
 /// Every `health.poll_interval`: the slot's retained WAL (and the guard on
 /// it) from `pg_replication_slots`, whether the slot would survive a
-/// promotion ([`failover::inspect`]), and a broker probe.
-pub(super) async fn poll_slot_and_brokers(
+/// promotion ([`failover::inspect`]), and a broker probe (`None`: the
+/// supervisor watches the slot of a paused or failed source, whose lag is
+/// then read here too).
+pub(crate) async fn poll_slot_and_brokers(
     v: Validated,
-    probe: BrokerProbe,
+    probe: Option<BrokerProbe>,
     interval: Duration,
     max_retained: Option<u64>,
     metrics: Arc<Metrics>,
@@ -31,7 +33,8 @@ pub(super) async fn poll_slot_and_brokers(
         if let Some(c) = &client {
             let row = c
                 .query_opt(
-                    "SELECT (pg_current_wal_lsn() - restart_lsn)::bigint, wal_status, pg_current_wal_lsn()::text
+                    "SELECT (pg_current_wal_lsn() - restart_lsn)::bigint, wal_status, pg_current_wal_lsn()::text,
+                            (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint
                        FROM pg_catalog.pg_replication_slots WHERE slot_name = $1",
                     &[&v.slot.as_str()],
                 )
@@ -46,6 +49,12 @@ pub(super) async fn poll_slot_and_brokers(
                         health.set_server_wal_end(end.0);
                     }
                     metrics.slot_retained_wal_bytes.set(retained);
+                    if probe.is_none() {
+                        // No relay streams (paused or failed): the lag
+                        // comes from here, not from status updates.
+                        let lag = row.get::<_, Option<i64>>(3).unwrap_or(0).max(0);
+                        metrics.replication_lag_bytes.set(lag);
+                    }
                     health.set_retained_wal(retained as u64);
                     if max_retained.is_some_and(|max| retained as u64 > max) {
                         tracing::error!(
@@ -86,11 +95,13 @@ pub(super) async fn poll_slot_and_brokers(
                 Err(e) => tracing::debug!(error = %e, "failover poll failed"),
             }
         }
-        let reachable = probe.check().await.is_ok();
-        if !reachable {
-            tracing::warn!("Kafka brokers are unreachable");
+        if let Some(probe) = &probe {
+            let reachable = probe.check().await.is_ok();
+            if !reachable {
+                tracing::warn!("Kafka brokers are unreachable");
+            }
+            health.set_kafka_reachable(reachable);
         }
-        health.set_kafka_reachable(reachable);
         tokio::time::sleep(interval).await;
     }
 }

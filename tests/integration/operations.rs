@@ -54,7 +54,7 @@ pub(crate) async fn start(text: &str) -> Running {
         sources[0].validated.listen,
         sources[0].config.http.admin_token.clone(),
     );
-    let (supervisor, board) = outboxd::daemon::Supervisor::new(None, sources).unwrap();
+    let (supervisor, board) = outboxd::daemon::Supervisor::new(None, None, sources).unwrap();
     let addr = outboxd::ops::http::serve(listen, board, token).await.unwrap();
     let (stop, rx) = watch::channel(false);
     let handle = tokio::spawn(supervisor.run(rx));

@@ -469,6 +469,13 @@ async fn three_sources_stream_apart_and_change_without_a_restart() {
         .unwrap()
         .get(0);
     let published_before: i64 = sb.values().sum();
+    let retained = |text: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix("outboxd_slot_retained_wal_bytes{source=\"beta\"} "))
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let retained_at_pause = retained(&http("GET", listen, "/metrics", None).await.1);
     write(&sql, "outbox", &mut sb, 10).await;
     write(&sql, "outbox3", &mut sd, 5).await;
     all_arrive(&delta, &sd, Duration::from_secs(60)).await;
@@ -490,6 +497,17 @@ async fn three_sources_stream_apart_and_change_without_a_restart() {
         confirmed_paused, confirmed_before,
         "the paused slot keeps its WAL"
     );
+    // The paused slot's retained WAL is still watched (the alert sees it).
+    sql.batch_execute("SELECT pg_switch_wal()").await.unwrap();
+    wait_for(
+        "the paused slot's retained WAL grows",
+        Duration::from_secs(20),
+        || async {
+            let now = retained(&http("GET", listen, "/metrics", None).await.1);
+            (now > retained_at_pause).then_some(())
+        },
+    )
+    .await;
     let (code, body) = http("GET", listen, "/readyz", None).await;
     assert_eq!(code, 503, "beta is required: {body}");
     assert!(body.contains("beta: paused"), "{body}");
@@ -517,6 +535,86 @@ async fn three_sources_stream_apart_and_change_without_a_restart() {
     for slot in [&beta.slot, &delta.slot] {
         assert_eq!(slot_pid(&sql, slot).await, None);
     }
+}
+
+/// `run --source NAME` runs that one source, also after SIGHUP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_with_source_keeps_to_it_across_reloads() {
+    let run = &Uuid::new_v4().simple().to_string()[..6];
+    let db = TestDb::new("sources_one").await;
+    let sql = db.client().await;
+    sql.batch_execute("CREATE TABLE outbox2 (LIKE outbox INCLUDING ALL)")
+        .await
+        .unwrap();
+    let a = Src {
+        name: "alpha",
+        url: db.superuser_url(),
+        table: "outbox".into(),
+        slot: format!("one_a_{run}"),
+        prefix: format!("onea{run}"),
+    };
+    let b = Src {
+        name: "beta",
+        table: "outbox2".into(),
+        slot: format!("one_b_{run}"),
+        prefix: format!("oneb{run}"),
+        ..a.clone()
+    };
+    let listen: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("outboxd.log");
+    let _log_on_failure = LogOnFailure(log.clone());
+    let config = write_config(dir.path(), "outboxd.toml", &file(listen, &[&a, &b]));
+    let out = std::fs::File::create(&log).unwrap();
+    let child = crate::harness::Reaped::new(
+        std::process::Command::new(env!("CARGO_BIN_EXE_outboxd"))
+            .args(["run", "--source", "alpha", "--config"])
+            .arg(&config)
+            .env("RUST_LOG", "info")
+            .stdin(std::process::Stdio::null())
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
+            .spawn()
+            .unwrap(),
+    );
+    wait_for("alpha streaming", Duration::from_secs(60), || async {
+        slot_pid(&sql, &a.slot).await.map(|_| ())
+    })
+    .await;
+    let sources = |body: String| -> Vec<String> {
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        v["sources"].as_object().unwrap().keys().cloned().collect()
+    };
+    assert_eq!(sources(http("GET", listen, "/status", None).await.1), ["alpha"]);
+    let pid = child.id().to_string();
+    let hup = std::process::Command::new("kill")
+        .args(["-HUP", &pid])
+        .status()
+        .unwrap();
+    assert!(hup.success());
+    wait_for("the reload logged", Duration::from_secs(10), || async {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .contains("reloading the config file")
+            .then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(sources(http("GET", listen, "/status", None).await.1), ["alpha"]);
+    let beta_slot = sql
+        .query_opt(
+            "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1",
+            &[&b.slot],
+        )
+        .await
+        .unwrap();
+    assert!(beta_slot.is_none(), "beta is never started by this process");
+    let mut seq = HashMap::new();
+    write(&sql, "outbox", &mut seq, 10).await;
+    all_arrive(&a, &seq, Duration::from_secs(60)).await;
+    let _ = std::process::Command::new("kill").args(["-TERM", &pid]).status();
+    let mut child = child.into_inner();
+    assert!(child.wait().unwrap().success(), "a clean stop");
 }
 
 /// Prints outboxd's log when the test fails.
