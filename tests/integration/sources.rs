@@ -25,6 +25,18 @@ struct Src {
 }
 
 impl Src {
+    /// A source `name` on `table` of `url`; `tag` and the run's id make its
+    /// slot and topics unique.
+    fn new(name: &'static str, url: &str, table: &str, tag: &str, run: &str) -> Src {
+        Src {
+            name,
+            url: url.to_owned(),
+            table: table.to_owned(),
+            slot: format!("{tag}_{name}_{run}"),
+            prefix: format!("{tag}{name}{run}"),
+        }
+    }
+
     fn topic(&self) -> String {
         format!("{}.order", self.prefix)
     }
@@ -249,34 +261,16 @@ async fn three_sources_stream_apart_and_change_without_a_restart() {
     )
     .await
     .unwrap();
-    let alpha = Src {
-        name: "alpha",
-        url: own.url("postgres", None, "postgres"),
-        table: "outbox".into(),
-        slot: format!("src_alpha_{run}"),
-        prefix: format!("srca{run}"),
-    };
-    let beta = Src {
-        name: "beta",
-        url: shared.superuser_url(),
-        table: "outbox".into(),
-        slot: format!("src_beta_{run}"),
-        prefix: format!("srcb{run}"),
-    };
-    let gamma = Src {
-        name: "gamma",
-        table: "outbox2".into(),
-        slot: format!("src_gamma_{run}"),
-        prefix: format!("srcg{run}"),
-        ..beta.clone()
-    };
-    let delta = Src {
-        name: "delta",
-        table: "outbox3".into(),
-        slot: format!("src_delta_{run}"),
-        prefix: format!("srcd{run}"),
-        ..beta.clone()
-    };
+    let alpha = Src::new(
+        "alpha",
+        &own.url("postgres", None, "postgres"),
+        "outbox",
+        "src",
+        run,
+    );
+    let beta = Src::new("beta", &shared.superuser_url(), "outbox", "src", run);
+    let gamma = Src::new("gamma", &beta.url, "outbox2", "src", run);
+    let delta = Src::new("delta", &beta.url, "outbox3", "src", run);
     let listen: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let _log_on_failure = LogOnFailure(dir.path().join("outboxd.log"));
@@ -546,20 +540,8 @@ async fn run_with_source_keeps_to_it_across_reloads() {
     sql.batch_execute("CREATE TABLE outbox2 (LIKE outbox INCLUDING ALL)")
         .await
         .unwrap();
-    let a = Src {
-        name: "alpha",
-        url: db.superuser_url(),
-        table: "outbox".into(),
-        slot: format!("one_a_{run}"),
-        prefix: format!("onea{run}"),
-    };
-    let b = Src {
-        name: "beta",
-        table: "outbox2".into(),
-        slot: format!("one_b_{run}"),
-        prefix: format!("oneb{run}"),
-        ..a.clone()
-    };
+    let a = Src::new("alpha", &db.superuser_url(), "outbox", "one", run);
+    let b = Src::new("beta", &a.url, "outbox2", "one", run);
     let listen: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("outboxd.log");
