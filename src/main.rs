@@ -699,13 +699,13 @@ async fn status(path: PathBuf, json: bool) -> ExitCode {
     // Every source is reported; one that cannot be read is named, and the
     // exit code says so at the end.
     let mut reports = Vec::new();
-    let mut failed = false;
+    let mut failed = Vec::new();
     for s in &sources {
         match outboxd::cli::status::gather(&s.config, &s.validated, &s.name).await {
             Ok(report) => reports.push(report),
             Err(e) => {
                 eprintln!("outboxd: source {}: {e}", s.name);
-                failed = true;
+                failed.push(serde_json::json!({"source": s.name, "error": e.to_string()}));
             }
         }
     }
@@ -713,9 +713,16 @@ async fn status(path: PathBuf, json: bool) -> ExitCode {
     if json {
         // A file without [[sources]] prints its report as before; a file
         // with them, an array (also of one, under --source).
+        // A source that could not be read is an entry with its error.
         let text = match reports.as_slice() {
             [one] if single_shape => serde_json::to_string_pretty(one),
-            all => serde_json::to_string_pretty(all),
+            _ if single_shape => return ExitCode::FAILURE,
+            all => {
+                let mut entries: Vec<serde_json::Value> =
+                    all.iter().filter_map(|r| serde_json::to_value(r).ok()).collect();
+                entries.extend(failed.iter().cloned());
+                serde_json::to_string_pretty(&entries)
+            }
         };
         match text {
             Ok(text) => println!("{text}"),
@@ -728,7 +735,7 @@ async fn status(path: PathBuf, json: bool) -> ExitCode {
         let texts: Vec<String> = reports.iter().map(|r| r.render()).collect();
         print!("{}", texts.join("\n"));
     }
-    if failed {
+    if !failed.is_empty() {
         ExitCode::FAILURE
     } else {
         ExitCode::SUCCESS

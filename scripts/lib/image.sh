@@ -79,7 +79,7 @@ podman history --format '{{.Size}}\t{{.CreatedBy}}' "$image" \
   | awk -F'\t' '$1 != "0B" { printf "  %8s  %s\n", $1, substr($2, 1, 90) }'
 
 help=$(podman run --rm "$image" --help)
-grep -q 'Usage: outboxd <COMMAND>' <<<"$help" || fail "unexpected --help output: $help"
+grep -q 'Usage: outboxd \[OPTIONS\] <COMMAND>' <<<"$help" || fail "unexpected --help output: $help"
 user=$(podman run --rm --entrypoint id "$image" -u)
 [ "$user" = 10001 ] || fail "the image runs as uid $user, not 10001"
 log "--help ok, runs as uid $user"

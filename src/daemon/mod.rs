@@ -319,20 +319,26 @@ impl Supervisor {
                 draining.push((name.clone(), task.join));
             }
         }
+        // The relays drain at once; each drain is bounded by
+        // shutdown.drain_timeout, and a set-up step that ignores the stop (a
+        // connect) gets a margin: one deadline for them all.
+        let bound = names
+            .iter()
+            .filter_map(|n| self.configs.get(n))
+            .map(|c| c.config.shutdown.drain_timeout.0)
+            .max()
+            .unwrap_or(Duration::from_secs(30))
+            + Duration::from_secs(30);
+        let deadline = tokio::time::Instant::now() + bound;
         for (name, mut join) in draining {
-            // The relay's drain is bounded by shutdown.drain_timeout; a
-            // set-up step that ignores the stop (a connect) gets a margin.
-            let bound = self
-                .configs
-                .get(&name)
-                .map_or(Duration::from_secs(30), |c| c.config.shutdown.drain_timeout.0)
-                + Duration::from_secs(30);
-            match tokio::time::timeout(bound, &mut join).await {
+            match tokio::time::timeout_at(deadline, &mut join).await {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => tracing::error!(source = %name, error = %e, "a source's task ended abnormally"),
                 Err(_) => {
                     tracing::error!(source = %name, waited = ?bound, "a source did not stop in time; aborted (what it had not confirmed is published again)");
                     join.abort();
+                    // Gone before anything starts on its slot again.
+                    let _ = join.await;
                 }
             }
             if let Some(s) = self.board.get(&name) {
@@ -350,6 +356,7 @@ impl Supervisor {
 
     /// Watches the slot of a source no relay streams (paused, failed).
     fn watch(&mut self, name: &str) {
+        self.unwatch(name);
         let (Some(config), Some(source)) = (self.configs.get(name), self.board.get(name)) else {
             return;
         };
@@ -364,9 +371,7 @@ impl Supervisor {
             source.metrics.clone(),
             source.health.clone(),
         ));
-        if let Some(old) = self.watchers.insert(name.to_owned(), task) {
-            old.abort();
-        }
+        self.watchers.insert(name.to_owned(), task);
     }
 
     fn unwatch(&mut self, name: &str) {

@@ -415,6 +415,15 @@ fn status_every(configured: Duration, wal_sender_timeout: Option<Duration>) -> D
     configured
 }
 
+/// A background task aborted when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 impl Relay {
     pub fn new(
         config: Config,
@@ -468,16 +477,18 @@ impl Relay {
             registry.stop_on(shutdown.clone());
             registry.check_at_start().await?;
         }
-        let poller = tokio::spawn(poll_slot_and_brokers(
+        // Aborted however `run` ends: returned, aborted by the supervisor,
+        // or unwound by a panic.
+        let poller = AbortOnDrop(tokio::spawn(poll_slot_and_brokers(
             self.validated.clone(),
             Some(self.sink.probe()),
             self.config.health.poll_interval.0,
             self.config.health.max_retained_wal_bytes,
             self.metrics.clone(),
             self.health.clone(),
-        ));
+        )));
         let result = self.sessions(shutdown).await;
-        poller.abort();
+        drop(poller);
         self.health.set_streaming(None);
         if let Some(otel) = self.otel.clone() {
             // Blocks until the queued spans are exported (or time out).
@@ -495,6 +506,9 @@ impl Relay {
             match result {
                 Ok(SessionEnd::Shutdown) => return Ok(()),
                 Err(e) if e.is_transient() => {
+                    // Not known to stand by (the lock may not have been
+                    // asked): the next session says again.
+                    self.health.set_standby(false);
                     self.metrics.reconnects.inc();
                     self.metrics.error(e.reason());
                     if streamed {
