@@ -153,10 +153,21 @@ pub struct Config {
     pub schema_registry: Option<SchemaRegistryConfig>,
 }
 
-/// A value that is never printed: `Debug` shows `***`.
-#[derive(Clone, Deserialize, PartialEq, Eq)]
-#[serde(transparent)]
+/// A value that is never printed: `Debug` shows `***`, and a value of the
+/// wrong type is refused without quoting it (serde's own message would).
+#[derive(Clone, PartialEq, Eq)]
 pub struct Secret(pub String);
+
+impl<'de> Deserialize<'de> for Secret {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        match toml::Value::deserialize(d) {
+            Ok(toml::Value::String(s)) => Ok(Secret(s)),
+            _ => Err(serde::de::Error::custom(
+                "a secret must be a string (quote it); its value is not shown",
+            )),
+        }
+    }
+}
 
 impl std::fmt::Debug for Secret {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -492,6 +492,24 @@ table = "{table}"
     }
 
     #[test]
+    fn a_secret_of_the_wrong_type_is_not_quoted() {
+        let text = format!(
+            "{}{}",
+            SHARED.replace(
+                "listen = \"127.0.0.1:0\"",
+                "listen = \"127.0.0.1:0\"\nadmin_token = 987654321987654321"
+            ),
+            source("a", "postgres://u@h/x", "s", "outbox")
+        );
+        let err = load(&text).unwrap_err();
+        assert!(
+            err.contains("http.admin_token") && err.contains("must be a string"),
+            "{err}"
+        );
+        assert!(!err.contains("987654321"), "{err}");
+    }
+
+    #[test]
     fn http_and_log_restart_no_relay() {
         let base = format!("{SHARED}{}", source("a", "postgres://u@h/x", "s", "outbox"));
         let other = base.replace(
