@@ -10,7 +10,7 @@ use uuid::Uuid;
 use crate::harness::broker::{broker, consume_to_end, Consumed};
 use crate::harness::postgres::{self, free_port, PgServer};
 use crate::harness::{wait_for, TestDb};
-use crate::relay::{write_config, Daemon};
+use crate::relay::{confirmed_flush, write_config, Daemon};
 
 const TOKEN: &str = "sources-test-token-0123456789";
 
@@ -220,15 +220,18 @@ async fn http(method: &'static str, addr: SocketAddr, path: &str, token: Option<
 }
 
 /// Mean commit-to-ack seconds of `source` since `before` (sum, count).
+/// The value of `name{source="<source>"}` in Prometheus text (0 if absent).
+fn sourced(metrics: &str, name: &str, source: &str) -> f64 {
+    let series = format!("{name}{{source=\"{source}\"}} ");
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(&series))
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap_or(0.0)
+}
+
 fn mean_since(metrics: &str, source: &str, before: (f64, f64)) -> (f64, (f64, f64)) {
-    let read = |name: &str| {
-        let series = format!("{name}{{source=\"{source}\"}} ");
-        metrics
-            .lines()
-            .find_map(|l| l.strip_prefix(&series))
-            .and_then(|v| v.parse::<f64>().ok())
-            .unwrap_or(0.0)
-    };
+    let read = |name: &str| sourced(metrics, name, source);
     let now = (
         read("outboxd_commit_to_ack_seconds_sum"),
         read("outboxd_commit_to_ack_seconds_count"),
@@ -454,21 +457,9 @@ async fn three_sources_stream_apart_and_change_without_a_restart() {
         None,
         "beta's slot is not streamed"
     );
-    let confirmed_before: String = sql
-        .query_one(
-            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
-            &[&beta.slot],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let confirmed_before = confirmed_flush(&sql, &beta.slot).await;
     let published_before: i64 = sb.values().sum();
-    let retained = |text: &str| {
-        text.lines()
-            .find_map(|l| l.strip_prefix("outboxd_slot_retained_wal_bytes{source=\"beta\"} "))
-            .and_then(|v| v.parse::<f64>().ok())
-            .unwrap_or(0.0)
-    };
+    let retained = |text: &str| sourced(text, "outboxd_slot_retained_wal_bytes", "beta");
     let retained_at_pause = retained(&http("GET", listen, "/metrics", None).await.1);
     write(&sql, "outbox", &mut sb, 10).await;
     write(&sql, "outbox3", &mut sd, 5).await;
@@ -479,14 +470,7 @@ async fn three_sources_stream_apart_and_change_without_a_restart() {
         beta_count as i64, published_before,
         "nothing of paused beta is published"
     );
-    let confirmed_paused: String = sql
-        .query_one(
-            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
-            &[&beta.slot],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let confirmed_paused = confirmed_flush(&sql, &beta.slot).await;
     assert_eq!(
         confirmed_paused, confirmed_before,
         "the paused slot keeps its WAL"
