@@ -41,6 +41,9 @@ pub struct Metrics {
     pub last_ack_timestamp_seconds: Gauge,
     /// Replication sessions restarted after a transient failure.
     pub reconnects: IntCounter,
+    /// Records sent again after the shared producer purged its unsent
+    /// records because a delivery failed (see `crate::kafka::delivery`).
+    pub resent_records: IntCounter,
     /// 1 while /readyz answers ready.
     pub ready: IntGauge,
     /// Polling mode: age of the oldest row with published_at NULL (seed 000's query).
@@ -122,6 +125,7 @@ pub const PUBLISH_ERROR_REASONS: &[&str] = &[
     "progress",
     "slot_register",
     "not_stored",
+    "purged",
     "publication_unproven",
     "schema_registry",
 ];
@@ -348,6 +352,11 @@ impl Metrics {
                 &registry,
                 "outboxd_reconnects_total",
                 "Replication sessions restarted after a transient failure.",
+            )?,
+            resent_records: counter(
+                &registry,
+                "outboxd_resent_records_total",
+                "Records sent again, in order, after the shared producer purged its unsent records because a delivery (of any source) failed.",
             )?,
             ready: gauge(&registry, "outboxd_ready", "1 while /readyz answers ready.")?,
             publish_errors,

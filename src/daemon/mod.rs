@@ -4,11 +4,18 @@
 //!
 //! Each source ([`crate::config::sources`]) runs as one task holding one
 //! [`Relay`] (or [`PollingRelay`]): its own replication connection, leader
-//! lock, publication guard, slot register record, backoff, Kafka clients,
-//! parking store, metrics (labelled `source`) and health. Nothing of one
-//! source waits on another, so a source whose database is down keeps
-//! reconnecting with its own backoff while the others stream; LSN progress
-//! is per slot and each relay confirms only what Kafka acknowledged for it.
+//! lock, publication guard, slot register record, backoff, parking store,
+//! metrics (labelled `source`) and health. Nothing of one source waits on
+//! another, so a source whose database is down keeps reconnecting with its
+//! own backoff while the others stream; LSN progress is per slot and each
+//! relay confirms only what Kafka acknowledged for it.
+//!
+//! The Kafka clients are the process's ([`KafkaClients`]): at-least-once
+//! sources send through one shared producer, each session on a lane of its
+//! own with its own in-flight budget, and a delivery that fails costs the
+//! other sources only a re-send of their unsent records, in order
+//! ([`crate::kafka::delivery`]). Exactly-once sources keep their
+//! transactional producers.
 //!
 //! # Lifecycle
 //!
@@ -45,6 +52,7 @@ use tracing::Instrument;
 
 use crate::config::sources::SourceConfig;
 use crate::config::{Config, Mode};
+use crate::kafka::clients::KafkaClients;
 use crate::metrics::Metrics;
 use crate::ops::board::{Board, Control, ControlError, Source, State, Verb};
 use crate::ops::health::Health;
@@ -129,6 +137,8 @@ pub struct Supervisor {
     exits_tx: mpsc::UnboundedSender<Exit>,
     exits: mpsc::UnboundedReceiver<Exit>,
     control: mpsc::Receiver<Control>,
+    /// The Kafka clients every source shares (see [`crate::kafka::clients`]).
+    kafka: Arc<KafkaClients>,
 }
 
 /// The supervisor could not set a source up.
@@ -170,6 +180,7 @@ impl Supervisor {
             exits_tx,
             exits,
             control,
+            kafka: KafkaClients::new(),
         };
         for s in sources {
             supervisor.add(s, None)?;
@@ -242,6 +253,7 @@ impl Supervisor {
         let (stop, stop_rx) = watch::channel(false);
         let exits = self.exits_tx.clone();
         let config = config.clone();
+        let kafka = self.kafka.clone();
         let span = tracing::info_span!("source", source = %name);
         source.set_state(State::Running, None);
         let key = name.to_owned();
@@ -261,7 +273,14 @@ impl Supervisor {
                     name: Some(name),
                     generation,
                 };
-                let result = run_relay(config, source.metrics.clone(), source.health.clone(), stop_rx).await;
+                let result = run_relay(
+                    config,
+                    source.metrics.clone(),
+                    source.health.clone(),
+                    kafka,
+                    stop_rx,
+                )
+                .await;
                 guard.send(result);
             }
             .instrument(span),
@@ -527,16 +546,19 @@ async fn run_relay(
     source: SourceConfig,
     metrics: Arc<Metrics>,
     health: Arc<Health>,
+    kafka: Arc<KafkaClients>,
     stop: watch::Receiver<bool>,
 ) -> Result<(), String> {
     match source.config.mode {
-        Mode::Cdc => match Relay::new(source.config, source.validated, metrics, health) {
+        Mode::Cdc => match Relay::with_clients(source.config, source.validated, metrics, health, kafka) {
             Ok(mut relay) => relay.run(stop).await.map_err(|e| e.to_string()),
             Err(e) => Err(e.to_string()),
         },
-        Mode::Polling => match PollingRelay::new(source.config, source.validated, metrics, health) {
-            Ok(mut relay) => relay.run(stop).await.map_err(|e| e.to_string()),
-            Err(e) => Err(e.to_string()),
-        },
+        Mode::Polling => {
+            match PollingRelay::with_clients(source.config, source.validated, metrics, health, kafka) {
+                Ok(mut relay) => relay.run(stop).await.map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            }
+        }
     }
 }

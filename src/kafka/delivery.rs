@@ -30,16 +30,50 @@
 //! lands after a replay by its successor. The poller then ends within its
 //! window; librdkafka's handle is freed with the last reference to it (the
 //! poller's, or that of a blocking call still running, such as a commit).
+//!
+//! # Lanes: one producer, several senders
+//!
+//! Every sender (a relay's session, a polling round, a command) sends on a
+//! [`Lane`] of its own: its reports go to the lane's [`ReportQueue`] (the
+//! lane's number is in the upper bits of each ticket), so several sessions
+//! of several sources can share one producer, each hearing only its own
+//! reports. A lane that is dropped stops hearing; reports for it are dropped.
+//!
+//! **A failure purges the shared producer's queue.** A relay that hears of
+//! a failed delivery replays from its slot, and a record of its own that
+//! librdkafka still queued behind the failed one must not land ahead of
+//! that replay (the failed record would then reach its partition after a
+//! later one). A producer of its own is simply dropped, which purges it. A
+//! shared one cannot be purged for one lane alone, so a producer created
+//! with [`Sharing::PurgeOnFailure`] purges its whole queue the moment a
+//! delivery fails ([`Report::is_failure`]): the poller thread does it, right
+//! after the poll that served the failure. Records already in a request go
+//! on and report as they will; every queued record of every lane reports
+//! `PurgeQueue`, never sent.
+//!
+//! The other lanes lose nothing by it: such a record was never sent, and its
+//! report gives it back whole. What they must not do is send anything new
+//! before they have sent those again, or a later record could pass an earlier
+//! one in its partition. So each purge moves the producer to its next
+//! **generation**, under a lock every send takes (shared) and the purge
+//! takes alone: a send on a lane of an older generation is refused
+//! ([`Stale`]), and the lane's owner first hears every report of what it
+//! sent, re-sends what came back purged in its order, and only then takes
+//! the new generation ([`Lane::adopt`]). Within a partition, what librdkafka
+//! transmitted before the purge precedes what it still queued, so a lane's
+//! stored records are a prefix of each partition's, and the re-sent rest
+//! follows them (`crate::relay` does this for its sessions; a polling round
+//! ends and the next one sends its rows again).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use futures::channel::oneshot;
 use rdkafka::client::ClientContext;
 use rdkafka::config::ClientConfig;
-use rdkafka::error::{KafkaError, KafkaResult};
+use rdkafka::error::{KafkaError, KafkaResult, RDKafkaErrorCode};
 use rdkafka::message::{Message, OwnedMessage};
 
 use rdkafka::producer::{
@@ -73,6 +107,23 @@ pub enum Report {
 }
 
 impl Report {
+    /// A delivery that failed on its own: refused, timed out, or reported
+    /// without proof that it was stored. A record purged from the queue
+    /// (never sent) is not such a failure, and neither is a producer that
+    /// went away.
+    pub fn is_failure(&self) -> bool {
+        match self {
+            Report::Stored { .. } | Report::Canceled => false,
+            Report::Unproven { .. } => true,
+            Report::Failed(e, _) => !is_purge(e),
+        }
+    }
+
+    /// A record that a purge of the queue took back before it was sent.
+    pub fn was_purged_unsent(&self) -> bool {
+        matches!(self, Report::Failed(e, _) if e.rdkafka_error_code() == Some(RDKafkaErrorCode::PurgeQueue))
+    }
+
     fn of(result: &DeliveryResult<'_>) -> Report {
         match result {
             Ok(m) if m.offset() >= 0 => Report::Stored {
@@ -87,9 +138,34 @@ impl Report {
     }
 }
 
-/// A record's number in its sink: even for reports taken in batches, odd
-/// for reports awaited one by one.
+/// Whether librdkafka failed a record because it was purged (queued or in
+/// flight), not because Kafka refused it or it timed out.
+fn is_purge(e: &KafkaError) -> bool {
+    matches!(
+        e.rdkafka_error_code(),
+        Some(RDKafkaErrorCode::PurgeQueue | RDKafkaErrorCode::PurgeInflight)
+    )
+}
+
+/// A record's number: its lane in the upper [`LANE_BITS`] bits, then a
+/// sequence, and the lowest bit even for reports taken in batches, odd for
+/// reports awaited one by one.
 pub type Ticket = usize;
+
+/// A lane's number, in the upper bits of its tickets.
+type LaneId = u32;
+
+/// Bits of a ticket that hold its lane; the other 40 hold the sequence
+/// and the awaited bit (2^39 records before the sequence wraps, and a
+/// lane number repeats only after 2^24 lanes).
+const LANE_BITS: u32 = 24;
+const SEQ_BITS: u32 = usize::BITS - LANE_BITS;
+const _: () = assert!(usize::BITS == 64, "tickets need a 64-bit usize");
+
+/// The lane a ticket belongs to.
+fn lane_of(ticket: Ticket) -> LaneId {
+    (ticket >> SEQ_BITS) as LaneId
+}
 
 /// Reports of batched sends, waiting for the relay to take them.
 #[derive(Clone, Debug, Default)]
@@ -138,11 +214,19 @@ impl ReportQueue {
     }
 }
 
-/// A new ticket. One counter for the whole process: a ticket never
-/// repeats, not even across sinks, so no report can retire another record.
-pub(crate) fn ticket(awaited: bool) -> Ticket {
+/// A new ticket of `lane`. One sequence for the whole process: a ticket
+/// never repeats, not even across lanes, so no report can retire another
+/// record.
+pub(crate) fn lane_ticket(lane: LaneId, awaited: bool) -> Ticket {
     static NEXT: AtomicUsize = AtomicUsize::new(0);
-    (NEXT.fetch_add(1, Ordering::Relaxed) << 1) | usize::from(awaited)
+    let seq = NEXT.fetch_add(1, Ordering::Relaxed) & ((1 << (SEQ_BITS - 1)) - 1);
+    ((lane as usize) << SEQ_BITS) | (seq << 1) | usize::from(awaited)
+}
+
+/// A new ticket of lane 0 (tests of report handling).
+#[cfg(test)]
+pub(crate) fn ticket(awaited: bool) -> Ticket {
+    lane_ticket(0, awaited)
 }
 
 /// A lock that a panic elsewhere does not poison for good: what it guards
@@ -168,11 +252,41 @@ impl std::future::Future for Awaited {
     }
 }
 
-/// librdkafka's callbacks: delivery reports go to the [`ReportQueue`];
-/// logs and errors as rdkafka's default context handles them.
+/// Whether a producer is shared by lanes that replay on their own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sharing {
+    /// One owner, which drops the producer after a failure (the drop
+    /// purges it). Transactional producers are always owned: a Kafka
+    /// transaction hears its refusals out before anything is purged.
+    Owned,
+    /// Shared: a failed delivery purges the queue at once (see the module
+    /// doc), and every lane re-sends what came back purged.
+    PurgeOnFailure,
+}
+
+/// librdkafka's callbacks: each delivery report goes to its lane's
+/// [`ReportQueue`]; logs and errors as rdkafka's default context handles
+/// them.
 #[derive(Debug)]
 pub struct Reports {
-    queue: ReportQueue,
+    lanes: RwLock<HashMap<LaneId, ReportQueue>>,
+    sharing: Sharing,
+    /// A delivery failed since the poller last looked: purge the queue.
+    purge_wanted: AtomicBool,
+}
+
+impl Reports {
+    fn route(&self, ticket: Ticket, report: Report) {
+        let lanes = self
+            .lanes
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // A lane that is gone hears nothing more (its awaited senders, if
+        // any, were told Canceled when it went).
+        if let Some(queue) = lanes.get(&lane_of(ticket)) {
+            queue.deliver(ticket, report);
+        }
+    }
 }
 
 impl ClientContext for Reports {}
@@ -181,9 +295,20 @@ impl ProducerContext for Reports {
     type DeliveryOpaque = usize;
 
     fn delivery(&self, result: &DeliveryResult<'_>, ticket: usize) {
-        self.queue.deliver(ticket, Report::of(result));
+        let report = Report::of(result);
+        if self.sharing == Sharing::PurgeOnFailure && report.is_failure() {
+            self.purge_wanted.store(true, Ordering::SeqCst);
+        }
+        self.route(ticket, report);
     }
 }
+
+/// A send on a lane of an older generation: the producer purged its queue
+/// since the lane last took a generation. Hear every report of what the
+/// lane sent, re-send what came back purged, then [`Lane::adopt`] the
+/// generation read before that and send again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stale;
 
 /// How long the poller waits in one call while records are in flight: its
 /// spin at the end of each window costs at most a thousandth of this.
@@ -197,14 +322,21 @@ pub const IDLE_TICK: Duration = Duration::from_millis(100);
 /// flight, before it parks.
 const QUIET: Duration = Duration::from_secs(5);
 
-/// A producer with its own poller thread and report queue.
+/// A producer with its own poller thread; senders use it through
+/// [`Lane`]s.
 pub struct Producer {
     inner: Arc<BaseProducer<Reports>>,
-    queue: ReportQueue,
+    /// The generation (purges so far), behind the lock that orders sends
+    /// and purges (see the module doc).
+    generation: Arc<RwLock<u64>>,
+    next_lane: AtomicU32,
     stop: Arc<AtomicBool>,
     /// The poller is parked (or about to park): a send must wake it.
     parked: Arc<AtomicBool>,
     poller: std::thread::Thread,
+    /// Queue purges after failed deliveries, and records re-sent after
+    /// them, over the producer's life.
+    purges: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for Producer {
@@ -214,37 +346,81 @@ impl std::fmt::Debug for Producer {
 }
 
 impl Producer {
-    /// Creates the producer and starts its poller. Producers that share
-    /// `queue` (a transactional sink's two) share its tickets and reports.
-    pub fn create(config: &ClientConfig, queue: &ReportQueue) -> KafkaResult<Producer> {
-        let queue = queue.clone();
-        let inner: Arc<BaseProducer<Reports>> =
-            Arc::new(config.create_with_context(Reports { queue: queue.clone() })?);
+    /// Creates the producer and starts its poller.
+    pub fn create(config: &ClientConfig, sharing: Sharing) -> KafkaResult<Arc<Producer>> {
+        let context = Reports {
+            lanes: RwLock::default(),
+            sharing,
+            purge_wanted: AtomicBool::new(false),
+        };
+        let inner: Arc<BaseProducer<Reports>> = Arc::new(config.create_with_context(context)?);
         let stop = Arc::new(AtomicBool::new(false));
         let parked = Arc::new(AtomicBool::new(false));
+        let generation = Arc::new(RwLock::new(0));
+        let purges = Arc::new(AtomicU64::new(0));
         let poller = {
-            let (producer, stop, parked) = (inner.clone(), stop.clone(), parked.clone());
+            let poller = Poller {
+                producer: inner.clone(),
+                stop: stop.clone(),
+                parked: parked.clone(),
+                generation: generation.clone(),
+                purges: purges.clone(),
+            };
             std::thread::Builder::new()
                 .name("outboxd-producer".into())
-                .spawn(move || serve(&producer, &stop, &parked))
+                .spawn(move || poller.serve())
                 .map_err(|e| {
                     KafkaError::ClientCreation(format!("cannot start the producer's poller thread: {e}"))
                 })?
                 .thread()
                 .clone()
         };
-        Ok(Producer {
+        Ok(Arc::new(Producer {
             inner,
-            queue,
+            generation,
+            next_lane: AtomicU32::new(0),
             stop,
             parked,
             poller,
-        })
+            purges,
+        }))
     }
 
-    /// The queue that batched sends report to.
-    pub fn reports(&self) -> &ReportQueue {
-        &self.queue
+    /// A new lane on this producer, whose reports go to `queue`. Lanes
+    /// that share a queue (a transactional sink's two producers) hear in
+    /// one place.
+    pub fn lane(self: &Arc<Self>, queue: ReportQueue) -> Lane {
+        let id = self.next_lane.fetch_add(1, Ordering::Relaxed) & ((1 << LANE_BITS) - 1);
+        self.inner
+            .context()
+            .lanes
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(id, queue.clone());
+        Lane {
+            generation: self.generation(),
+            producer: self.clone(),
+            id,
+            queue,
+        }
+    }
+
+    /// Purges so far: the current generation.
+    pub fn generation(&self) -> u64 {
+        *self
+            .generation
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Queue purges after failed deliveries so far.
+    pub fn purges(&self) -> u64 {
+        self.purges.load(Ordering::Relaxed)
+    }
+
+    /// Whether failed deliveries purge this producer's queue.
+    pub fn sharing(&self) -> Sharing {
+        self.inner.context().sharing
     }
 
     /// librdkafka's handle, for calls that block (run them off the async
@@ -253,33 +429,31 @@ impl Producer {
         self.inner.clone()
     }
 
-    /// Enqueues a record whose report goes to [`Producer::reports`].
+    /// Enqueues a record under `ticket`, unless the producer purged since
+    /// generation `seen`.
     #[allow(clippy::result_large_err)]
-    pub fn send_batched<'a>(&self, record: BaseRecord<'a, [u8], [u8], usize>) -> Result<Ticket, Refused<'a>> {
-        let ticket = ticket(false);
-        self.inner.send(record.delivery_opaque(ticket))?;
-        self.wake_poller();
-        Ok(ticket)
-    }
-
-    /// Enqueues a record whose report is awaited on its own.
-    #[allow(clippy::result_large_err)]
-    pub fn send_awaited<'a>(
+    fn enqueue<'a>(
         &self,
+        seen: u64,
+        ticket: Ticket,
         record: BaseRecord<'a, [u8], [u8], usize>,
-    ) -> Result<Awaited, Refused<'a>> {
-        let ticket = ticket(true);
-        let (tx, rx) = oneshot::channel();
-        lock(&self.queue.shared.waiters).insert(ticket, tx);
-        if let Err(e) = self.inner.send(record.delivery_opaque(ticket)) {
-            lock(&self.queue.shared.waiters).remove(&ticket);
-            return Err(e);
+    ) -> Result<Result<(), Refused<'a>>, Stale> {
+        let generation = self
+            .generation
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if *generation != seen {
+            return Err(Stale);
         }
-        self.wake_poller();
-        Ok(Awaited(rx))
+        let sent = self.inner.send(record.delivery_opaque(ticket));
+        drop(generation);
+        if sent.is_ok() {
+            self.wake_poller();
+        }
+        Ok(sent)
     }
 
-    /// Wakes the poller if it sleeps (see [`serve`]): the record just
+    /// Wakes the poller if it sleeps (see `Poller::serve`): the record just
     /// enqueued is seen by the poller's check before it parks, or this
     /// sees the poller parked.
     fn wake_poller(&self) {
@@ -309,31 +483,179 @@ impl Drop for Producer {
         self.stop.store(true, Ordering::SeqCst);
         self.poller.unpark();
         // Awaited sends whose report never comes end as canceled.
-        lock(&self.queue.shared.waiters).clear();
+        let lanes = self
+            .inner
+            .context()
+            .lanes
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for queue in lanes.values() {
+            lock(&queue.shared.waiters).clear();
+        }
     }
 }
 
-/// The poller's loop (see the module doc). It stays in `poll` (where a
-/// report wakes it, with no help from the sender) until nothing was in
-/// flight for [`QUIET`], so that a steady trickle of records does not
-/// park and wake it at every one.
-fn serve(producer: &BaseProducer<Reports>, stop: &AtomicBool, parked: &AtomicBool) {
-    let mut last_busy = std::time::Instant::now();
-    while !stop.load(Ordering::SeqCst) {
-        if producer.in_flight_count() > 0 {
-            last_busy = std::time::Instant::now();
-            producer.poll(BUSY_WINDOW);
-            continue;
+/// One sender's way into a [`Producer`]: its tickets, its reports, and the
+/// generation it has caught up with (see the module doc).
+pub struct Lane {
+    producer: Arc<Producer>,
+    id: LaneId,
+    queue: ReportQueue,
+    generation: u64,
+}
+
+impl std::fmt::Debug for Lane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lane")
+            .field("id", &self.id)
+            .field("generation", &self.generation)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Lane {
+    pub fn producer(&self) -> &Arc<Producer> {
+        &self.producer
+    }
+
+    /// librdkafka's handle (see [`Producer::handle`]).
+    pub fn handle(&self) -> Arc<BaseProducer<Reports>> {
+        self.producer.handle()
+    }
+
+    pub fn client(&self) -> &rdkafka::client::Client<Reports> {
+        self.producer.client()
+    }
+
+    /// Records and events the producer still holds, of every lane.
+    pub fn in_flight_count(&self) -> i32 {
+        self.producer.in_flight_count()
+    }
+
+    pub fn begin_transaction(&self) -> KafkaResult<()> {
+        self.producer.begin_transaction()
+    }
+
+    /// The queue that batched sends report to.
+    pub fn reports(&self) -> &ReportQueue {
+        &self.queue
+    }
+
+    /// Takes generation `seen` (read before hearing the reports of what
+    /// the lane sent, see [`Stale`]).
+    pub fn adopt(&mut self, seen: u64) {
+        self.generation = seen;
+    }
+
+    /// Whether the producer purged since this lane's generation.
+    pub fn is_stale(&self) -> bool {
+        self.producer.generation() != self.generation
+    }
+
+    /// Enqueues a record whose report goes to [`Lane::reports`].
+    #[allow(clippy::result_large_err)]
+    pub fn send_batched<'a>(
+        &self,
+        record: BaseRecord<'a, [u8], [u8], usize>,
+    ) -> Result<Result<Ticket, Refused<'a>>, Stale> {
+        let ticket = lane_ticket(self.id, false);
+        Ok(self
+            .producer
+            .enqueue(self.generation, ticket, record)?
+            .map(|()| ticket))
+    }
+
+    /// Enqueues a record whose report is awaited on its own.
+    #[allow(clippy::result_large_err)]
+    pub fn send_awaited<'a>(
+        &self,
+        record: BaseRecord<'a, [u8], [u8], usize>,
+    ) -> Result<Result<Awaited, Refused<'a>>, Stale> {
+        let ticket = lane_ticket(self.id, true);
+        let (tx, rx) = oneshot::channel();
+        lock(&self.queue.shared.waiters).insert(ticket, tx);
+        match self.producer.enqueue(self.generation, ticket, record) {
+            Ok(Ok(())) => Ok(Ok(Awaited(rx))),
+            other => {
+                lock(&self.queue.shared.waiters).remove(&ticket);
+                other.map(|sent| sent.map(|()| Awaited(rx)))
+            }
         }
-        if last_busy.elapsed() < QUIET {
-            producer.poll(BUSY_WINDOW);
-            continue;
+    }
+}
+
+impl Drop for Lane {
+    fn drop(&mut self) {
+        let context = self.producer.inner.context();
+        let mut lanes = context
+            .lanes
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Another lane may share the queue (a transactional pair): only
+        // this lane's entry goes.
+        lanes.remove(&self.id);
+    }
+}
+
+/// The poller thread's state.
+struct Poller {
+    producer: Arc<BaseProducer<Reports>>,
+    stop: Arc<AtomicBool>,
+    parked: Arc<AtomicBool>,
+    generation: Arc<RwLock<u64>>,
+    purges: Arc<AtomicU64>,
+}
+
+impl Poller {
+    /// The poller's loop (see the module doc). It stays in `poll` (where a
+    /// report wakes it, with no help from the sender) until nothing was in
+    /// flight for [`QUIET`], so that a steady trickle of records does not
+    /// park and wake it at every one.
+    fn serve(&self) {
+        let producer = &self.producer;
+        let mut last_busy = std::time::Instant::now();
+        while !self.stop.load(Ordering::SeqCst) {
+            if producer.in_flight_count() > 0 {
+                last_busy = std::time::Instant::now();
+                self.poll(BUSY_WINDOW);
+                continue;
+            }
+            if last_busy.elapsed() < QUIET {
+                self.poll(BUSY_WINDOW);
+                continue;
+            }
+            self.poll(Duration::ZERO);
+            self.parked.store(true, Ordering::SeqCst);
+            if producer.in_flight_count() == 0 && !self.stop.load(Ordering::SeqCst) {
+                std::thread::park_timeout(IDLE_TICK);
+            }
+            self.parked.store(false, Ordering::SeqCst);
         }
-        producer.poll(Duration::ZERO);
-        parked.store(true, Ordering::SeqCst);
-        if producer.in_flight_count() == 0 && !stop.load(Ordering::SeqCst) {
-            std::thread::park_timeout(IDLE_TICK);
+    }
+
+    /// Serves the queue, then purges it if a delivery failed meanwhile.
+    fn poll(&self, timeout: Duration) {
+        self.producer.poll(timeout);
+        if self.producer.context().purge_wanted.swap(false, Ordering::SeqCst) {
+            self.purge_after_failure();
         }
-        parked.store(false, Ordering::SeqCst);
+    }
+
+    /// Purges every record not yet sent, and moves to the next generation,
+    /// with no send in between (see the module doc).
+    fn purge_after_failure(&self) {
+        let mut generation = self
+            .generation
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let queued = self.producer.in_flight_count();
+        self.producer.purge(PurgeConfig::default().queue());
+        *generation += 1;
+        drop(generation);
+        self.purges.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(
+            held = queued,
+            "a delivery failed: the shared producer's unsent records were purged; the source that failed replays from its slot, the others send theirs again in order"
+        );
     }
 }

@@ -1,9 +1,12 @@
 //! The Kafka side: the producer, topics and broker checks ([`sink`]),
-//! delivery reports in batches and the producer's poller ([`delivery`]),
+//! delivery reports in batches, lanes and the producer's poller
+//! ([`delivery`]), the clients the sources of a process share
+//! ([`clients`]),
 //! records and dead letters built from outbox rows ([`records`]),
 //! CloudEvents values ([`cloudevents`]), and table rows handed to the
 //! producer by polling mode and replay ([`enqueue`]).
 
+pub mod clients;
 pub mod cloudevents;
 pub mod delivery;
 pub mod enqueue;

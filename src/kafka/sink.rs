@@ -8,10 +8,16 @@
 //! the send says so and the caller first waits for an acknowledgement
 //! (backpressure), instead of blocking a thread.
 //!
-//! After a failed session the relay drops the whole sink and builds a new
-//! one: dropping the producer purges what it still queued (so nothing stale
-//! lands after the replay from the slot), and the new producer starts with
-//! a fresh idempotent identity (an old one may be fenced for good).
+//! A sink sends on a [`Lane`] of its producer. Its producer is its own
+//! ([`KafkaSink::build`]: transactional sinks, commands, and a relay that
+//! isolates a refused record), or one that the at-least-once sources of a
+//! process share ([`crate::kafka::clients::KafkaClients`]). After a failed
+//! session the relay builds a new sink. An own producer is dropped with the
+//! old one, which purges what it still queued (so nothing stale lands after
+//! the replay from the slot), and the new producer starts with a fresh
+//! idempotent identity (an old one may be fenced for good). A shared
+//! producer stays: it purged its queue when the delivery failed, and it is
+//! replaced only when it has a fatal error (see [`crate::kafka::delivery`]).
 //!
 //! Defaults that protect ordering and durability, applied before the
 //! user's `kafka.options` (which may tune, but not turn off, idempotence):
@@ -29,7 +35,7 @@ use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{BaseRecord, Producer as _};
 
 pub use crate::kafka::delivery::Report;
-use crate::kafka::delivery::{Awaited, Producer, Refused, ReportQueue, Ticket};
+use crate::kafka::delivery::{Awaited, Lane, Producer, Refused, ReportQueue, Sharing, Stale, Ticket};
 
 use crate::config::KafkaConfig;
 use crate::kafka::records::KafkaRecord;
@@ -60,6 +66,8 @@ pub enum KafkaSinkError {
     QueueTooSmall { topic: String, bytes: usize },
     #[error("the Kafka producer shut down with records in flight")]
     Canceled,
+    #[error("the shared Kafka producer purged its unsent records after another delivery failed; they are sent again in order")]
+    Purged,
     #[error("Kafka reported a record of partition {partition} delivered without an offset, so it may never have been stored (librdkafka's implicit acknowledgement: a later request of the partition succeeded while this one waited for a retry); the session restarts and sends it again from the slot")]
     NotStored { partition: i32 },
     #[error("another producer with transactional.id {id:?} took over ({source}): another outboxd on the same slot (or a stale one) now publishes; this one stops streaming. If two outboxd on different slots share kafka.exactly_once.transactional_id, give each its own")]
@@ -76,6 +84,7 @@ impl KafkaSinkError {
         match self {
             KafkaSinkError::Unreachable { .. }
             | KafkaSinkError::Canceled
+            | KafkaSinkError::Purged
             | KafkaSinkError::NotStored { .. } => true,
             KafkaSinkError::Delivery { source, .. } | KafkaSinkError::Produce { source, .. } => {
                 Refusal::of(source) == Refusal::Transient
@@ -102,6 +111,7 @@ impl KafkaSinkError {
             KafkaSinkError::Produce { .. } => "produce",
             KafkaSinkError::Delivery { .. } => "delivery",
             KafkaSinkError::Canceled => "canceled",
+            KafkaSinkError::Purged => "purged",
             KafkaSinkError::NotStored { .. } => "not_stored",
             KafkaSinkError::Fenced { .. } => "fenced",
             KafkaSinkError::Transaction { .. } => "transaction",
@@ -175,7 +185,7 @@ impl Refusal {
 
 /// librdkafka's complaint about a setting, naming the key but never its
 /// value: librdkafka quotes values, and `kafka.options` holds passwords.
-fn describe_config_error(e: &KafkaError, cfg: &KafkaConfig) -> String {
+pub(crate) fn describe_config_error(e: &KafkaError, cfg: &KafkaConfig) -> String {
     let mut text = match e {
         KafkaError::ClientConfig(_, description, key, _) => format!("{description} (key {key:?})"),
         other => other.to_string(),
@@ -214,7 +224,7 @@ pub fn client_config(cfg: &KafkaConfig) -> ClientConfig {
 
 /// The producer's settings: [`client_config`] and what only the producer
 /// needs. `kafka.options` still win.
-fn producer_config(cfg: &KafkaConfig, kind: &SinkKind) -> ClientConfig {
+pub(crate) fn producer_config(cfg: &KafkaConfig, kind: &SinkKind) -> ClientConfig {
     let mut client = client_config(cfg);
     // librdkafka learns the cluster's brokers from the bootstrap
     // connection and then retires it, failing a metadata request still in
@@ -308,6 +318,15 @@ pub struct SinkKind {
     pub batch_bytes: Option<usize>,
 }
 
+impl SinkKind {
+    /// Whether sinks of this kind can share a producer: not a
+    /// transactional one (a Kafka transaction belongs to one producer),
+    /// and not one whose batches are shaped for one relay's refusal.
+    pub fn can_share(&self) -> bool {
+        self.transactional_id.is_none() && !self.one_per_batch && self.batch_bytes.is_none()
+    }
+}
+
 /// Result of enqueueing a record.
 #[derive(Debug)]
 pub enum SendOutcome<T = Awaited> {
@@ -318,8 +337,9 @@ pub enum SendOutcome<T = Awaited> {
     QueueFull,
 }
 
-/// Asks the cluster for metadata, off the async threads. It has a client
-/// of its own, so it never keeps a replaced producer alive.
+/// Asks the cluster for metadata, off the async threads. It uses the
+/// sink's admin client, never its producer, so it never keeps a replaced
+/// producer alive.
 #[derive(Clone)]
 pub struct BrokerProbe {
     client: std::sync::Arc<AdminClient<DefaultClientContext>>,
@@ -356,9 +376,9 @@ impl BrokerProbe {
     }
 }
 
-/// Producer plus admin client, and the topics known to exist.
+/// A lane on a producer, an admin client, and the topics known to exist.
 pub struct KafkaSink {
-    producer: Producer,
+    producer: Lane,
     admin: std::sync::Arc<AdminClient<DefaultClientContext>>,
     probe: BrokerProbe,
     /// Topics proven served in this session (every partition answered).
@@ -387,7 +407,7 @@ pub struct KafkaSink {
     in_transaction: bool,
     /// Transactional sinks have two producers, used in turn (see
     /// [`KafkaSink::start_commit`]): the one not current, and its id.
-    spare: Option<(Producer, String)>,
+    spare: Option<(Lane, String)>,
 }
 
 impl std::fmt::Debug for KafkaSink {
@@ -403,6 +423,7 @@ impl KafkaSink {
         Self::build(cfg, timeout, &SinkKind::default())
     }
 
+    /// A sink with producers of its own.
     pub fn build(cfg: &KafkaConfig, timeout: Duration, kind: &SinkKind) -> Result<Self, KafkaSinkError> {
         let bad_config = |e| KafkaSinkError::Config(describe_config_error(&e, cfg));
         // Two transactional producers, `<id>-0` and `<id>-1`, take turns.
@@ -411,35 +432,62 @@ impl KafkaSink {
             .as_ref()
             .map(|base| [format!("{base}-0"), format!("{base}-1")]);
         let with_id = |id: Option<&String>| SinkKind {
-            one_per_batch: kind.one_per_batch,
             transactional_id: id.cloned(),
-            fenced_by_lease: kind.fenced_by_lease,
-            batch_bytes: kind.batch_bytes,
+            ..kind.clone()
         };
         let first = ids.as_ref().map(|[a, _]| a);
         // Both producers report to one queue: the relay follows the sink,
         // whichever producer is current.
         let reports = ReportQueue::default();
-        let producer =
-            Producer::create(&producer_config(cfg, &with_id(first)), &reports).map_err(bad_config)?;
+        let producer = Producer::create(&producer_config(cfg, &with_id(first)), Sharing::Owned)
+            .map_err(bad_config)?
+            .lane(reports.clone());
         let spare = match &ids {
             Some([_, b]) => Some((
-                Producer::create(&producer_config(cfg, &with_id(Some(b))), &reports).map_err(bad_config)?,
+                Producer::create(&producer_config(cfg, &with_id(Some(b))), Sharing::Owned)
+                    .map_err(bad_config)?
+                    .lane(reports),
                 b.clone(),
             )),
             None => None,
         };
         let admin: AdminClient<DefaultClientContext> = client_config(cfg).create().map_err(bad_config)?;
-        let probe_client: AdminClient<DefaultClientContext> =
-            client_config(cfg).create().map_err(bad_config)?;
-        Ok(KafkaSink {
+        Ok(Self::assemble(
+            cfg,
+            timeout,
+            (producer, first.cloned()),
+            spare,
+            std::sync::Arc::new(admin),
+        ))
+    }
+
+    /// A sink on a new lane of `producer` (shared), with `admin` (shared).
+    pub(crate) fn on_lane(
+        cfg: &KafkaConfig,
+        timeout: Duration,
+        producer: &std::sync::Arc<Producer>,
+        admin: std::sync::Arc<AdminClient<DefaultClientContext>>,
+    ) -> Self {
+        let lane = producer.lane(ReportQueue::default());
+        Self::assemble(cfg, timeout, (lane, None), None, admin)
+    }
+
+    /// A sink on `producer` (a lane, and its `transactional.id` if any).
+    fn assemble(
+        cfg: &KafkaConfig,
+        timeout: Duration,
+        (producer, transactional_id): (Lane, Option<String>),
+        spare: Option<(Lane, String)>,
+        admin: std::sync::Arc<AdminClient<DefaultClientContext>>,
+    ) -> Self {
+        KafkaSink {
             probe: BrokerProbe {
-                client: std::sync::Arc::new(probe_client),
+                client: admin.clone(),
                 timeout,
                 brokers: cfg.brokers.clone(),
             },
             producer,
-            admin: std::sync::Arc::new(admin),
+            admin,
             known_topics: HashSet::new(),
             existing_topics: HashSet::new(),
             topic_limits: std::sync::Arc::default(),
@@ -454,10 +502,34 @@ impl KafkaSink {
             topic_config: cfg.topic_config.clone().into_iter().collect(),
             timeout,
             warm_up: None,
-            transactional_id: first.cloned(),
+            transactional_id,
             in_transaction: false,
             spare,
-        })
+        }
+    }
+
+    /// Whether the producer is shared with other sinks (and purges its
+    /// queue when a delivery fails, see [`crate::kafka::delivery`]).
+    pub fn shares_producer(&self) -> bool {
+        self.producer.producer().sharing() == Sharing::PurgeOnFailure
+    }
+
+    /// The producer's generation (see [`crate::kafka::delivery`]): read it
+    /// before hearing the reports of what this sink sent, then
+    /// [`KafkaSink::adopt`] it.
+    pub fn generation(&self) -> u64 {
+        self.producer.producer().generation()
+    }
+
+    /// Takes generation `seen`: every record this sink sent before it has
+    /// reported, and what came back purged was sent again.
+    pub fn adopt(&mut self, seen: u64) {
+        self.producer.adopt(seen);
+    }
+
+    /// Whether the producer purged since this sink last adopted a generation.
+    pub fn is_stale(&self) -> bool {
+        self.producer.is_stale()
     }
 
     /// What a failed transactional call means.
@@ -470,7 +542,7 @@ impl KafkaSink {
     /// completes (commits or aborts) whatever transaction it left, so that
     /// a `read_committed` read afterwards sees all it committed.
     pub async fn init_transactions(&self, timeout: Duration) -> Result<(), KafkaSinkError> {
-        let init = |producer: &Producer, id: &str| {
+        let init = |producer: &Lane, id: &str| {
             let (producer, id) = (producer.handle(), id.to_owned());
             tokio::task::spawn_blocking(move || {
                 producer
@@ -860,14 +932,14 @@ impl KafkaSink {
     /// refuse the whole batch around it, and a later batch of the same
     /// partition could be stored ahead of that batch's other records.
     pub fn send(&mut self, rec: &KafkaRecord) -> Result<SendOutcome, KafkaSinkError> {
-        self.enqueue(rec, Producer::send_awaited)
+        self.enqueue(rec, Lane::send_awaited)
     }
 
     /// As [`KafkaSink::send`], but the report goes to [`KafkaSink::reports`]
     /// under the returned ticket: the relay's way, which takes reports in
     /// batches (see [`crate::kafka::delivery`]).
     pub fn send_reported(&mut self, rec: &KafkaRecord) -> Result<SendOutcome<Ticket>, KafkaSinkError> {
-        self.enqueue(rec, Producer::send_batched)
+        self.enqueue(rec, Lane::send_batched)
     }
 
     /// The queue that [`KafkaSink::send_reported`] reports to, for both
@@ -876,12 +948,15 @@ impl KafkaSink {
         self.producer.reports().clone()
     }
 
+    /// A shared producer that purged since this sink's generation refuses
+    /// the send with [`KafkaSinkError::Purged`] (see [`KafkaSink::adopt`]).
     #[allow(clippy::result_large_err)]
     fn enqueue<'a, T>(
         &mut self,
         rec: &'a KafkaRecord,
-        send: impl Fn(&Producer, BaseRecord<'a, [u8], [u8], usize>) -> Result<T, Refused<'a>>,
+        send: impl Fn(&Lane, BaseRecord<'a, [u8], [u8], usize>) -> Result<Result<T, Refused<'a>>, Stale>,
     ) -> Result<SendOutcome<T>, KafkaSinkError> {
+        let send = |lane: &Lane, record| send(lane, record).map_err(|Stale| KafkaSinkError::Purged);
         let limit = self
             .topic_limits
             .lock()
@@ -909,11 +984,11 @@ impl KafkaSink {
             .headers(headers)
             .timestamp(rec.timestamp_ms);
         let full = |e: &KafkaError| matches!(e, KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull));
-        let outcome = match send(&self.producer, record) {
+        let outcome = match send(&self.producer, record)? {
             // Full with nothing held: tried again at once, the record does
             // not fit an empty queue, and waiting would never end.
             Err((e, record)) if full(&e) && self.producer.in_flight_count() == 0 => {
-                match send(&self.producer, record) {
+                match send(&self.producer, record)? {
                     // librdkafka counts the value against the queue.
                     Err((e, _)) if full(&e) => {
                         return Err(KafkaSinkError::QueueTooSmall {

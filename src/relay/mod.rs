@@ -49,14 +49,27 @@
 //!
 //! # Failures
 //!
-//! A failed delivery is never skipped. The session ends; the producer is
-//! replaced (dropping it purges what it still queued, so none of that lands
-//! after a replayed record); the next session resumes from the slot's
-//! confirmed LSN, which never passed the failed event. Duplicates are possible (bounded by what was in
-//! flight), loss is not. Errors that a retry can fix (network, broker down,
-//! server restart, slot busy) restart the session with exponential backoff;
-//! the others (bad rows, missing topics that may not be created, bad
-//! settings) stop outboxd with a message saying what to do.
+//! A failed delivery is never skipped. The session ends, and nothing it
+//! still had queued may land after a replayed record: a producer of the
+//! relay's own is replaced (dropping it purges its queue); the producer the
+//! at-least-once sources of a process share purged its queue the moment the
+//! delivery failed ([`crate::kafka::delivery`]). The next session resumes
+//! from the slot's confirmed LSN, which never passed the failed event.
+//! Duplicates are possible (bounded by what was in flight), loss is not.
+//! Errors that a retry can fix (network, broker down, server restart, slot
+//! busy) restart the session with exponential backoff; the others (bad
+//! rows, missing topics that may not be created, bad settings) stop
+//! outboxd with a message saying what to do.
+//!
+//! # Another source's failure
+//!
+//! On the shared producer, a session also gets back, purged unsent, records
+//! of its own that another delivery's failure took out of the queue. That
+//! is no failure of this session: it hears every report of what it sent
+//! before, then sends those records again in their order, and only then
+//! anything new (`Relay::resend_purged`; a send before that is refused by
+//! the producer's generation). Its stream, slot and confirmed LSN go on as
+//! if nothing happened; `outboxd_resent_records_total` counts them.
 //!
 //! # Rows Kafka refuses
 //!
@@ -96,6 +109,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::config::{Config, Validated};
+use crate::kafka::clients::KafkaClients;
 use crate::kafka::sink::{KafkaSink, KafkaSinkError, Retention, SinkKind};
 use crate::lsn::Lsn;
 use crate::metrics::Metrics;
@@ -273,6 +287,9 @@ impl RelayError {
 pub struct Relay {
     config: Config,
     validated: Validated,
+    /// The process's Kafka clients: the producer at-least-once sources
+    /// share, and the admin client.
+    clients: Arc<KafkaClients>,
     sink: KafkaSink,
     metrics: Arc<Metrics>,
     health: Arc<Health>,
@@ -425,11 +442,23 @@ impl Drop for AbortOnDrop {
 }
 
 impl Relay {
+    /// A relay with Kafka clients of its own.
     pub fn new(
         config: Config,
         validated: Validated,
         metrics: Arc<Metrics>,
         health: Arc<Health>,
+    ) -> Result<Self, RelayError> {
+        Self::with_clients(config, validated, metrics, health, KafkaClients::new())
+    }
+
+    /// A relay on the process's shared Kafka `clients`.
+    pub fn with_clients(
+        config: Config,
+        validated: Validated,
+        metrics: Arc<Metrics>,
+        health: Arc<Health>,
+        clients: Arc<KafkaClients>,
     ) -> Result<Self, RelayError> {
         let t = Instant::now();
         let kind = SinkKind {
@@ -438,7 +467,7 @@ impl Relay {
             fenced_by_lease: Some(config.postgres.leader_timeout.0),
             batch_bytes: None,
         };
-        let sink = KafkaSink::build(&config.kafka, config.kafka.admin_timeout.0, &kind)?;
+        let sink = clients.sink(&config.kafka, config.kafka.admin_timeout.0, &kind)?;
         tracing::debug!(took = ?t.elapsed(), "Kafka clients created");
         let election = LeaderElection::new(
             validated.pg.clone(),
@@ -458,6 +487,7 @@ impl Relay {
             registry,
             config,
             validated,
+            clients,
             sink,
             metrics,
             health,
@@ -1016,7 +1046,7 @@ impl Relay {
             guard,
             open_commit_ms: 0,
             isolating: self.isolate_until.is_some(),
-            deliveries: Deliveries::new(self.sink.reports()),
+            deliveries: Deliveries::new(self.sink.reports(), self.sink.shares_producer()),
             dead_letters: std::collections::VecDeque::new(),
             on_poison: self.config.routing.on_poison,
             dead_letter_topic: self.config.routing.dead_letter_topic.clone(),
@@ -1106,9 +1136,11 @@ impl Relay {
                 // Exactly-once: nothing of the open Kafka transaction may
                 // become visible.
                 self.abort_open_transaction().await;
-                // Never let a record queued before the failure land after
-                // the replay: drop the producer (which purges its queue)
-                // and start the next session with a new one.
+                // Never let a record queued before a failed delivery land
+                // after the replay: a producer of its own is dropped (which
+                // purges its queue) for a new one; a shared one purged its
+                // queue when the delivery failed, and the next session
+                // sends on a new lane behind what it already transmitted.
                 self.sink = self.new_sink()?;
                 // Confirm what is safely acknowledged, best effort.
                 let _ = s.send_status(&mut stream, false).await;
@@ -1117,7 +1149,9 @@ impl Relay {
         }
     }
 
-    /// A fresh sink: one record per batch while a refusal is being isolated.
+    /// A fresh sink: one record per batch while a refusal is being
+    /// isolated (a producer of its own then; else the shared one, on a new
+    /// lane).
     fn new_sink(&self) -> Result<KafkaSink, KafkaSinkError> {
         let (cfg, timeout) = (&self.config.kafka, self.config.kafka.admin_timeout.0);
         let kind = SinkKind {
@@ -1126,7 +1160,7 @@ impl Relay {
             fenced_by_lease: Some(self.config.postgres.leader_timeout.0),
             batch_bytes: self.batch_bytes,
         };
-        KafkaSink::build(cfg, timeout, &kind)
+        self.clients.sink(cfg, timeout, &kind)
     }
 
     /// Ends isolation once the slot is past the refused record: intake
@@ -1149,7 +1183,8 @@ impl Relay {
         }
         self.isolate_until = None;
         self.sink = self.new_sink()?;
-        s.deliveries.follow(self.sink.reports());
+        s.deliveries
+            .follow(self.sink.reports(), self.sink.shares_producer());
         if self.validated.transactional_id.is_some() {
             self.sink
                 .init_transactions(self.config.kafka.exactly_once.commit_timeout.0)

@@ -49,6 +49,17 @@
 //! CDC mode: its dead letter (marked published once acknowledged), or a
 //! stop that names it. Rows that can never become a record are set aside
 //! the same way.
+//!
+//! # A shared producer
+//!
+//! In a process with several sources, polling sources send through the
+//! producer the at-least-once sources share ([`crate::kafka::clients`]).
+//! When another delivery fails, it purges its unsent records
+//! ([`crate::kafka::delivery`]): a row of this round that comes back purged
+//! ends the round like any failure (the acknowledged prefix is marked), and
+//! the next round starts at once, on the same connection, and sends the
+//! rest again in order. Every round hears all its reports before it ends,
+//! so a new round may take the producer's new generation.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -60,6 +71,7 @@ use tokio_postgres::Client;
 use uuid::Uuid;
 
 use crate::config::{Config, Validated};
+use crate::kafka::clients::KafkaClients;
 use crate::kafka::enqueue::{enqueue_row, set_aside, set_aside_as_stub, EnqueueError, Enqueued};
 use crate::kafka::records::build_record;
 use crate::kafka::sink::{KafkaSink, KafkaSinkError, Refusal, Report, SinkKind};
@@ -103,6 +115,19 @@ impl From<EnqueueError> for PollingError {
 }
 
 impl PollingError {
+    /// A record of the round came back purged unsent by the shared producer
+    /// (another delivery failed), or a send was refused until the round
+    /// heard its reports: nothing of this source failed.
+    fn is_purge(&self) -> bool {
+        match self {
+            PollingError::Kafka(KafkaSinkError::Purged) => true,
+            PollingError::Kafka(KafkaSinkError::Delivery { source, .. }) => {
+                source.rdkafka_error_code() == Some(rdkafka::types::RDKafkaErrorCode::PurgeQueue)
+            }
+            _ => false,
+        }
+    }
+
     fn is_transient(&self) -> bool {
         match self {
             PollingError::Admin(AdminError::Connect { .. } | AdminError::Query(_)) => true,
@@ -158,6 +183,7 @@ impl Watermark {
 pub struct PollingRelay {
     config: Config,
     validated: Validated,
+    clients: Arc<KafkaClients>,
     sink: KafkaSink,
     metrics: Arc<Metrics>,
     health: Arc<Health>,
@@ -191,13 +217,25 @@ struct Pending {
 }
 
 impl PollingRelay {
+    /// A polling relay with Kafka clients of its own.
     pub fn new(
         config: Config,
         validated: Validated,
         metrics: Arc<Metrics>,
         health: Arc<Health>,
     ) -> Result<Self, PollingError> {
-        let sink = Self::new_sink(&config)?;
+        Self::with_clients(config, validated, metrics, health, KafkaClients::new())
+    }
+
+    /// A polling relay on the process's shared Kafka `clients`.
+    pub fn with_clients(
+        config: Config,
+        validated: Validated,
+        metrics: Arc<Metrics>,
+        health: Arc<Health>,
+        clients: Arc<KafkaClients>,
+    ) -> Result<Self, PollingError> {
+        let sink = Self::new_sink(&clients, &config, false)?;
         let registry = crate::schema::Registry::from_config(&config, Some((*metrics).clone()))
             .map_err(PollingError::RegistrySetup)?;
         if let Some(r) = &registry {
@@ -211,6 +249,7 @@ impl PollingRelay {
         Ok(PollingRelay {
             config,
             validated,
+            clients,
             sink,
             metrics,
             health,
@@ -221,12 +260,22 @@ impl PollingRelay {
         })
     }
 
-    fn new_sink(config: &Config) -> Result<KafkaSink, KafkaSinkError> {
+    /// A sink on the shared producer (a new lane; one that had a fatal
+    /// error is replaced), or, while a refused row is isolated, on a
+    /// producer of its own that sends one record per batch: on a shared one
+    /// another source's record could share the row's batch, and its refusal
+    /// would not be the row's own.
+    fn new_sink(
+        clients: &KafkaClients,
+        config: &Config,
+        isolating: bool,
+    ) -> Result<KafkaSink, KafkaSinkError> {
         let kind = SinkKind {
             fenced_by_lease: Some(config.postgres.leader_timeout.0),
+            one_per_batch: isolating,
             ..SinkKind::default()
         };
-        KafkaSink::build(&config.kafka, config.kafka.admin_timeout.0, &kind)
+        clients.sink(&config.kafka, config.kafka.admin_timeout.0, &kind)
     }
 
     /// Polls until shutdown or a definite error.
@@ -303,6 +352,10 @@ impl PollingRelay {
                         self.wait(&mut shutdown, self.config.polling.interval.0).await;
                     }
                 }
+                Err(e) if e.is_purge() => {
+                    tracing::debug!(error = %e, "the shared producer purged rows of this round; the next round sends them again");
+                    continue;
+                }
                 Err(e) if e.is_transient() => {
                     self.metrics.reconnects.inc();
                     if let PollingError::BatchRefused { .. } = &e {
@@ -312,7 +365,7 @@ impl PollingRelay {
                     tracing::warn!(error = %e, retry_in = ?backoff, "polling round failed; retrying");
                     self.health.set_streaming(None);
                     client = None;
-                    self.sink = Self::new_sink(&self.config)?;
+                    self.sink = Self::new_sink(&self.clients, &self.config, self.isolate_until.is_some())?;
                     self.wait(&mut shutdown, backoff).await;
                     backoff = (backoff * 2).min(self.config.postgres.reconnect_backoff_max.0);
                 }
@@ -361,6 +414,17 @@ impl PollingRelay {
     }
 
     async fn round(&mut self, client: &mut Client) -> Result<Round, PollingError> {
+        // One record per batch on a producer of its own while a refused
+        // row is isolated, the shared producer otherwise.
+        let isolating = self.isolate_until.is_some();
+        if self.sink.shares_producer() == isolating {
+            self.sink = Self::new_sink(&self.clients, &self.config, isolating)?;
+        }
+        // The last round heard every report of what it sent, and sent
+        // again nothing purged: this round may send on the producer's
+        // current generation.
+        let generation = self.sink.generation();
+        self.sink.adopt(generation);
         let table = self.validated.table.quoted().to_string();
         let tx = client.transaction().await?;
         // created_at::text follows DateStyle; a role or database default
@@ -444,7 +508,9 @@ impl PollingRelay {
         } else {
             // Wait for what was sent; none of it is marked after a failure.
             for p in pending.drain(..) {
-                let _ = p.enqueued.into_future().await;
+                let report = p.enqueued.into_future().await;
+                self.count_purged(&report);
+                name_the_failure(&mut failure, &mut self.isolate_until, p.row.id, report);
             }
         }
         if !published.is_empty() {
@@ -476,6 +542,14 @@ impl PollingRelay {
             selected,
             published: published.len(),
         })
+    }
+
+    /// A row the shared producer purged unsent: the next round sends it
+    /// again (`outboxd_resent_records_total`).
+    fn count_purged(&self, report: &Report) {
+        if report.was_purged_unsent() && self.sink.shares_producer() {
+            self.metrics.resent_records.inc();
+        }
     }
 
     /// The record of `row`, or its dead letter.
@@ -519,7 +593,9 @@ impl PollingRelay {
                 Enqueued::Record(_) => None,
             };
             let report = enqueued.into_future().await;
+            self.count_purged(&report);
             if failure.is_some() {
+                name_the_failure(&mut failure, &mut self.isolate_until, row.id, report);
                 continue;
             }
             let (source, msg) = match report {
@@ -625,6 +701,29 @@ impl PollingRelay {
             }
         }
     }
+}
+
+/// A round ends at its first failure in row order, but a purge is not
+/// what to report when a later record (of row `id`) failed on its own:
+/// that failure caused the purge. The round then backs off, isolates a
+/// refused row, or stops, as that failure calls for (an error that stops
+/// polling is never retried at once for ever).
+fn name_the_failure(
+    failure: &mut Option<PollingError>,
+    isolate_until: &mut Option<Uuid>,
+    id: Uuid,
+    later: Report,
+) {
+    if !failure.as_ref().is_some_and(PollingError::is_purge) || !later.is_failure() {
+        return;
+    }
+    *failure = match later {
+        Report::Failed(source, _) if matches!(Refusal::of(&source), Refusal::Record { .. }) => {
+            *isolate_until = Some(id);
+            Some(PollingError::BatchRefused { id, source })
+        }
+        other => other.into_result().err().map(PollingError::Kafka),
+    };
 }
 
 #[cfg(test)]

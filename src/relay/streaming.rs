@@ -125,6 +125,11 @@ impl Relay {
             }
             // Nothing more goes into a Kafka transaction that failed.
             let failing = s.pending_failure.is_some();
+            // The shared producer gave records back unsent: they go again,
+            // in order, before anything new.
+            if s.deliveries.has_purged() && !failing {
+                self.resend_purged(stream, s).await?;
+            }
             if !s.to_park.is_empty() && !failing {
                 self.flush_parked(stream, s).await?;
             }
@@ -417,7 +422,16 @@ impl Relay {
             if !self.election.still_held() {
                 return Err(RelayError::LeadershipLost);
             }
-            match self.sink.send_reported(record)? {
+            let outcome = match self.sink.send_reported(record) {
+                // The shared producer purged since this session last
+                // caught up: first send again what it gave back.
+                Err(KafkaSinkError::Purged) => {
+                    self.resend_purged(stream, s).await?;
+                    continue;
+                }
+                other => other?,
+            };
+            match outcome {
                 SendOutcome::Sent(ticket) => {
                     if count {
                         s.tracker.sent(txn);
@@ -435,6 +449,78 @@ impl Relay {
                     None => tokio::time::sleep(Duration::from_millis(1)).await,
                 },
             }
+        }
+    }
+
+    /// Sends again, in their order, the records the shared producer purged
+    /// unsent after a delivery failed (see [`crate::kafka::delivery`]), and
+    /// takes the producer's new generation. First every report of what the
+    /// session sent before is heard (a failure of its own ends the session
+    /// as usual): each partition then holds a prefix of the session's
+    /// records, and the purged rest follows it. A purge while this runs
+    /// starts it over.
+    pub(super) async fn resend_purged(
+        &mut self,
+        stream: &mut OutboxStream,
+        s: &mut Session,
+    ) -> Result<(), RelayError> {
+        loop {
+            let generation = self.sink.generation();
+            while !s.deliveries.is_empty() {
+                let next = stream
+                    .keep_alive_while(s.received, s.reported_flush, s.status_every, s.deliveries.next())
+                    .await?;
+                if let Some(done) = next {
+                    s.delivered(&self.metrics, done)?;
+                }
+            }
+            self.sink.adopt(generation);
+            let mut purged = s.deliveries.take_purged();
+            if !purged.is_empty() {
+                tracing::debug!(
+                    records = purged.len(),
+                    "sending again the records the shared producer purged"
+                );
+            }
+            let mut stale = false;
+            while let Some((entry, record)) = purged.pop_front() {
+                if !self.election.still_held() {
+                    return Err(RelayError::LeadershipLost);
+                }
+                match self.sink.send_reported(&record) {
+                    Ok(SendOutcome::Sent(ticket)) => {
+                        self.metrics.resent_records.inc();
+                        s.deliveries.resent(ticket, entry);
+                    }
+                    Ok(SendOutcome::QueueFull) => {
+                        purged.push_front((entry, record));
+                        match stream
+                            .keep_alive_while(
+                                s.received,
+                                s.reported_flush,
+                                s.status_every,
+                                s.deliveries.next(),
+                            )
+                            .await?
+                        {
+                            Some(done) => s.delivered(&self.metrics, done)?,
+                            None => tokio::time::sleep(Duration::from_millis(1)).await,
+                        }
+                    }
+                    Err(KafkaSinkError::Purged) => {
+                        purged.push_front((entry, record));
+                        stale = true;
+                        break;
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            if !stale && !s.deliveries.has_purged() {
+                return Ok(());
+            }
+            // Purged again meanwhile: what is left goes after what the new
+            // purge gives back, in send order.
+            s.deliveries.keep_purged(purged);
         }
     }
 

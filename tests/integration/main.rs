@@ -23,4 +23,5 @@ mod reliability;
 mod replay;
 mod schema_registry;
 mod sdk;
+mod shared_producer;
 mod sources;

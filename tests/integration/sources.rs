@@ -584,7 +584,7 @@ async fn run_with_source_keeps_to_it_across_reloads() {
 }
 
 /// Prints outboxd's log when the test fails.
-struct LogOnFailure(std::path::PathBuf);
+pub(crate) struct LogOnFailure(pub(crate) std::path::PathBuf);
 
 impl Drop for LogOnFailure {
     fn drop(&mut self) {

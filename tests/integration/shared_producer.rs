@@ -1,0 +1,465 @@
+//! One producer shared by the at-least-once sources of a process
+//! (`outboxd::kafka::clients`): a delivery that fails purges the shared
+//! queue, and the other lanes send what came back purged again, in order,
+//! without a session restart.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::net::SocketAddr;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use outboxd::kafka::clients::KafkaClients;
+use outboxd::kafka::delivery::{Report, ReportQueue, Ticket};
+use outboxd::kafka::records::KafkaRecord;
+use outboxd::kafka::sink::{KafkaSink, KafkaSinkError, SendOutcome, SinkKind};
+use uuid::Uuid;
+
+use crate::harness::broker::{broker, consume_to_end, create_topics_with, Consumed};
+use crate::harness::{wait_for, TestDb};
+use crate::relay::{config_text, write_config, Daemon};
+
+fn now_ms() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as i64
+}
+
+/// Every report `queue` gets for `tickets`, within 30 s.
+async fn reports(queue: &ReportQueue, tickets: &[Ticket]) -> HashMap<Ticket, Report> {
+    let mut got = HashMap::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while got.len() < tickets.len() {
+        let mut batch = std::collections::VecDeque::new();
+        queue.take(&mut batch);
+        got.extend(batch);
+        if got.len() < tickets.len() {
+            assert!(
+                Instant::now() < deadline,
+                "{} of {} reports",
+                got.len(),
+                tickets.len()
+            );
+            let _ = tokio::time::timeout(Duration::from_millis(200), queue.arrived()).await;
+        }
+    }
+    got
+}
+
+fn send(sink: &mut KafkaSink, rec: &KafkaRecord) -> Result<Ticket, KafkaSinkError> {
+    match sink.send_reported(rec)? {
+        SendOutcome::Sent(t) => Ok(t),
+        SendOutcome::QueueFull => panic!("queue full"),
+    }
+}
+
+/// The producer level, on the real broker. Lane A's record is refused
+/// (a timestamp past its topic's `message.timestamp.after.max.ms`) while
+/// lane B's records still linger in the queue: the purge gives B's back
+/// unsent, B's next send is refused until B catches up, B sends them again
+/// in order and every one is stored once; the producer then goes on for
+/// both lanes, on partitions whose queued sequence numbers were purged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_delivery_purges_the_shared_queue_and_the_other_lanes_send_theirs_again() {
+    let brokers = broker().brokers.clone();
+    let tag = &Uuid::new_v4().simple().to_string()[..8];
+    let (strict, plain) = (format!("purge{tag}.strict"), format!("purge{tag}.plain"));
+    {
+        let (b, s, p) = (brokers.clone(), strict.clone(), plain.clone());
+        tokio::task::spawn_blocking(move || {
+            create_topics_with(&b, &[s], &[("message.timestamp.after.max.ms", "60000")]);
+            create_topics_with(&b, &[p], &[]);
+        })
+        .await
+        .unwrap();
+    }
+    // Records wait 3 s in the queue before a batch goes.
+    let text = config_text(
+        "postgres://unused@127.0.0.1/unused",
+        "purge",
+        &brokers,
+        "",
+        "[kafka.options]\n\"linger.ms\" = \"3000\"",
+    );
+    let (config, _) = outboxd::config::Config::from_toml(&text, |_| None).unwrap();
+    let clients = KafkaClients::new();
+    let kind = SinkKind::default();
+    let timeout = Duration::from_secs(10);
+    let mut a = clients.sink(&config.kafka, timeout, &kind).unwrap();
+    let mut b = clients.sink(&config.kafka, timeout, &kind).unwrap();
+    assert!(a.shares_producer() && b.shares_producer());
+    assert_eq!(clients.shared_producers(), 1, "one producer for both");
+    a.ensure_topic(&strict).await.unwrap();
+    b.ensure_topic(&plain).await.unwrap();
+    let record = |topic: &str, key: &str, value: String, ts: i64| KafkaRecord {
+        topic: topic.to_owned(),
+        key: key.as_bytes().to_vec(),
+        value: value.into_bytes(),
+        headers: vec![("id".into(), Uuid::new_v4().to_string().into_bytes())],
+        timestamp_ms: ts,
+    };
+    // A's record is ten minutes ahead: the broker refuses its batch.
+    let refused = send(&mut a, &record(&strict, "k", "ahead".into(), now_ms() + 600_000)).unwrap();
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    // B's records join the queue a second later: they still linger when
+    // A's batch is refused.
+    let mut b_records = Vec::new();
+    let mut b_tickets = Vec::new();
+    for i in 0..40 {
+        let r = record(&plain, &format!("agg{}", i % 4), format!("{i}"), now_ms());
+        b_tickets.push(send(&mut b, &r).unwrap());
+        b_records.push(r);
+    }
+    let a_reports = reports(&a.reports(), &[refused]).await;
+    assert!(a_reports[&refused].is_failure(), "{:?}", a_reports[&refused]);
+    let b_reports = reports(&b.reports(), &b_tickets).await;
+    // Read once the purge is over (its reports are in).
+    let seen = b.generation();
+    let purged = b_tickets
+        .iter()
+        .filter(|t| b_reports[t].was_purged_unsent())
+        .count();
+    assert_eq!(purged, 40, "every lingering record of B came back purged unsent");
+    assert!(seen >= 1, "the producer moved to a new generation");
+    // Nothing new from B until it caught up.
+    let late = record(&plain, "agg0", "late".into(), now_ms());
+    assert!(matches!(b.send_reported(&late), Err(KafkaSinkError::Purged)));
+    b.adopt(seen);
+    let mut again = Vec::new();
+    for r in b_records.iter().chain([&late]) {
+        again.push(send(&mut b, r).unwrap());
+    }
+    let b_reports = reports(&b.reports(), &again).await;
+    assert!(
+        again
+            .iter()
+            .all(|t| matches!(b_reports[t], Report::Stored { .. })),
+        "every record sent again is stored: {:?}",
+        b_reports.values().find(|r| !matches!(r, Report::Stored { .. }))
+    );
+    // A goes on too, on the same producer, once it caught up.
+    assert!(a.is_stale());
+    a.adopt(a.generation());
+    let fine = send(&mut a, &record(&strict, "k", "now".into(), now_ms())).unwrap();
+    assert!(matches!(
+        reports(&a.reports(), &[fine]).await[&fine],
+        Report::Stored { .. }
+    ));
+    // What B's topic holds: each record once, each aggregate in order.
+    let p = plain.clone();
+    let got = tokio::task::spawn_blocking(move || consume_to_end(&brokers, &[&p], Duration::from_secs(30)))
+        .await
+        .unwrap();
+    let mut by_key: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for r in &got {
+        by_key
+            .entry(r.key.clone())
+            .or_default()
+            .push(String::from_utf8_lossy(&r.value).into_owned());
+    }
+    assert_eq!(got.len(), 41, "nothing lost, nothing twice: {by_key:?}");
+    for (key, values) in &by_key {
+        let mut expected: Vec<String> = (0..40)
+            .filter(|i| format!("agg{}", i % 4) == *key)
+            .map(|i| i.to_string())
+            .collect();
+        if key == "agg0" {
+            expected.push("late".into());
+        }
+        assert_eq!(values, &expected, "{key} in order");
+    }
+}
+
+/// Outbox rows of one source's table: `n` per transaction over aggregates
+/// `a0`..`a4`, each carrying its per-aggregate sequence number; `ahead`
+/// gives the last row a `created_at` four minutes ahead.
+async fn write(
+    client: &tokio_postgres::Client,
+    table: &str,
+    seq: &mut HashMap<String, i64>,
+    n: usize,
+    ahead: bool,
+) {
+    let mut sql = String::from("BEGIN;");
+    for i in 0..n {
+        let agg = format!("a{}", i % 5);
+        let s = seq.entry(agg.clone()).or_default();
+        *s += 1;
+        let created = if ahead && i == n - 1 {
+            "now() + interval '4 minutes'"
+        } else {
+            "clock_timestamp()"
+        };
+        sql.push_str(&format!(
+            "INSERT INTO {table} (id, aggregate_type, aggregate_id, type, payload, created_at) VALUES ('{}', 'order', '{agg}', 'o.v1', '{{\"seq\": {s}}}', {created});",
+            Uuid::new_v4()
+        ));
+    }
+    sql.push_str("COMMIT;");
+    client.batch_execute(&sql).await.unwrap();
+}
+
+/// Each aggregate's sequence numbers in `topic`, each event once (the
+/// first copy, as a consumer that deduplicates by id sees them).
+async fn first_copies(topic: &str) -> (BTreeMap<String, Vec<i64>>, usize) {
+    let t = topic.to_owned();
+    let got: Vec<Consumed> = tokio::task::spawn_blocking(move || {
+        consume_to_end(&broker().brokers, &[&t], Duration::from_secs(30))
+    })
+    .await
+    .unwrap();
+    let mut seen = HashSet::new();
+    let mut by_key: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    for r in &got {
+        if !seen.insert(r.header("id").unwrap().to_owned()) {
+            continue;
+        }
+        let v: serde_json::Value = serde_json::from_slice(&r.value).unwrap();
+        by_key
+            .entry(r.key.clone())
+            .or_default()
+            .push(v["data"]["seq"].as_i64().unwrap());
+    }
+    (by_key, seen.len())
+}
+
+/// Waits until `topic` holds every event `seq` counts, each aggregate in
+/// order, apart from `missing` (a row dead-lettered instead).
+async fn arrive_in_order(topic: &str, seq: &HashMap<String, i64>, missing: &HashSet<(String, i64)>) {
+    let want: usize = seq.values().map(|n| *n as usize).sum::<usize>() - missing.len();
+    let (by_key, unique) = wait_for(topic, Duration::from_secs(90), || async {
+        let (by_key, unique) = first_copies(topic).await;
+        (unique >= want).then_some((by_key, unique))
+    })
+    .await;
+    assert_eq!(unique, want, "{topic}: nothing else");
+    for (agg, n) in seq {
+        let expected: Vec<i64> = (1..=*n)
+            .filter(|s| !missing.contains(&(agg.clone(), *s)))
+            .collect();
+        assert_eq!(
+            by_key.get(agg),
+            Some(&expected),
+            "{topic}: {agg}, every event, in order"
+        );
+    }
+}
+
+/// The value of `name{source="<source>"}` in Prometheus text (0 if absent).
+fn sourced(metrics: &str, name: &str, source: &str) -> f64 {
+    let series = format!("{name}{{source=\"{source}\"}} ");
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(&series))
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap_or(0.0)
+}
+
+async fn get(addr: SocketAddr, path: &str) -> Option<String> {
+    let url = format!("http://{addr}{path}");
+    tokio::task::spawn_blocking(move || {
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .timeout_global(Some(Duration::from_secs(30)))
+            .build()
+            .into();
+        agent
+            .get(&url)
+            .call()
+            .ok()
+            .and_then(|mut r| r.body_mut().read_to_string().ok())
+    })
+    .await
+    .unwrap()
+}
+
+/// Threads of process `pid` whose name is `name`.
+fn threads_named(pid: u32, name: &str) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|comm| comm.trim_end() == name)
+        .count()
+}
+
+async fn slot_pid(client: &tokio_postgres::Client, slot: &str) -> Option<i32> {
+    client
+        .query_opt(
+            "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .unwrap()
+        .and_then(|r| r.get(0))
+}
+
+/// The real binary with three sources on one producer: `alpha` and `beta`
+/// stream (CDC), `gamma` polls. Records linger 300 ms in the shared queue,
+/// so the others always have some queued when Kafka refuses alpha's row
+/// with a timestamp too far ahead for its topic. Alpha replays and
+/// dead-letters that row alone; beta sends its purged records again
+/// without a session restart (same walsender, no reconnect); gamma's round
+/// ends and the next one sends its rows again. Every event of each source
+/// arrives once first, each aggregate in order; one producer serves all
+/// three (one librdkafka producer and one admin client in the process).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_in_one_source_costs_the_others_a_resend_in_order() {
+    let run = &Uuid::new_v4().simple().to_string()[..6];
+    let db = TestDb::new("shared_producer").await;
+    let sql = db.client().await;
+    sql.batch_execute(
+        "CREATE TABLE outbox_b (LIKE outbox INCLUDING ALL); CREATE TABLE outbox_c (LIKE outbox INCLUDING ALL);",
+    )
+    .await
+    .unwrap();
+    let prefix = |name: &str| format!("sp{name}{run}");
+    let topic = |name: &str| format!("{}.order", prefix(name));
+    let brokers = broker().brokers.clone();
+    {
+        let (b, t) = (brokers.clone(), topic("alpha"));
+        tokio::task::spawn_blocking(move || {
+            create_topics_with(&b, &[t], &[("message.timestamp.after.max.ms", "60000")])
+        })
+        .await
+        .unwrap();
+    }
+    let listen: SocketAddr = format!("127.0.0.1:{}", crate::harness::postgres::free_port())
+        .parse()
+        .unwrap();
+    let url = db.superuser_url();
+    let source = |name: &str, table: &str, extra: &str| {
+        format!(
+            r#"
+[[sources]]
+name = "{name}"
+{extra}
+[sources.postgres]
+url = "{url}"
+table = "{table}"
+slot = "sp_{name}_{run}"
+publication = "sp_{name}_{run}"
+status_interval = "100ms"
+reconnect_backoff_max = "1s"
+[sources.polling]
+interval = "50ms"
+[sources.routing]
+topic = "{prefix}.{{aggregate_type}}"
+dead_letter_topic = "{prefix}.dlq"
+on_poison = "dead-letter"
+"#,
+            prefix = prefix(name)
+        )
+    };
+    let text = format!(
+        r#"
+[kafka]
+brokers = "{brokers}"
+topic_partitions = 3
+topic_replication_factor = 1
+admin_timeout = "5s"
+[kafka.options]
+"linger.ms" = "300"
+
+[http]
+listen = "{listen}"
+
+[shutdown]
+drain_timeout = "10s"
+{alpha}{beta}{gamma}"#,
+        alpha = source("alpha", "outbox", ""),
+        beta = source("beta", "outbox_b", ""),
+        gamma = source("gamma", "outbox_c", "mode = \"polling\""),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(dir.path(), "outboxd.toml", &text);
+    let log = dir.path().join("outboxd.log");
+    let _log_on_failure = crate::sources::LogOnFailure(log.clone());
+    let daemon = Daemon::start_logging(&config, &log, "info");
+    wait_for("every source ready", Duration::from_secs(60), || async {
+        get(listen, "/readyz").await
+    })
+    .await;
+    let (mut sa, mut sb, mut sc) = (HashMap::new(), HashMap::new(), HashMap::new());
+    for _ in 0..5 {
+        write(&sql, "outbox", &mut sa, 5, false).await;
+        write(&sql, "outbox_b", &mut sb, 5, false).await;
+        write(&sql, "outbox_c", &mut sc, 5, false).await;
+    }
+    arrive_in_order(&topic("beta"), &sb, &HashSet::new()).await;
+    let beta_pid = slot_pid(&sql, &format!("sp_beta_{run}")).await;
+    assert!(beta_pid.is_some());
+
+    // Beta and gamma write every 20 ms around alpha's refused row.
+    let started = Instant::now();
+    let mut wrote_ahead = false;
+    while started.elapsed() < Duration::from_secs(6) {
+        write(&sql, "outbox_b", &mut sb, 5, false).await;
+        write(&sql, "outbox_c", &mut sc, 5, false).await;
+        if !wrote_ahead && started.elapsed() > Duration::from_secs(2) {
+            write(&sql, "outbox", &mut sa, 5, true).await;
+            wrote_ahead = true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    write(&sql, "outbox", &mut sa, 5, false).await;
+    // The row ahead is a0..a4's fifth in its transaction: aggregate a4.
+    let ahead = HashSet::from([("a4".to_owned(), sa["a4"] - 1)]);
+    arrive_in_order(&topic("alpha"), &sa, &ahead).await;
+    arrive_in_order(&topic("beta"), &sb, &HashSet::new()).await;
+    arrive_in_order(&topic("gamma"), &sc, &HashSet::new()).await;
+    let dlq = prefix("alpha") + ".dlq";
+    let dead = tokio::task::spawn_blocking(move || {
+        consume_to_end(&broker().brokers, &[&dlq], Duration::from_secs(30))
+    })
+    .await
+    .unwrap();
+    assert_eq!(dead.len(), 1, "alpha's row ahead, dead-lettered alone");
+    assert_eq!(dead[0].header("dlq.reason"), Some("bad_timestamp"));
+    let unpublished: i64 = sql
+        .query_one("SELECT count(*) FROM outbox_c WHERE published_at IS NULL", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(unpublished, 0, "gamma marked every row published");
+
+    let metrics = wait_for("the status tick", Duration::from_secs(10), || async {
+        get(listen, "/metrics")
+            .await
+            .filter(|m| sourced(m, "outboxd_events_published_total", "beta") >= 1.0)
+    })
+    .await;
+    let resent = sourced(&metrics, "outboxd_resent_records_total", "beta");
+    assert!(resent > 0.0, "the refusal purged beta's queued records: {resent}");
+    assert_eq!(
+        sourced(&metrics, "outboxd_reconnects_total", "beta"),
+        0.0,
+        "beta's session went on"
+    );
+    let rounds_purged = sourced(&metrics, "outboxd_resent_records_total", "gamma");
+    assert!(
+        rounds_purged > 0.0,
+        "the refusal purged gamma's queued rows: {rounds_purged}"
+    );
+    assert_eq!(
+        sourced(&metrics, "outboxd_reconnects_total", "gamma"),
+        0.0,
+        "gamma's rounds went on without a backoff"
+    );
+    assert!(sourced(&metrics, "outboxd_reconnects_total", "alpha") >= 1.0);
+    assert_eq!(
+        slot_pid(&sql, &format!("sp_beta_{run}")).await,
+        beta_pid,
+        "beta's walsender is the same"
+    );
+    // One producer and one admin client in the process, once alpha is
+    // past its isolation (a producer of its own, sending one record per
+    // batch) and back on the shared one.
+    let pid = daemon.pid();
+    // (The slot register's writes come and go with clients of their own.)
+    wait_for(
+        "one producer and one admin client",
+        Duration::from_secs(30),
+        || async {
+            let producers = threads_named(pid, "outboxd-produce");
+            let clients = threads_named(pid, "rdk:main");
+            (producers == 1 && clients == 2).then_some(())
+        },
+    )
+    .await;
+    assert!(daemon.sigterm().success());
+}
