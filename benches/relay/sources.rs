@@ -3,25 +3,42 @@
 //! source, then one outboxd drains three backlogs of `n` at once, from
 //! three sources (three outbox tables, three slots and publications, one
 //! database). Reported side by side: the total rate, CPU per 100k events,
-//! the process's peak RSS and what each source adds to it.
+//! the process's peak RSS and what each source adds to it, and the Kafka
+//! clients the process holds (librdkafka instances and producers).
+//!
+//! Then the neighbour: a second source writes a trickle (one event per
+//! transaction, 100 a second) while the first source is idle, and again
+//! while it drains a backlog of `n`; the trickle's commit → ack p50 and p99
+//! (from its own histogram) say what a busy source costs the others on the
+//! producer they share.
+//!
+//! With `OUTBOXD_BENCH_REFERENCE` (an earlier build, in which each source
+//! had a producer of its own), every run is made with both binaries, one
+//! after the other, and the table has both.
 
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
 use super::harness::postgres::free_port;
-use super::measure::{started_at, unix_now, usage};
-use super::relays::Setting;
+use super::measure::{histogram_quantile, scrape, started_at, unix_now, usage};
+use super::relays::{reference_binary, Setting};
 use super::{confirmed, create_slot, drop_slot, harness, watch, write_rows_into, Shape, PARTITIONS};
 
 /// One drain of `sources` backlogs of `n` events each, by one process.
 struct Run {
+    binary: &'static str,
     sources: usize,
     events: usize,
     secs: f64,
     rss_mib: f64,
     cpu_s: f64,
+    /// librdkafka instances (`rdk:main` threads) and producers
+    /// (`outboxd-producer` threads) at the end of the drain.
+    clients: usize,
+    producers: usize,
 }
 
 impl Run {
@@ -68,7 +85,47 @@ topic = "many{tag}-{i}-{{aggregate_type}}"
     text
 }
 
-async fn drain(client: &mut tokio_postgres::Client, s: &Setting, sources: usize, tag: &str, n: usize) -> Run {
+/// This build, or the reference one.
+fn binary(reference: bool) -> (&'static str, PathBuf) {
+    match reference_binary().filter(|_| reference) {
+        Some(path) => ("reference", path),
+        None => ("this build", PathBuf::from(env!("CARGO_BIN_EXE_outboxd"))),
+    }
+}
+
+/// Threads of `pid` whose name starts with `prefix`.
+fn threads(pid: u32, prefix: &str) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|d| {
+            d.filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+                .filter(|comm| comm.starts_with(prefix))
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+fn start(binary: &Path, s: &Setting, path: &Path, log: &str) -> std::process::Child {
+    let log = std::fs::File::create(s.dir.join(log)).unwrap();
+    Command::new(binary)
+        .args(["run", "--config"])
+        .arg(path)
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .unwrap()
+}
+
+async fn drain(
+    client: &mut tokio_postgres::Client,
+    s: &Setting,
+    sources: usize,
+    tag: &str,
+    n: usize,
+    reference: bool,
+) -> Run {
+    let (name, binary) = binary(reference);
     let topics: Vec<String> = (0..sources).map(|i| format!("many{tag}-{i}-order")).collect();
     {
         let (brokers, topics) = (s.brokers.clone(), topics.clone());
@@ -90,16 +147,7 @@ async fn drain(client: &mut tokio_postgres::Client, s: &Setting, sources: usize,
     let http_port = free_port();
     let path = s.dir.join(format!("many-{tag}.toml"));
     std::fs::write(&path, config(s, sources, tag, http_port)).unwrap();
-    let log = std::fs::File::create(s.dir.join(format!("many-{tag}.log"))).unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_outboxd"))
-        .args(["run", "--config"])
-        .arg(&path)
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null())
-        .stdout(log.try_clone().unwrap())
-        .stderr(log)
-        .spawn()
-        .unwrap();
+    let mut child = start(&binary, s, &path, &format!("many-{tag}.log"));
     let pid = child.id();
     let wm = watch::client(&s.brokers);
     let deadline = Instant::now() + Duration::from_secs(3600);
@@ -125,17 +173,161 @@ async fn drain(client: &mut tokio_postgres::Client, s: &Setting, sources: usize,
     }
     let secs = unix_now() - started_at(pid);
     let (rss_mib, cpu_s) = usage(pid);
+    let (clients, producers) = (threads(pid, "rdk:main"), threads(pid, "outboxd-produce"));
     let _ = Command::new("kill").args(["-TERM", &pid.to_string()]).status();
     let _ = child.wait();
     for (slot, _) in &targets {
         drop_slot(client, slot).await;
     }
     Run {
+        binary: name,
         sources,
         events: n * sources,
         secs,
         rss_mib,
         cpu_s,
+        clients,
+        producers,
+    }
+}
+
+/// The trickle source's commit → ack while its neighbour idles or drains.
+struct Neighbour {
+    binary: &'static str,
+    /// The neighbour's backlog (0: idle).
+    backlog: usize,
+    events: f64,
+    p50_ms: f64,
+    p99_ms: f64,
+    /// How long the neighbour took to drain its backlog.
+    drain_secs: f64,
+}
+
+/// `outboxd_commit_to_ack_seconds` buckets of `source`, as (le, count).
+fn source_histogram(text: &str, source: &str) -> Vec<(f64, f64)> {
+    let label = format!("source=\"{source}\"");
+    text.lines()
+        .filter(|l| l.starts_with("outboxd_commit_to_ack_seconds_bucket{") && l.contains(&label))
+        .filter_map(|l| {
+            let le = l.split("le=\"").nth(1)?.split('"').next()?;
+            let le = if le == "+Inf" {
+                f64::INFINITY
+            } else {
+                le.parse().ok()?
+            };
+            Some((le, l.rsplit(' ').next()?.parse().ok()?))
+        })
+        .collect()
+}
+
+/// Source s1 writes 100 one-event transactions a second while source s0
+/// drains a backlog of `backlog` events (at least 8 s; 0: s0 stays idle).
+async fn neighbour(
+    client: &mut tokio_postgres::Client,
+    s: &Setting,
+    tag: &str,
+    backlog: usize,
+    reference: bool,
+) -> Neighbour {
+    let (name, binary) = binary(reference);
+    let topics: Vec<String> = (0..2).map(|i| format!("many{tag}-{i}-order")).collect();
+    {
+        let (brokers, topics) = (s.brokers.clone(), topics.clone());
+        tokio::task::spawn_blocking(move || harness::broker::create_topics_with(&brokers, &topics, &[]))
+            .await
+            .unwrap();
+    }
+    let mut slots = Vec::new();
+    for i in 0..2 {
+        client
+            .batch_execute(&format!("TRUNCATE {}", table(i)))
+            .await
+            .unwrap();
+        let slot = format!("many_{tag}_{i}");
+        create_slot(client, &slot).await;
+        slots.push(slot);
+    }
+    let target = if backlog > 0 {
+        Some(write_rows_into(client, &table(0), backlog, Shape::STANDARD).await)
+    } else {
+        None
+    };
+    let http_port = free_port();
+    let path = s.dir.join(format!("many-{tag}.toml"));
+    std::fs::write(&path, config(s, 2, tag, http_port)).unwrap();
+    let mut child = start(&binary, s, &path, &format!("many-{tag}.log"));
+    let pid = child.id();
+    // Ready once s1 has acknowledged a first event.
+    let url = format!(
+        "postgres://postgres@127.0.0.1:{}/postgres?sslmode=disable",
+        s.pg_port
+    );
+    let (writer, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let insert = format!(
+        "INSERT INTO {} (id, aggregate_type, aggregate_id, type, payload) VALUES (gen_random_uuid(), 'Order', 'n-' || $1::int % 50, 'ordering.order-placed.v1', jsonb_build_object('i', $1::int))",
+        table(1)
+    );
+    let mut i = 0i32;
+    let before = loop {
+        writer.execute(&insert, &[&i]).await.unwrap();
+        i += 1;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let text = tokio::task::block_in_place(|| scrape(http_port));
+        let h = source_histogram(&text, "s1");
+        if h.last().is_some_and(|b| b.1 > 0.0) {
+            break h;
+        }
+    };
+    // The trickle, until s0 drained (and for at least 8 s).
+    let started = Instant::now();
+    let mut drained_at = None;
+    let mut tick = tokio::time::interval(Duration::from_millis(10));
+    loop {
+        tick.tick().await;
+        writer.execute(&insert, &[&i]).await.unwrap();
+        i += 1;
+        if drained_at.is_none() && i % 20 == 0 {
+            let done = match target {
+                Some(t) => confirmed(client, &slots[0]).await >= t,
+                None => true,
+            };
+            if done {
+                drained_at = Some(started.elapsed());
+            }
+        }
+        if drained_at.is_some() && started.elapsed() >= Duration::from_secs(8) {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(3600),
+            "no drain within an hour"
+        );
+    }
+    // The last events' acknowledgements.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let after = tokio::task::block_in_place(|| source_histogram(&scrape(http_port), "s1"));
+    let _ = Command::new("kill").args(["-TERM", &pid.to_string()]).status();
+    let _ = child.wait();
+    for slot in &slots {
+        drop_slot(client, slot).await;
+    }
+    let delta: Vec<(f64, f64)> = after
+        .iter()
+        .map(|(le, c)| {
+            let was = before.iter().find(|(l, _)| l == le).map_or(0.0, |b| b.1);
+            (*le, c - was)
+        })
+        .collect();
+    Neighbour {
+        binary: name,
+        backlog,
+        events: delta.last().map_or(0.0, |b| b.1),
+        p50_ms: histogram_quantile(&delta, 0.5) * 1000.0,
+        p99_ms: histogram_quantile(&delta, 0.99) * 1000.0,
+        drain_secs: drained_at.map_or(0.0, |d| d.as_secs_f64()),
     }
 }
 
@@ -160,34 +352,82 @@ pub async fn run(client: &mut tokio_postgres::Client, s: &Setting, n: usize) -> 
     }
     // One source drains first and again last, so the broker's warming up
     // favours neither side; the ratios use the faster one-source drain.
-    let first = drain(client, s, 1, "1a", n).await;
-    let three = drain(client, s, 3, "3", n).await;
-    let last = drain(client, s, 1, "1b", n).await;
-    let one = if last.rate() > first.rate() { &last } else { &first };
-    println!("| sources | events | drain (total) | CPU per 100k events | peak RSS | RSS per source |");
-    println!("|---|---|---|---|---|---|");
-    for r in [&first, &three, &last] {
+    // With a reference binary, each of its runs follows this build's.
+    let reference = reference_binary().is_some();
+    let builds: &[bool] = if reference { &[false, true] } else { &[false] };
+    let mut runs = Vec::new();
+    for (tag, count) in [("1a", 1), ("3", 3), ("1b", 1)] {
+        for &r in builds {
+            let tag = format!("{tag}{}", if r { "r" } else { "" });
+            runs.push(drain(client, s, count, &tag, n, r).await);
+        }
+    }
+    println!("| binary | sources | events | drain (total) | CPU per 100k events | peak RSS | RSS per source | librdkafka clients / producers |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for r in &runs {
         println!(
-            "| {} | {} | {:.0} events/s | {:.2} core-s | {:.1} MiB | {:.1} MiB |",
+            "| {} | {} | {} | {:.0} events/s | {:.2} core-s | {:.1} MiB | {:.1} MiB | {} / {} |",
+            r.binary,
             r.sources,
             r.events,
             r.rate(),
             r.cpu_per_100k(),
             r.rss_mib,
-            r.rss_mib / r.sources as f64
+            r.rss_mib / r.sources as f64,
+            r.clients,
+            r.producers
         );
     }
-    let added = (three.rss_mib - one.rss_mib) / 2.0;
+    let mut summary = serde_json::Map::new();
+    for &r in builds {
+        let name = binary(r).0;
+        let of = |sources: usize| {
+            runs.iter()
+                .filter(move |x| x.binary == name && x.sources == sources)
+        };
+        let one = of(1).max_by(|a, b| a.rate().total_cmp(&b.rate())).unwrap();
+        let three = of(3).next().unwrap();
+        let added = (three.rss_mib - one.rss_mib) / 2.0;
+        println!(
+            "{name}: three sources beside one: total rate {:.2}x, CPU per event {:.2}x, each added source {added:.1} MiB of RSS",
+            three.rate() / one.rate(),
+            three.cpu_per_100k() / one.cpu_per_100k()
+        );
+        summary.insert(
+            name.to_owned(),
+            json!({"rate_ratio": three.rate() / one.rate(), "rss_mib_per_added_source": added,
+                   "three_sources_peak_rss_mib": three.rss_mib, "three_sources_events_per_second": three.rate()}),
+        );
+    }
+    // The neighbour: idle, then busy, then busy again, each with both builds.
+    let mut neighbours = Vec::new();
+    for (round, backlog) in [(0, 0), (1, n), (2, n)] {
+        for &r in builds {
+            let tag = format!("n{round}{}", if r { "r" } else { "" });
+            neighbours.push(neighbour(client, s, &tag, backlog, r).await);
+        }
+    }
+    println!();
     println!(
-        "three sources beside one: total rate {:.2}x, CPU per event {:.2}x, each added source {added:.1} MiB of RSS",
-        three.rate() / one.rate(),
-        three.cpu_per_100k() / one.cpu_per_100k()
+        "| binary | neighbour's backlog | trickle events | commit → ack p50 | p99 | neighbour drained in |"
     );
+    println!("|---|---|---|---|---|---|");
+    for x in &neighbours {
+        println!(
+            "| {} | {} | {:.0} | {:.1} ms | {:.1} ms | {:.1} s |",
+            x.binary, x.backlog, x.events, x.p50_ms, x.p99_ms, x.drain_secs
+        );
+    }
     let fig = |r: &Run| {
-        json!({"sources": r.sources, "events": r.events, "seconds": r.secs, "events_per_second": r.rate(),
+        json!({"binary": r.binary, "sources": r.sources, "events": r.events, "seconds": r.secs, "events_per_second": r.rate(),
                "cpu_seconds": r.cpu_s, "cpu_seconds_per_100k_events": r.cpu_per_100k(),
-               "peak_rss_mib": r.rss_mib, "rss_mib_per_source": r.rss_mib / r.sources as f64})
+               "peak_rss_mib": r.rss_mib, "rss_mib_per_source": r.rss_mib / r.sources as f64,
+               "librdkafka_clients": r.clients, "producers": r.producers})
     };
-    json!({"one": fig(&first), "three": fig(&three), "one_again": fig(&last), "rate_ratio": three.rate() / one.rate(),
-           "rss_mib_per_added_source": added})
+    let nfig = |x: &Neighbour| {
+        json!({"binary": x.binary, "neighbour_backlog": x.backlog, "events": x.events,
+               "p50_ms": x.p50_ms, "p99_ms": x.p99_ms, "neighbour_drain_seconds": x.drain_secs})
+    };
+    json!({"drains": runs.iter().map(fig).collect::<Vec<_>>(), "summary": summary,
+           "neighbour": neighbours.iter().map(nfig).collect::<Vec<_>>()})
 }

@@ -70,8 +70,12 @@ impl Relay {
             tokio::select! {
                 biased;
                 _ = shutdown.changed() => return Ok(()),
-                Some(done) = s.deliveries.next(), if !s.deliveries.is_empty() => {
-                    s.delivered(&self.metrics, done)?;
+                // `None`: what was left came back purged, to be sent
+                // again below.
+                done = s.deliveries.next(), if !s.deliveries.is_empty() => {
+                    if let Some(done) = done {
+                        s.delivered(&self.metrics, done)?;
+                    }
                 }
                 // Exactly-once: the background Kafka commit is done.
                 outcome = commit_outcome(s.durability.commit_handle()) => {
