@@ -59,9 +59,31 @@ fn table(i: usize) -> String {
     }
 }
 
+/// The HTTP verbs' token (pause and resume a source).
+const TOKEN: &str = "bench-sources-token-0123456789";
+
+/// `POST /sources/{source}/{verb}` with the token.
+fn verb(port: u16, source: &str, verb: &str) {
+    let url = format!("http://127.0.0.1:{port}/sources/{source}/{verb}");
+    ureq::post(&url)
+        .header("Authorization", &format!("Bearer {TOKEN}"))
+        .send_empty()
+        .unwrap_or_else(|e| panic!("{verb} {source}: {e}"));
+}
+
+/// Whether source `name`'s state (`GET /sources/{name}`) contains `state`.
+fn state_is(port: u16, name: &str, state: &str) -> bool {
+    ureq::get(&format!("http://127.0.0.1:{port}/sources/{name}"))
+        .header("Authorization", &format!("Bearer {TOKEN}"))
+        .call()
+        .ok()
+        .and_then(|mut r| r.body_mut().read_to_string().ok())
+        .is_some_and(|b| b.contains(&format!("\"state\":\"{state}\"")))
+}
+
 fn config(s: &Setting, sources: usize, tag: &str, http_port: u16) -> String {
     let mut text = format!(
-        "[kafka]\nbrokers = \"{}\"\ntopic_partitions = {PARTITIONS}\ntopic_replication_factor = 1\n{}\n[http]\nlisten = \"127.0.0.1:{http_port}\"\n[log]\nlevel = \"warn\"\n",
+        "[kafka]\nbrokers = \"{}\"\ntopic_partitions = {PARTITIONS}\ntopic_replication_factor = 1\n{}\n[http]\nlisten = \"127.0.0.1:{http_port}\"\nadmin_token = \"{TOKEN}\"\n[log]\nlevel = \"warn\"\n",
         s.brokers,
         s.outboxd_kafka.join("\n"),
     );
@@ -191,6 +213,80 @@ async fn drain(
     }
 }
 
+/// The footprint of `sources` idle sources: resident memory (not the
+/// peak), threads, librdkafka clients and open sockets, 10 s after every
+/// source is ready.
+struct Idle {
+    binary: &'static str,
+    sources: usize,
+    rss_mib: f64,
+    threads: usize,
+    clients: usize,
+    sockets: usize,
+}
+
+async fn idle(
+    client: &mut tokio_postgres::Client,
+    s: &Setting,
+    sources: usize,
+    tag: &str,
+    reference: bool,
+) -> Idle {
+    let (name, binary) = binary(reference);
+    let mut slots = Vec::new();
+    for i in 0..sources {
+        let slot = format!("many_{tag}_{i}");
+        create_slot(client, &slot).await;
+        slots.push(slot);
+    }
+    let http_port = free_port();
+    let path = s.dir.join(format!("many-{tag}.toml"));
+    std::fs::write(&path, config(s, sources, tag, http_port)).unwrap();
+    let mut child = start(&binary, s, &path, &format!("many-{tag}.log"));
+    let pid = child.id();
+    let ready = Instant::now();
+    while ureq::get(&format!("http://127.0.0.1:{http_port}/readyz"))
+        .call()
+        .is_err()
+    {
+        assert!(
+            ready.elapsed() < Duration::from_secs(120),
+            "{sources} sources not ready"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let field = |key: &str| -> f64 {
+        status
+            .lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+            .unwrap_or(0.0)
+    };
+    let sockets = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| {
+            d.filter_map(|f| std::fs::read_link(f.ok()?.path()).ok())
+                .filter(|l| l.to_string_lossy().starts_with("socket:"))
+                .count()
+        })
+        .unwrap_or(0);
+    let out = Idle {
+        binary: name,
+        sources,
+        rss_mib: field("VmRSS:") / 1024.0,
+        threads: field("Threads:") as usize,
+        clients: threads(pid, "rdk:main"),
+        sockets,
+    };
+    let _ = Command::new("kill").args(["-TERM", &pid.to_string()]).status();
+    let _ = child.wait();
+    for slot in &slots {
+        drop_slot(client, slot).await;
+    }
+    out
+}
+
 /// The trickle source's commit → ack while its neighbour idles or drains.
 struct Neighbour {
     binary: &'static str,
@@ -220,8 +316,10 @@ fn source_histogram(text: &str, source: &str) -> Vec<(f64, f64)> {
         .collect()
 }
 
-/// Source s1 writes 100 one-event transactions a second while source s0
-/// drains a backlog of `backlog` events (at least 8 s; 0: s0 stays idle).
+/// Source s1 writes 100 one-event transactions a second; source s0 is
+/// paused while its backlog of `backlog` events is written, then resumed a
+/// second into the trickle, which goes on until s0 has drained (and for at
+/// least 8 s; with no backlog s0 stays idle).
 async fn neighbour(
     client: &mut tokio_postgres::Client,
     s: &Setting,
@@ -247,17 +345,11 @@ async fn neighbour(
         create_slot(client, &slot).await;
         slots.push(slot);
     }
-    let target = if backlog > 0 {
-        Some(write_rows_into(client, &table(0), backlog, Shape::STANDARD).await)
-    } else {
-        None
-    };
     let http_port = free_port();
     let path = s.dir.join(format!("many-{tag}.toml"));
     std::fs::write(&path, config(s, 2, tag, http_port)).unwrap();
     let mut child = start(&binary, s, &path, &format!("many-{tag}.log"));
     let pid = child.id();
-    // Ready once s1 has acknowledged a first event.
     let url = format!(
         "postgres://postgres@127.0.0.1:{}/postgres?sslmode=disable",
         s.pg_port
@@ -270,32 +362,49 @@ async fn neighbour(
         "INSERT INTO {} (id, aggregate_type, aggregate_id, type, payload) VALUES (gen_random_uuid(), 'Order', 'n-' || $1::int % 50, 'ordering.order-placed.v1', jsonb_build_object('i', $1::int))",
         table(1)
     );
+    // Ready once s1 has acknowledged a first event.
     let mut i = 0i32;
-    let before = loop {
+    loop {
         writer.execute(&insert, &[&i]).await.unwrap();
         i += 1;
         tokio::time::sleep(Duration::from_millis(100)).await;
         let text = tokio::task::block_in_place(|| scrape(http_port));
-        let h = source_histogram(&text, "s1");
-        if h.last().is_some_and(|b| b.1 > 0.0) {
-            break h;
+        if source_histogram(&text, "s1").last().is_some_and(|b| b.1 > 0.0) {
+            break;
         }
+    }
+    // s0 holds its slot while its backlog is written.
+    tokio::task::block_in_place(|| {
+        verb(http_port, "s0", "pause");
+        while !state_is(http_port, "s0", "paused") {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    });
+    let target = if backlog > 0 {
+        Some(write_rows_into(client, &table(0), backlog, Shape::STANDARD).await)
+    } else {
+        None
     };
-    // The trickle, until s0 drained (and for at least 8 s).
+    let before = tokio::task::block_in_place(|| source_histogram(&scrape(http_port), "s1"));
     let started = Instant::now();
+    let mut resumed: Option<Instant> = None;
     let mut drained_at = None;
     let mut tick = tokio::time::interval(Duration::from_millis(10));
     loop {
         tick.tick().await;
         writer.execute(&insert, &[&i]).await.unwrap();
         i += 1;
-        if drained_at.is_none() && i % 20 == 0 {
+        if resumed.is_none() && started.elapsed() >= Duration::from_secs(1) {
+            tokio::task::block_in_place(|| verb(http_port, "s0", "resume"));
+            resumed = Some(Instant::now());
+        }
+        if let (Some(at), None, true) = (resumed, drained_at, i % 20 == 0) {
             let done = match target {
                 Some(t) => confirmed(client, &slots[0]).await >= t,
                 None => true,
             };
             if done {
-                drained_at = Some(started.elapsed());
+                drained_at = Some(at.elapsed());
             }
         }
         if drained_at.is_some() && started.elapsed() >= Duration::from_secs(8) {
@@ -331,11 +440,14 @@ async fn neighbour(
     }
 }
 
+/// Idle sources in the footprint table's larger row.
+const IDLE_SOURCES: usize = 8;
+
 /// Runs one source, then three; a markdown table on stdout and JSON.
 pub async fn run(client: &mut tokio_postgres::Client, s: &Setting, n: usize) -> Value {
     // Each source's table and publication exist before its slot: a slot
     // decodes with the catalog of its own past.
-    for i in 0..3 {
+    for i in 0..IDLE_SOURCES {
         if i > 0 {
             client
                 .batch_execute(&format!(
@@ -418,6 +530,39 @@ pub async fn run(client: &mut tokio_postgres::Client, s: &Setting, n: usize) -> 
             x.binary, x.backlog, x.events, x.p50_ms, x.p99_ms, x.drain_secs
         );
     }
+    // Idle: one source, then IDLE_SOURCES, each with both builds.
+    let mut idles = Vec::new();
+    for count in [1, IDLE_SOURCES] {
+        for &r in builds {
+            let tag = format!("i{count}{}", if r { "r" } else { "" });
+            idles.push(idle(client, s, count, &tag, r).await);
+        }
+    }
+    println!();
+    println!("| binary | idle sources | RSS | threads | librdkafka clients | sockets |");
+    println!("|---|---|---|---|---|---|");
+    for x in &idles {
+        println!(
+            "| {} | {} | {:.1} MiB | {} | {} | {} |",
+            x.binary, x.sources, x.rss_mib, x.threads, x.clients, x.sockets
+        );
+    }
+    for &r in builds {
+        let name = binary(r).0;
+        let of = |n: usize| idles.iter().find(|x| x.binary == name && x.sources == n);
+        if let (Some(one), Some(many)) = (of(1), of(IDLE_SOURCES)) {
+            println!(
+                "{name}: each idle source adds {:.1} MiB, {:.1} threads, {:.1} sockets",
+                (many.rss_mib - one.rss_mib) / (IDLE_SOURCES - 1) as f64,
+                (many.threads as f64 - one.threads as f64) / (IDLE_SOURCES - 1) as f64,
+                (many.sockets as f64 - one.sockets as f64) / (IDLE_SOURCES - 1) as f64,
+            );
+        }
+    }
+    let ifig = |x: &Idle| {
+        json!({"binary": x.binary, "sources": x.sources, "rss_mib": x.rss_mib, "threads": x.threads,
+               "librdkafka_clients": x.clients, "sockets": x.sockets})
+    };
     let fig = |r: &Run| {
         json!({"binary": r.binary, "sources": r.sources, "events": r.events, "seconds": r.secs, "events_per_second": r.rate(),
                "cpu_seconds": r.cpu_s, "cpu_seconds_per_100k_events": r.cpu_per_100k(),
@@ -429,5 +574,6 @@ pub async fn run(client: &mut tokio_postgres::Client, s: &Setting, n: usize) -> 
                "p50_ms": x.p50_ms, "p99_ms": x.p99_ms, "neighbour_drain_seconds": x.drain_secs})
     };
     json!({"drains": runs.iter().map(fig).collect::<Vec<_>>(), "summary": summary,
+           "idle": idles.iter().map(ifig).collect::<Vec<_>>(),
            "neighbour": neighbours.iter().map(nfig).collect::<Vec<_>>()})
 }

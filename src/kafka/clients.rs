@@ -19,6 +19,10 @@
 //! ([`SinkKind`]). The admin client (topic creation, configurations,
 //! metadata probes) is shared by every sink of one `[kafka]` section.
 //!
+//! `enable.gapless.guarantee = "true"` in `kafka.options` turns sharing
+//! off: with it librdkafka fails for good when a purge takes a record it is
+//! retrying, so each source keeps a producer of its own.
+//!
 //! A shared producer lives while a sink uses it; one with a fatal error is
 //! replaced for the next sink that asks, and the sinks still on it fail
 //! their sessions and come back for the new one.
@@ -41,7 +45,7 @@ use crate::kafka::sink::{
 /// sources' budgets let into it. librdkafka reserves nothing for them.
 const SHARED_QUEUE_MESSAGES: &str = "10000000";
 /// 2^31 - 1 KiB, librdkafka's largest.
-const SHARED_QUEUE_KBYTES: &str = "2147483647";
+pub(crate) const SHARED_QUEUE_KBYTES: &str = "2147483647";
 
 /// The process's shared Kafka clients, by configuration.
 #[derive(Default)]

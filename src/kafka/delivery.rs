@@ -46,10 +46,14 @@
 //! later one). A producer of its own is simply dropped, which purges it. A
 //! shared one cannot be purged for one lane alone, so a producer created
 //! with [`Sharing::PurgeOnFailure`] purges its whole queue the moment a
-//! delivery fails ([`Report::is_failure`]): the poller thread does it, right
-//! after the poll that served the failure. Records already in a request go
-//! on and report as they will; every queued record of every lane reports
-//! `PurgeQueue`, never sent.
+//! delivery fails ([`Report::is_failure`]): the delivery callback wakes a
+//! thread of the producer's own (the purger), which purges at once, while
+//! librdkafka is still busy with the failure (an epoch bump, a round trip
+//! at least). Not the poller itself: rdkafka's `poll` keeps serving until
+//! its window ends, up to a second later, and the failed lane's queued
+//! records would go out meanwhile. Records already in a request go on and
+//! report as they will; every queued record of every lane reports
+//! `PurgeQueue`.
 //!
 //! The other lanes lose nothing by it: such a record was never sent, and its
 //! report gives it back whole. What they must not do is send anything new
@@ -59,7 +63,10 @@
 //! takes alone: a send on a lane of an older generation is refused
 //! ([`Stale`]), and the lane's owner first hears every report of what it
 //! sent, re-sends what came back purged in its order, and only then takes
-//! the new generation ([`Lane::adopt`]). Within a partition, what librdkafka
+//! the new generation ([`Lane::adopt`]). A send never waits for the lock:
+//! during a purge it is refused as stale too (a purge waits for every
+//! broker thread, which may be stuck resolving a host name), and the lane
+//! waits for the purge asynchronously ([`Producer::quiet_generation`]). Within a partition, what librdkafka
 //! transmitted before the purge precedes what it still queued, so a lane's
 //! stored records are a prefix of each partition's, and the re-sent rest
 //! follows them (`crate::relay` does this for its sessions; a polling round
@@ -271,8 +278,10 @@ pub enum Sharing {
 pub struct Reports {
     lanes: RwLock<HashMap<LaneId, ReportQueue>>,
     sharing: Sharing,
-    /// A delivery failed since the poller last looked: purge the queue.
+    /// A delivery failed since the purger last looked: purge the queue.
     purge_wanted: AtomicBool,
+    /// The purger thread, woken by a failed delivery.
+    purger: std::sync::OnceLock<std::thread::Thread>,
 }
 
 impl Reports {
@@ -298,6 +307,9 @@ impl ProducerContext for Reports {
         let report = Report::of(result);
         if self.sharing == Sharing::PurgeOnFailure && report.is_failure() {
             self.purge_wanted.store(true, Ordering::SeqCst);
+            if let Some(purger) = self.purger.get() {
+                purger.unpark();
+            }
         }
         self.route(ticket, report);
     }
@@ -326,17 +338,13 @@ const QUIET: Duration = Duration::from_secs(5);
 /// [`Lane`]s.
 pub struct Producer {
     inner: Arc<BaseProducer<Reports>>,
-    /// The generation (purges so far), behind the lock that orders sends
-    /// and purges (see the module doc).
-    generation: Arc<RwLock<u64>>,
+    /// The generation, and the lock that orders sends and purges.
+    gate: Arc<Gate>,
     next_lane: AtomicU32,
     stop: Arc<AtomicBool>,
     /// The poller is parked (or about to park): a send must wake it.
     parked: Arc<AtomicBool>,
     poller: std::thread::Thread,
-    /// Queue purges after failed deliveries, and records re-sent after
-    /// them, over the producer's life.
-    purges: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for Producer {
@@ -352,37 +360,44 @@ impl Producer {
             lanes: RwLock::default(),
             sharing,
             purge_wanted: AtomicBool::new(false),
+            purger: std::sync::OnceLock::new(),
         };
         let inner: Arc<BaseProducer<Reports>> = Arc::new(config.create_with_context(context)?);
         let stop = Arc::new(AtomicBool::new(false));
         let parked = Arc::new(AtomicBool::new(false));
-        let generation = Arc::new(RwLock::new(0));
-        let purges = Arc::new(AtomicU64::new(0));
+        let gate = Arc::new(Gate::default());
+        let spawn = |name: &str, work: Box<dyn FnOnce() + Send>| {
+            std::thread::Builder::new()
+                .name(name.into())
+                .spawn(work)
+                .map(|h| h.thread().clone())
+                .map_err(|e| {
+                    KafkaError::ClientCreation(format!("cannot start the producer's {name} thread: {e}"))
+                })
+        };
         let poller = {
             let poller = Poller {
                 producer: inner.clone(),
                 stop: stop.clone(),
                 parked: parked.clone(),
-                generation: generation.clone(),
-                purges: purges.clone(),
             };
-            std::thread::Builder::new()
-                .name("outboxd-producer".into())
-                .spawn(move || poller.serve())
-                .map_err(|e| {
-                    KafkaError::ClientCreation(format!("cannot start the producer's poller thread: {e}"))
-                })?
-                .thread()
-                .clone()
+            spawn("outboxd-producer", Box::new(move || poller.serve()))?
         };
+        if sharing == Sharing::PurgeOnFailure {
+            let (producer, gate, stop) = (inner.clone(), gate.clone(), stop.clone());
+            let purger = spawn(
+                "outboxd-purger",
+                Box::new(move || purge_after_failures(&producer, &gate, &stop)),
+            )?;
+            let _ = inner.context().purger.set(purger);
+        }
         Ok(Arc::new(Producer {
             inner,
-            generation,
+            gate,
             next_lane: AtomicU32::new(0),
             stop,
             parked,
             poller,
-            purges,
         }))
     }
 
@@ -407,15 +422,16 @@ impl Producer {
 
     /// Purges so far: the current generation.
     pub fn generation(&self) -> u64 {
-        *self
-            .generation
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.gate.generation.load(Ordering::SeqCst)
     }
 
-    /// Queue purges after failed deliveries so far.
-    pub fn purges(&self) -> u64 {
-        self.purges.load(Ordering::Relaxed)
+    /// The generation once no purge is under way (a send during one is
+    /// refused as stale), waiting for it without blocking a thread.
+    pub async fn quiet_generation(&self) -> u64 {
+        while self.gate.purging.load(Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        self.generation()
     }
 
     /// Whether failed deliveries purge this producer's queue.
@@ -438,15 +454,15 @@ impl Producer {
         ticket: Ticket,
         record: BaseRecord<'a, [u8], [u8], usize>,
     ) -> Result<Result<(), Refused<'a>>, Stale> {
-        let generation = self
-            .generation
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if *generation != seen {
+        // Never blocks: a purge holds the lock, and the send is stale.
+        let Ok(gate) = self.gate.lock.try_read() else {
+            return Err(Stale);
+        };
+        if self.gate.generation.load(Ordering::SeqCst) != seen {
             return Err(Stale);
         }
         let sent = self.inner.send(record.delivery_opaque(ticket));
-        drop(generation);
+        drop(gate);
         if sent.is_ok() {
             self.wake_poller();
         }
@@ -482,6 +498,9 @@ impl Drop for Producer {
         self.inner.purge(PurgeConfig::default().queue().inflight());
         self.stop.store(true, Ordering::SeqCst);
         self.poller.unpark();
+        if let Some(purger) = self.inner.context().purger.get() {
+            purger.unpark();
+        }
         // Awaited sends whose report never comes end as canceled.
         let lanes = self
             .inner
@@ -602,8 +621,6 @@ struct Poller {
     producer: Arc<BaseProducer<Reports>>,
     stop: Arc<AtomicBool>,
     parked: Arc<AtomicBool>,
-    generation: Arc<RwLock<u64>>,
-    purges: Arc<AtomicU64>,
 }
 
 impl Poller {
@@ -633,29 +650,45 @@ impl Poller {
         }
     }
 
-    /// Serves the queue, then purges it if a delivery failed meanwhile.
     fn poll(&self, timeout: Duration) {
         self.producer.poll(timeout);
-        if self.producer.context().purge_wanted.swap(false, Ordering::SeqCst) {
-            self.purge_after_failure();
-        }
     }
+}
 
-    /// Purges every record not yet sent, and moves to the next generation,
-    /// with no send in between (see the module doc).
-    fn purge_after_failure(&self) {
-        let mut generation = self
-            .generation
+/// The generation and the lock that orders sends and purges.
+#[derive(Debug, Default)]
+struct Gate {
+    lock: RwLock<()>,
+    generation: AtomicU64,
+    purging: AtomicBool,
+}
+
+/// The purger thread's loop: a failed delivery (see [`Reports`]) wakes it,
+/// and it purges every record not yet sent and moves to the next
+/// generation, with no send in between (see the module doc).
+fn purge_after_failures(producer: &BaseProducer<Reports>, gate: &Gate, stop: &AtomicBool) {
+    while !stop.load(Ordering::SeqCst) {
+        if !producer.context().purge_wanted.swap(false, Ordering::SeqCst) {
+            std::thread::park_timeout(IDLE_PURGER);
+            continue;
+        }
+        gate.purging.store(true, Ordering::SeqCst);
+        let held = gate
+            .lock
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let queued = self.producer.in_flight_count();
-        self.producer.purge(PurgeConfig::default().queue());
-        *generation += 1;
-        drop(generation);
-        self.purges.fetch_add(1, Ordering::Relaxed);
+        let queued = producer.in_flight_count();
+        producer.purge(PurgeConfig::default().queue());
+        gate.generation.fetch_add(1, Ordering::SeqCst);
+        drop(held);
+        gate.purging.store(false, Ordering::SeqCst);
         tracing::info!(
             held = queued,
             "a delivery failed: the shared producer's unsent records were purged; the source that failed replays from its slot, the others send theirs again in order"
         );
     }
 }
+
+/// How long the purger sleeps when nothing wakes it (it checks for its
+/// stop then).
+const IDLE_PURGER: Duration = Duration::from_secs(1);

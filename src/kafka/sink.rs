@@ -269,6 +269,19 @@ pub(crate) fn producer_config(cfg: &KafkaConfig, kind: &SinkKind) -> ClientConfi
     client
 }
 
+/// librdkafka's default `queue.buffering.max.kbytes`.
+const DEFAULT_QUEUE_KBYTES: &str = "1048576";
+
+/// `queue.buffering.max.kbytes` as `kafka.options` sets it, else `default`.
+fn queue_kbytes(cfg: &KafkaConfig, default: &str) -> u64 {
+    cfg.options
+        .get("queue.buffering.max.kbytes")
+        .map_or(default, String::as_str)
+        .trim()
+        .parse()
+        .unwrap_or(u64::MAX / 1024)
+}
+
 /// librdkafka's default `batch.size`.
 const DEFAULT_BATCH_SIZE: usize = 1_000_000;
 
@@ -394,6 +407,9 @@ pub struct KafkaSink {
     /// Records go uncompressed (no `compression.type` in `kafka.options`),
     /// so their size in a batch is known before sending.
     uncompressed: bool,
+    /// The value bytes librdkafka's queue holds at most
+    /// (`queue.buffering.max.kbytes`): a larger value never fits.
+    queue_bytes: u64,
     create_topics: bool,
     partitions: i32,
     replication_factor: i32,
@@ -469,7 +485,9 @@ impl KafkaSink {
         admin: std::sync::Arc<AdminClient<DefaultClientContext>>,
     ) -> Self {
         let lane = producer.lane(ReportQueue::default());
-        Self::assemble(cfg, timeout, (lane, None), None, admin)
+        let mut sink = Self::assemble(cfg, timeout, (lane, None), None, admin);
+        sink.queue_bytes = queue_kbytes(cfg, crate::kafka::clients::SHARED_QUEUE_KBYTES) * 1024;
+        sink
     }
 
     /// A sink on `producer` (a lane, and its `transactional.id` if any).
@@ -501,6 +519,7 @@ impl KafkaSink {
             replication_factor: cfg.topic_replication_factor,
             topic_config: cfg.topic_config.clone().into_iter().collect(),
             timeout,
+            queue_bytes: queue_kbytes(cfg, DEFAULT_QUEUE_KBYTES) * 1024,
             warm_up: None,
             transactional_id,
             in_transaction: false,
@@ -519,6 +538,12 @@ impl KafkaSink {
     /// [`KafkaSink::adopt`] it.
     pub fn generation(&self) -> u64 {
         self.producer.producer().generation()
+    }
+
+    /// The generation once no purge is under way (see
+    /// [`crate::kafka::delivery::Producer::quiet_generation`]).
+    pub async fn quiet_generation(&self) -> u64 {
+        self.producer.producer().quiet_generation().await
     }
 
     /// Takes generation `seen`: every record this sink sent before it has
@@ -984,20 +1009,16 @@ impl KafkaSink {
             .headers(headers)
             .timestamp(rec.timestamp_ms);
         let full = |e: &KafkaError| matches!(e, KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull));
+        // librdkafka counts a record's value against its queue's bytes: a
+        // value larger than all of them never fits, and waiting would
+        // never end. (A producer shared with other sources may be full of
+        // theirs, so an empty queue is no test.)
         let outcome = match send(&self.producer, record)? {
-            // Full with nothing held: tried again at once, the record does
-            // not fit an empty queue, and waiting would never end.
-            Err((e, record)) if full(&e) && self.producer.in_flight_count() == 0 => {
-                match send(&self.producer, record)? {
-                    // librdkafka counts the value against the queue.
-                    Err((e, _)) if full(&e) => {
-                        return Err(KafkaSinkError::QueueTooSmall {
-                            topic: rec.topic.clone(),
-                            bytes: rec.value.len(),
-                        })
-                    }
-                    other => other,
-                }
+            Err((e, _)) if full(&e) && rec.value.len() as u64 > self.queue_bytes => {
+                return Err(KafkaSinkError::QueueTooSmall {
+                    topic: rec.topic.clone(),
+                    bytes: rec.value.len(),
+                })
             }
             other => other,
         };

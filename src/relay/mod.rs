@@ -1069,6 +1069,7 @@ impl Relay {
             alone: None,
             to_park: std::collections::VecDeque::new(),
             isolated_row: None,
+            draining: false,
         };
         self.start_parking(stream.backend_pid()).await?;
         let result = self.stream_loop(&mut stream, &mut s, shutdown).await;

@@ -423,7 +423,7 @@ impl PollingRelay {
         // The last round heard every report of what it sent, and sent
         // again nothing purged: this round may send on the producer's
         // current generation.
-        let generation = self.sink.generation();
+        let generation = self.sink.quiet_generation().await;
         self.sink.adopt(generation);
         let table = self.validated.table.quoted().to_string();
         let tx = client.transaction().await?;

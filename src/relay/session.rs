@@ -172,6 +172,9 @@ pub(super) struct Session {
     /// Parking while isolating: the one row in flight, parked if Kafka
     /// refuses its record.
     pub(super) isolated_row: Option<(RowPos, OutboxRow)>,
+    /// Shutdown's drain is under way: records the shared producer purged
+    /// are not sent again (the slot keeps them for the next start).
+    pub(super) draining: bool,
 }
 
 /// Keeps the slot register's record (see [`crate::relay::slot_register`]) near the

@@ -428,8 +428,10 @@ impl Relay {
             }
             let outcome = match self.sink.send_reported(record) {
                 // The shared producer purged since this session last
-                // caught up: first send again what it gave back.
-                Err(KafkaSinkError::Purged) => {
+                // caught up: first send again what it gave back. Not while
+                // draining at shutdown: what came back stays unconfirmed,
+                // for the next start to send.
+                Err(KafkaSinkError::Purged) if !s.draining => {
                     self.resend_purged(stream, s).await?;
                     continue;
                 }
@@ -469,7 +471,14 @@ impl Relay {
         s: &mut Session,
     ) -> Result<(), RelayError> {
         loop {
-            let generation = self.sink.generation();
+            let generation = stream
+                .keep_alive_while(
+                    s.received,
+                    s.reported_flush,
+                    s.status_every,
+                    self.sink.quiet_generation(),
+                )
+                .await?;
             while !s.deliveries.is_empty() {
                 let next = stream
                     .keep_alive_while(s.received, s.reported_flush, s.status_every, s.deliveries.next())
@@ -639,6 +648,7 @@ impl Relay {
     /// then confirm what they cover.
     pub(super) async fn drain(&mut self, stream: &mut OutboxStream, s: &mut Session) {
         let deadline = Instant::now() + self.config.shutdown.drain_timeout.0;
+        s.draining = true;
         self.finish_kafka_transaction(stream, s, deadline).await;
         while !s.deliveries.is_empty() || !s.dead_letters.is_empty() {
             if let Err(e) = self.flush_dead_letters(stream, s).await {
