@@ -464,9 +464,15 @@ pub async fn run(client: &mut tokio_postgres::Client, s: &Setting, n: usize) -> 
     }
     // One source drains first and again last, so the broker's warming up
     // favours neither side; the ratios use the faster one-source drain.
-    // With a reference binary, each of its runs follows this build's.
+    // With a reference binary, each of its runs follows this build's
+    // (precedes it with OUTBOXD_BENCH_REFERENCE_FIRST, so that a second
+    // run can show the order did not make the ratio).
     let reference = reference_binary().is_some();
-    let builds: &[bool] = if reference { &[false, true] } else { &[false] };
+    let builds: &[bool] = match (reference, std::env::var_os("OUTBOXD_BENCH_REFERENCE_FIRST")) {
+        (false, _) => &[false],
+        (true, None) => &[false, true],
+        (true, Some(_)) => &[true, false],
+    };
     let mut runs = Vec::new();
     for (tag, count) in [("1a", 1), ("3", 3), ("1b", 1)] {
         for &r in builds {
