@@ -39,13 +39,8 @@ use crate::config::KafkaConfig;
 use crate::kafka::delivery::{Producer, Sharing};
 use crate::kafka::sink::{
     client_config, describe_config_error, producer_config, KafkaSink, KafkaSinkError, SinkKind,
+    SHARED_QUEUE_KBYTES, SHARED_QUEUE_MESSAGES,
 };
-
-/// librdkafka's queue bounds for a shared producer: far above what the
-/// sources' budgets let into it. librdkafka reserves nothing for them.
-const SHARED_QUEUE_MESSAGES: &str = "10000000";
-/// 2^31 - 1 KiB, librdkafka's largest.
-pub(crate) const SHARED_QUEUE_KBYTES: &str = "2147483647";
 
 /// The process's shared Kafka clients, by configuration.
 #[derive(Default)]

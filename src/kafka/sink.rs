@@ -272,6 +272,13 @@ pub(crate) fn producer_config(cfg: &KafkaConfig, kind: &SinkKind) -> ClientConfi
 /// librdkafka's default `queue.buffering.max.kbytes`.
 const DEFAULT_QUEUE_KBYTES: &str = "1048576";
 
+/// librdkafka's queue bounds for a producer the sources share
+/// (`crate::kafka::clients`): far above what the sources' budgets let into
+/// it. librdkafka reserves nothing for them.
+pub(crate) const SHARED_QUEUE_MESSAGES: &str = "10000000";
+/// 2^31 - 1 KiB, librdkafka's largest.
+pub(crate) const SHARED_QUEUE_KBYTES: &str = "2147483647";
+
 /// `queue.buffering.max.kbytes` as `kafka.options` sets it, else `default`.
 fn queue_kbytes(cfg: &KafkaConfig, default: &str) -> u64 {
     cfg.options
@@ -486,7 +493,7 @@ impl KafkaSink {
     ) -> Self {
         let lane = producer.lane(ReportQueue::default());
         let mut sink = Self::assemble(cfg, timeout, (lane, None), None, admin);
-        sink.queue_bytes = queue_kbytes(cfg, crate::kafka::clients::SHARED_QUEUE_KBYTES) * 1024;
+        sink.queue_bytes = queue_kbytes(cfg, SHARED_QUEUE_KBYTES) * 1024;
         sink
     }
 
