@@ -707,6 +707,27 @@ async fn wal_lsn(client: &Client) -> Result<Lsn, AdminError> {
     Ok(s.parse().unwrap_or(Lsn::ZERO))
 }
 
+/// What is wrong, once the guard saw a change in `first`. A reading that
+/// straddles the commit of the change may mix two catalog states
+/// (`pg_publication_tables` reads the catalog with a snapshot of its own,
+/// newer than the statement's): a table set unlogged looks unpublished
+/// while `pg_class` still says logged. So a second reading, after the
+/// commit, names the problem when it sees one; the first names it when
+/// the second does not (the verdict, a change, stands either way).
+async fn described(
+    client: &Client,
+    version: i32,
+    subject: &Subject,
+    oid: u32,
+    first: &Reading,
+) -> Option<AdminError> {
+    let again = read(client, version, subject, oid).await.ok().flatten();
+    again
+        .as_ref()
+        .and_then(|r| problem(r, subject, oid))
+        .or_else(|| problem(first, subject, oid))
+}
+
 /// Starts the guard for a session that begins at `start` with the
 /// publication as `baseline` proved it. It owns `client` and ends when the
 /// receiver is dropped or after it reports a change or a failure.
@@ -762,7 +783,7 @@ pub fn spawn_guard(
                     let (publication, table) = (&subject.publication, &subject.table);
                     let reason = match reading {
                         None => format!("publication {} was dropped", publication.as_str()),
-                        Some(r) => match problem(&r, &subject, baseline.table_oid) {
+                        Some(r) => match described(&client, version, &subject, baseline.table_oid, &r).await {
                             Some(e) => e.to_string(),
                             None if !emit_same(&r) => EMIT_RIGHTS_CHANGED.to_owned(),
                             None => format!("publication {} or table {table} was altered", publication.as_str()),
