@@ -42,6 +42,15 @@ use crate::kafka::sink::{
     SHARED_QUEUE_KBYTES, SHARED_QUEUE_MESSAGES,
 };
 
+/// Whether `kafka.options` sets `enable.gapless.guarantee` (librdkafka
+/// takes `true` in any case, and refuses anything but `true` or `false`):
+/// then no source shares a producer.
+fn gapless(cfg: &KafkaConfig) -> bool {
+    cfg.options
+        .get("enable.gapless.guarantee")
+        .is_some_and(|v| v.eq_ignore_ascii_case("true"))
+}
+
 /// The process's shared Kafka clients, by configuration.
 #[derive(Default)]
 pub struct KafkaClients {
@@ -88,7 +97,7 @@ impl KafkaClients {
         timeout: Duration,
         kind: &SinkKind,
     ) -> Result<KafkaSink, KafkaSinkError> {
-        if !kind.can_share() {
+        if !kind.can_share() || gapless(cfg) {
             return KafkaSink::build(cfg, timeout, kind);
         }
         let admin = self.admin(cfg)?;
@@ -148,5 +157,44 @@ impl KafkaClients {
             .values()
             .filter(|p| p.strong_count() > 0)
             .count()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kafka(options: &[(&str, &str)]) -> KafkaConfig {
+        let mut text = String::from("brokers = \"127.0.0.1:9\"\n[options]\n");
+        for (k, v) in options {
+            text.push_str(&format!("\"{k}\" = \"{v}\"\n"));
+        }
+        toml::from_str(&text).expect("a [kafka] table")
+    }
+
+    #[tokio::test]
+    async fn gapless_turns_sharing_off_and_other_options_do_not() {
+        let timeout = Duration::from_secs(1);
+        let kind = SinkKind::default();
+        for value in ["true", "TRUE", "True"] {
+            let clients = KafkaClients::new();
+            let cfg = kafka(&[("enable.gapless.guarantee", value)]);
+            let a = clients.sink(&cfg, timeout, &kind).expect("a sink");
+            let b = clients.sink(&cfg, timeout, &kind).expect("a sink");
+            assert!(!a.shares_producer() && !b.shares_producer(), "{value:?}");
+            assert_eq!(clients.shared_producers(), 0, "{value:?}");
+        }
+        for options in [
+            &[("enable.gapless.guarantee", "false")][..],
+            &[("linger.ms", "7")][..],
+            &[],
+        ] {
+            let clients = KafkaClients::new();
+            let cfg = kafka(options);
+            let a = clients.sink(&cfg, timeout, &kind).expect("a sink");
+            let b = clients.sink(&cfg, timeout, &kind).expect("a sink");
+            assert!(a.shares_producer() && b.shares_producer(), "{options:?}");
+            assert_eq!(clients.shared_producers(), 1, "{options:?}");
+        }
     }
 }

@@ -506,10 +506,19 @@ impl PollingRelay {
                 failure = Some(e);
             }
         } else {
-            // Wait for what was sent; none of it is marked after a failure.
+            // Wait for what was sent. After a purge of the shared producer
+            // (another source failed) the stored prefix is marked, as
+            // `settle` marks it; the rest goes again next round. After a
+            // failure of this round's own, none is marked.
+            let mut prefix = matches!(failure, Some(PollingError::Kafka(KafkaSinkError::Purged)));
             for p in pending.drain(..) {
                 let report = p.enqueued.into_future().await;
                 self.count_purged(&report);
+                prefix &= matches!(report, Report::Stored { .. });
+                if prefix {
+                    published.push(p.row.id);
+                    continue;
+                }
                 name_the_failure(&mut failure, &mut self.isolate_until, p.row.id, report);
             }
         }
