@@ -117,19 +117,20 @@ pub fn scrape(port: u16) -> String {
 
 /// The buckets of `outboxd_commit_to_ack_seconds` as (le, cumulative count).
 pub fn ack_histogram(text: &str) -> Vec<(f64, f64)> {
-    histogram(text, "outboxd_commit_to_ack_seconds")
+    histogram(text, "outboxd_commit_to_ack_seconds", "")
 }
 
 /// Exactly-once: the Kafka commit histogram's buckets.
 pub fn commit_histogram(text: &str) -> Vec<(f64, f64)> {
-    histogram(text, "outboxd_kafka_commit_seconds")
+    histogram(text, "outboxd_kafka_commit_seconds", "")
 }
 
-/// A histogram's cumulative buckets `(le, count)` from the exposition.
-fn histogram(text: &str, name: &str) -> Vec<(f64, f64)> {
-    let prefix = format!("{name}_bucket{{le=\"");
+/// A histogram's cumulative buckets `(le, count)` from the exposition, of
+/// the series whose labels hold `label` (any, when it is empty).
+pub fn histogram(text: &str, name: &str, label: &str) -> Vec<(f64, f64)> {
+    let prefix = format!("{name}_bucket{{");
     text.lines()
-        .filter(|l| l.starts_with(&prefix))
+        .filter(|l| l.starts_with(&prefix) && l.contains(label))
         .filter_map(|l| {
             let le = l.split("le=\"").nth(1)?.split('"').next()?;
             let le = if le == "+Inf" {

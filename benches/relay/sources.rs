@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use super::harness::postgres::free_port;
-use super::measure::{histogram_quantile, scrape, started_at, unix_now, usage};
+use super::measure::{histogram, histogram_quantile, scrape, started_at, unix_now, usage};
 use super::relays::{reference_binary, Setting};
 use super::{confirmed, create_slot, drop_slot, harness, watch, write_rows_into, Shape, PARTITIONS};
 
@@ -301,19 +301,11 @@ struct Neighbour {
 
 /// `outboxd_commit_to_ack_seconds` buckets of `source`, as (le, count).
 fn source_histogram(text: &str, source: &str) -> Vec<(f64, f64)> {
-    let label = format!("source=\"{source}\"");
-    text.lines()
-        .filter(|l| l.starts_with("outboxd_commit_to_ack_seconds_bucket{") && l.contains(&label))
-        .filter_map(|l| {
-            let le = l.split("le=\"").nth(1)?.split('"').next()?;
-            let le = if le == "+Inf" {
-                f64::INFINITY
-            } else {
-                le.parse().ok()?
-            };
-            Some((le, l.rsplit(' ').next()?.parse().ok()?))
-        })
-        .collect()
+    histogram(
+        text,
+        "outboxd_commit_to_ack_seconds",
+        &format!("source=\"{source}\""),
+    )
 }
 
 /// Source s1 writes 100 one-event transactions a second; source s0 is
