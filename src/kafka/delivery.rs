@@ -634,24 +634,20 @@ impl Poller {
         while !self.stop.load(Ordering::SeqCst) {
             if producer.in_flight_count() > 0 {
                 last_busy = std::time::Instant::now();
-                self.poll(BUSY_WINDOW);
+                self.producer.poll(BUSY_WINDOW);
                 continue;
             }
             if last_busy.elapsed() < QUIET {
-                self.poll(BUSY_WINDOW);
+                self.producer.poll(BUSY_WINDOW);
                 continue;
             }
-            self.poll(Duration::ZERO);
+            self.producer.poll(Duration::ZERO);
             self.parked.store(true, Ordering::SeqCst);
             if producer.in_flight_count() == 0 && !self.stop.load(Ordering::SeqCst) {
                 std::thread::park_timeout(IDLE_TICK);
             }
             self.parked.store(false, Ordering::SeqCst);
         }
-    }
-
-    fn poll(&self, timeout: Duration) {
-        self.producer.poll(timeout);
     }
 }
 

@@ -492,9 +492,7 @@ impl KafkaSink {
         admin: std::sync::Arc<AdminClient<DefaultClientContext>>,
     ) -> Self {
         let lane = producer.lane(ReportQueue::default());
-        let mut sink = Self::assemble(cfg, timeout, (lane, None), None, admin);
-        sink.queue_bytes = queue_kbytes(cfg, SHARED_QUEUE_KBYTES) * 1024;
-        sink
+        Self::assemble(cfg, timeout, (lane, None), None, admin)
     }
 
     /// A sink on `producer` (a lane, and its `transactional.id` if any).
@@ -505,6 +503,11 @@ impl KafkaSink {
         spare: Option<(Lane, String)>,
         admin: std::sync::Arc<AdminClient<DefaultClientContext>>,
     ) -> Self {
+        // The shared producer's queue is set larger (`crate::kafka::clients`).
+        let queue_default = match producer.producer().sharing() {
+            Sharing::PurgeOnFailure => SHARED_QUEUE_KBYTES,
+            Sharing::Owned => DEFAULT_QUEUE_KBYTES,
+        };
         KafkaSink {
             probe: BrokerProbe {
                 client: admin.clone(),
@@ -526,7 +529,7 @@ impl KafkaSink {
             replication_factor: cfg.topic_replication_factor,
             topic_config: cfg.topic_config.clone().into_iter().collect(),
             timeout,
-            queue_bytes: queue_kbytes(cfg, DEFAULT_QUEUE_KBYTES) * 1024,
+            queue_bytes: queue_kbytes(cfg, queue_default).saturating_mul(1024),
             warm_up: None,
             transactional_id,
             in_transaction: false,

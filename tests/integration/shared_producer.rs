@@ -42,6 +42,23 @@ async fn reports(queue: &ReportQueue, tickets: &[Ticket]) -> HashMap<Ticket, Rep
     got
 }
 
+/// A topic that refuses a record timestamped more than a minute ahead.
+async fn strict_topic(brokers: &str, topic: &str) {
+    let (b, t) = (brokers.to_owned(), topic.to_owned());
+    tokio::task::spawn_blocking(move || {
+        create_topics_with(&b, &[t], &[("message.timestamp.after.max.ms", "60000")])
+    })
+    .await
+    .unwrap();
+}
+
+/// A free local address for outboxd's HTTP listener.
+fn free_listen() -> SocketAddr {
+    format!("127.0.0.1:{}", crate::harness::postgres::free_port())
+        .parse()
+        .unwrap()
+}
+
 fn send(sink: &mut KafkaSink, rec: &KafkaRecord) -> Result<Ticket, KafkaSinkError> {
     match sink.send_reported(rec)? {
         SendOutcome::Sent(t) => Ok(t),
@@ -310,17 +327,8 @@ async fn a_refusal_in_one_source_costs_the_others_a_resend_in_order() {
     let prefix = |name: &str| format!("sp{name}{run}");
     let topic = |name: &str| format!("{}.order", prefix(name));
     let brokers = broker().brokers.clone();
-    {
-        let (b, t) = (brokers.clone(), topic("alpha"));
-        tokio::task::spawn_blocking(move || {
-            create_topics_with(&b, &[t], &[("message.timestamp.after.max.ms", "60000")])
-        })
-        .await
-        .unwrap();
-    }
-    let listen: SocketAddr = format!("127.0.0.1:{}", crate::harness::postgres::free_port())
-        .parse()
-        .unwrap();
+    strict_topic(&brokers, &topic("alpha")).await;
+    let listen = free_listen();
     let url = db.superuser_url();
     let source = |name: &str, table: &str, extra: &str| {
         format!(
@@ -488,17 +496,8 @@ async fn the_failing_sources_queued_records_never_pass_its_replay() {
         .unwrap();
     let brokers = broker().brokers.clone();
     let topic = format!("pa{run}.order");
-    {
-        let (b, t) = (brokers.clone(), topic.clone());
-        tokio::task::spawn_blocking(move || {
-            create_topics_with(&b, &[t], &[("message.timestamp.after.max.ms", "60000")])
-        })
-        .await
-        .unwrap();
-    }
-    let listen: SocketAddr = format!("127.0.0.1:{}", crate::harness::postgres::free_port())
-        .parse()
-        .unwrap();
+    strict_topic(&brokers, &topic).await;
+    let listen = free_listen();
     let url = db.superuser_url();
     let source = |name: &str, table: &str| {
         format!(
