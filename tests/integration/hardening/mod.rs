@@ -94,20 +94,32 @@ pub(crate) async fn outboxd_async(args: &[&str]) -> (Option<i32>, String, String
 
 /// Waits until the daemon has exited; its exit code.
 pub(crate) async fn exits(d: &mut Daemon, within: Duration, log: &Path) -> Option<i32> {
-    let status = wait_for("outboxd to exit", within, || {
-        let status = d.try_wait();
-        async move { status }
-    })
-    .await;
+    let deadline = std::time::Instant::now() + within;
+    let status = loop {
+        if let Some(status) = d.try_wait() {
+            break status;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "outboxd did not exit within {within:?}; its log ends:\n{}",
+            last_lines(log, 40)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     eprintln!("outboxd exited with {status}: {}", tail(log));
     status.code()
 }
 
 /// The last lines of a log.
 pub(crate) fn tail(log: &Path) -> String {
+    last_lines(log, 8)
+}
+
+/// The last `n` lines of a log.
+fn last_lines(log: &Path, n: usize) -> String {
     let text = std::fs::read_to_string(log).unwrap_or_default();
     let lines: Vec<&str> = text.lines().collect();
-    lines[lines.len().saturating_sub(8)..].join("\n")
+    lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
 /// The whole log.
