@@ -333,7 +333,19 @@ fn read_blocking(
 ) -> Result<Option<Vec<u8>>, ProgressError> {
     let consumer: BaseConsumer = config.create()?;
     let deadline = Instant::now() + timeout;
-    let metadata = consumer.fetch_metadata(Some(topic), timeout)?;
+    // Every call gets what is left of the one timeout, not a whole one.
+    let left = || {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            Err(ProgressError::Timeout {
+                topic: topic.to_owned(),
+                timeout,
+            })
+        } else {
+            Ok(left)
+        }
+    };
+    let metadata = consumer.fetch_metadata(Some(topic), left()?)?;
     let mut partitions: Vec<i32> = Vec::new();
     for t in metadata.topics().iter().filter(|t| t.name() == topic) {
         if let Some(e) = t.error() {
@@ -359,12 +371,19 @@ fn read_blocking(
     // partition count changed; then the latest write wins by time.
     let mut latest: Option<Found> = None;
     for partition in partitions {
-        let (low, high) = consumer.fetch_watermarks(topic, partition, timeout)?;
+        let (low, high) = consumer.fetch_watermarks(topic, partition, left()?)?;
         let mut end = high;
         let mut window = FIRST_WINDOW;
+        // A consumer assigned the same partition again reports the old
+        // assignment's position until librdkafka has stopped that fetch,
+        // which it does on a thread of its own after `assign` returns: a
+        // step back could take the last window's end for its own and read
+        // nothing. So each step back reads with a consumer of its own.
+        let mut stepped: Option<BaseConsumer> = None;
         while end > low {
             let start = (end - window).max(low);
-            if let Some(found) = scan(&consumer, topic, partition, start, end, slot, deadline, timeout)? {
+            let reader = stepped.as_ref().unwrap_or(&consumer);
+            if let Some(found) = scan(reader, topic, partition, start, end, slot, deadline, timeout)? {
                 if latest.as_ref().is_none_or(|(t, _)| found.0 >= *t) {
                     latest = Some(found);
                 }
@@ -372,6 +391,7 @@ fn read_blocking(
             }
             end = start;
             window = window.saturating_mul(8);
+            stepped = Some(config.create()?);
         }
     }
     Ok(latest.and_then(|(_, value)| value))
@@ -400,14 +420,6 @@ fn scan(
     consumer.assign(&tpl)?;
     let mut found = None;
     loop {
-        let position = consumer
-            .position()?
-            .find_partition(topic, partition)
-            .and_then(|p| p.offset().to_raw())
-            .unwrap_or(start);
-        if position >= end {
-            return Ok(found);
-        }
         if Instant::now() > deadline {
             return Err(ProgressError::Timeout {
                 topic: topic.to_owned(),
@@ -424,7 +436,19 @@ fn scan(
                     return Ok(found);
                 }
             }
-            Some(Err(KafkaError::PartitionEOF(_))) | None => {}
+            Some(Err(KafkaError::PartitionEOF(_))) | None => {
+                // Nothing to hand out. The window may end in records no
+                // message stands for (a transaction's commit or abort
+                // marker): the position passes them all the same.
+                let position = consumer
+                    .position()?
+                    .find_partition(topic, partition)
+                    .and_then(|p| p.offset().to_raw())
+                    .unwrap_or(start);
+                if position >= end {
+                    return Ok(found);
+                }
+            }
             Some(Err(e)) if e.rdkafka_error_code() == Some(RDKafkaErrorCode::OffsetOutOfRange) => {
                 // Compaction or retention removed the start: read from the
                 // earliest offset there is.

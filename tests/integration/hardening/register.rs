@@ -320,3 +320,81 @@ async fn check_before_the_first_start_leaves_the_progress_topic_to_the_daemon() 
     assert!(out.contains("ok   retention"), "after the start:\n{out}");
     assert!(daemon.sigterm().success());
 }
+
+/// A record more than one read window (1,000 offsets) behind the end of
+/// its partition: the reader steps back window by window. Before, each
+/// step re-assigned the same consumer and asked its position at once,
+/// before librdkafka had reset it, so a step could take the last
+/// window's end for its own and read nothing: the register read "no
+/// record", and a lost slot, a rewound server or a changed publication
+/// went unseen. Progress topics are shared by every source and every
+/// exactly-once transaction, so a record this far back is ordinary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_far_behind_the_end_of_its_partition_is_found() {
+    use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+    let brokers = broker().brokers.clone();
+    let p = prefix("regfar");
+    let topic = format!("{p}.progress");
+    {
+        let (b, t) = (brokers.clone(), topic.clone());
+        tokio::task::spawn_blocking(move || {
+            crate::harness::broker::create_topics_with(&b, &[t], &[("cleanup.policy", "compact")])
+        })
+        .await
+        .unwrap();
+    }
+    let text = crate::relay::config_text(
+        "postgres://unused@127.0.0.1/unused",
+        "regfar",
+        &brokers,
+        "",
+        &format!("progress_topic = \"{topic}\""),
+    );
+    let (config, _) = Config::from_toml(&text, |_| None).unwrap();
+    let record =
+        slot_register::SlotRecord::new("regfar", "db", "7000000000000000001", 1, outboxd::Lsn(0x1000));
+    slot_register::write(&config.kafka, &record, Duration::from_secs(10))
+        .await
+        .unwrap();
+    // 2,500 records of other keys behind it in each of the topic's three
+    // partitions: its window is the third.
+    let producer: FutureProducer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", &brokers)
+        .create()
+        .unwrap();
+    let keys: Vec<(i32, String)> = (0..3)
+        .flat_map(|partition| (0..2500).map(move |i| (partition, format!("other-{i}"))))
+        .collect();
+    let sends: Vec<_> = keys
+        .iter()
+        .map(|(partition, key)| {
+            producer
+                .send_result(
+                    FutureRecord::to(&topic)
+                        .partition(*partition)
+                        .key(key)
+                        .payload("{}"),
+                )
+                .unwrap()
+        })
+        .collect();
+    for s in sends {
+        s.await.unwrap().unwrap();
+    }
+    producer.flush(Duration::from_secs(10)).unwrap();
+    for attempt in 0..3 {
+        let read = slot_register::read(
+            &config.kafka,
+            "7000000000000000001",
+            "regfar",
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap();
+        assert_eq!(
+            read.as_ref().map(|r| r.confirmed_lsn.as_str()),
+            Some("0/1000"),
+            "read {attempt}: the record 2,500 offsets back"
+        );
+    }
+}
