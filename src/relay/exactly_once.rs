@@ -136,7 +136,7 @@ pub enum ProgressError {
     Kafka(#[from] KafkaError),
     #[error("the progress record is not one outboxd wrote: {0}; reset it (see docs/exactly-once.md, \"Resetting the progress\")")]
     Malformed(String),
-    #[error("reading the progress topic {topic:?} to its end took longer than {timeout:?}: a transaction of another producer may hold it open")]
+    #[error("reading the progress topic {topic:?} to its end took longer than {timeout:?}: a transaction of another producer may hold it open (another source, or an outboxd killed or frozen while committing; its successor's start or the broker's transaction.timeout.ms ends it); retrying")]
     Timeout { topic: String, timeout: Duration },
     #[error("Kafka cannot serve the progress topic {topic:?} yet ({error}); retrying")]
     Unavailable { topic: String, error: RDKafkaErrorCode },
@@ -218,13 +218,15 @@ fn consumer_config(cfg: &KafkaConfig) -> ClientConfig {
         .set("group.id", "outboxd-progress-reader")
         .set("enable.auto.commit", "false")
         .set("enable.auto.offset.store", "false")
-        .set("enable.partition.eof", "false")
-        .set("auto.offset.reset", "earliest");
+        .set("enable.partition.eof", "false");
     for (k, v) in &cfg.options {
         if !PRODUCER_ONLY.contains(&k.as_str()) {
             c.set(k, v);
         }
     }
+    // A window whose start compaction or retention removed reads from the
+    // earliest offset there is, whatever the options say.
+    c.set("auto.offset.reset", "earliest");
     c.set("isolation.level", "read_committed");
     c
 }
@@ -332,6 +334,24 @@ fn read_blocking(
     timeout: Duration,
 ) -> Result<Option<Vec<u8>>, ProgressError> {
     let consumer: BaseConsumer = config.create()?;
+    // A partition's end is its high watermark, which only a
+    // `read_uncommitted` client is told. A `read_committed` one is told the
+    // last stable offset, which stops before the first open transaction:
+    // another source's, or that of an outboxd killed or frozen between its
+    // progress record and its commit, open until its successor starts or
+    // the broker's `transaction.timeout.ms`. Ending there would miss every
+    // newer committed record and answer with an older one (its events
+    // published twice); reading to the high watermark waits for that
+    // transaction instead.
+    let uncommitted: Option<BaseConsumer> = match config.get("isolation.level") {
+        Some("read_committed") => {
+            let mut edge = config.clone();
+            edge.set("isolation.level", "read_uncommitted");
+            Some(edge.create()?)
+        }
+        _ => None,
+    };
+    let edge = uncommitted.as_ref().unwrap_or(&consumer);
     let deadline = Instant::now() + timeout;
     // Every call gets what is left of the one timeout, not a whole one.
     let left = || {
@@ -371,7 +391,7 @@ fn read_blocking(
     // partition count changed; then the latest write wins by time.
     let mut latest: Option<Found> = None;
     for partition in partitions {
-        let (low, high) = consumer.fetch_watermarks(topic, partition, left()?)?;
+        let (low, high) = edge.fetch_watermarks(topic, partition, left()?)?;
         let mut end = high;
         let mut window = FIRST_WINDOW;
         // A consumer assigned the same partition again reports the old
@@ -379,10 +399,17 @@ fn read_blocking(
         // which it does on a thread of its own after `assign` returns: a
         // step back could take the last window's end for its own and read
         // nothing. So each step back reads with a consumer of its own.
-        let mut stepped: Option<BaseConsumer> = None;
+        let mut first = true;
         while end > low {
             let start = (end - window).max(low);
-            let reader = stepped.as_ref().unwrap_or(&consumer);
+            let stepped: BaseConsumer;
+            let reader = if first {
+                &consumer
+            } else {
+                stepped = config.create()?;
+                &stepped
+            };
+            first = false;
             if let Some(found) = scan(reader, topic, partition, start, end, slot, deadline, timeout)? {
                 if latest.as_ref().is_none_or(|(t, _)| found.0 >= *t) {
                     latest = Some(found);
@@ -391,7 +418,6 @@ fn read_blocking(
             }
             end = start;
             window = window.saturating_mul(8);
-            stepped = Some(config.create()?);
         }
     }
     Ok(latest.and_then(|(_, value)| value))
@@ -448,12 +474,6 @@ fn scan(
                 if position >= end {
                     return Ok(found);
                 }
-            }
-            Some(Err(e)) if e.rdkafka_error_code() == Some(RDKafkaErrorCode::OffsetOutOfRange) => {
-                // Compaction or retention removed the start: read from the
-                // earliest offset there is.
-                tpl.set_all_offsets(Offset::Beginning)?;
-                consumer.assign(&tpl)?;
             }
             Some(Err(e)) => return Err(e.into()),
         }

@@ -856,3 +856,85 @@ async fn a_transaction_outlasting_the_transaction_timeout_is_named() {
     );
     daemon.kill9();
 }
+
+/// The progress topic is shared by every source and every outboxd, and a
+/// source killed or frozen between its progress record and its commit
+/// leaves a transaction open there until its successor's
+/// `init_transactions` or the broker's `transaction.timeout.ms`. A
+/// `read_committed` reader that took a partition's end from the last
+/// stable offset would stop before that transaction and answer with an
+/// older record of its own: every event since then published twice. The
+/// reader waits for the transaction instead, and names it when it cannot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_transaction_of_another_source_never_hides_newer_progress() {
+    use outboxd::relay::exactly_once::{read_latest, write_plain, Isolation, ProgressError};
+    let brokers = broker().brokers.clone();
+    let topic = format!("eo-open-{}.progress", Uuid::new_v4().simple());
+    {
+        let (b, t) = (brokers.clone(), topic.clone());
+        tokio::task::spawn_blocking(move || crate::harness::broker::create_topics(&b, &[t]))
+            .await
+            .unwrap();
+    }
+    let cfg = kafka_config(&brokers);
+    let ten = Duration::from_secs(10);
+    write_plain(&cfg, &topic, "mine", Some(b"older".to_vec()), ten)
+        .await
+        .unwrap();
+    // Another source's transaction, open in every partition.
+    let other = {
+        let (b, t) = (brokers.clone(), topic.clone());
+        tokio::task::spawn_blocking(move || {
+            let p: BaseProducer = rdkafka::ClientConfig::new()
+                .set("bootstrap.servers", &b)
+                .set("transactional.id", format!("{t}-other"))
+                .create()
+                .unwrap();
+            p.init_transactions(ten).unwrap();
+            p.begin_transaction().unwrap();
+            for partition in 0..3 {
+                p.send(BaseRecord::to(&t).partition(partition).key("other").payload("{}"))
+                    .map_err(|(e, _)| e)
+                    .unwrap();
+            }
+            p.flush(ten).unwrap();
+            p
+        })
+        .await
+        .unwrap()
+    };
+    write_plain(&cfg, &topic, "mine", Some(b"newer".to_vec()), ten)
+        .await
+        .unwrap();
+    let held = read_latest(
+        &cfg,
+        &topic,
+        "mine",
+        Isolation::ReadCommitted,
+        Duration::from_secs(3),
+    )
+    .await;
+    assert!(
+        matches!(held, Err(ProgressError::Timeout { .. })),
+        "an open transaction holds the read, never an older answer: {held:?}"
+    );
+    let commit = tokio::task::spawn_blocking(move || {
+        std::thread::sleep(Duration::from_secs(1));
+        other.commit_transaction(ten).unwrap();
+    });
+    let read = read_latest(
+        &cfg,
+        &topic,
+        "mine",
+        Isolation::ReadCommitted,
+        Duration::from_secs(20),
+    )
+    .await
+    .unwrap();
+    commit.await.unwrap();
+    assert_eq!(
+        read.as_deref(),
+        Some(&b"newer"[..]),
+        "the newest record, once committed"
+    );
+}

@@ -357,7 +357,7 @@ async fn a_record_far_behind_the_end_of_its_partition_is_found() {
         .await
         .unwrap();
     // 2,500 records of other keys behind it in each of the topic's three
-    // partitions: its window is the third.
+    // partitions: its window is the second.
     let producer: FutureProducer = rdkafka::ClientConfig::new()
         .set("bootstrap.servers", &brokers)
         .create()
