@@ -136,7 +136,7 @@ pub enum ProgressError {
     Kafka(#[from] KafkaError),
     #[error("the progress record is not one outboxd wrote: {0}; reset it (see docs/exactly-once.md, \"Resetting the progress\")")]
     Malformed(String),
-    #[error("reading the progress topic {topic:?} to its end took longer than {timeout:?}: a transaction of another producer may hold it open (another source, or an outboxd killed or frozen while committing; its successor's start or the broker's transaction.timeout.ms ends it); retrying")]
+    #[error("reading the progress topic {topic:?} to its end took longer than {timeout:?}: a transaction of another producer may hold it open (another source, or an outboxd killed or frozen while committing; its successor's start or the broker's transaction.timeout.ms ends it); retrying. A transaction open longer than transaction.timeout.ms is hanging: find it with `kafka-transactions.sh find-hanging` and end it with `kafka-transactions.sh abort`")]
     Timeout { topic: String, timeout: Duration },
     #[error("Kafka cannot serve the progress topic {topic:?} yet ({error}); retrying")]
     Unavailable { topic: String, error: RDKafkaErrorCode },
@@ -475,8 +475,39 @@ fn scan(
                     return Ok(found);
                 }
             }
-            Some(Err(e)) => return Err(e.into()),
+            Some(Err(e)) => {
+                if let Some(err) = poll_error(topic, e) {
+                    return Err(err);
+                }
+            }
         }
+    }
+}
+
+/// What an error handed out by a progress reader's `poll` means: `None`
+/// for one librdkafka recovers from on its own (a bootstrap broker that is
+/// down, a lookup that failed, a leader moving), so the read polls on
+/// within its deadline; a denied read, the refusal that names the grant
+/// (it is not retried); anything else, an error the session retries.
+fn poll_error(topic: &str, error: KafkaError) -> Option<ProgressError> {
+    use RDKafkaErrorCode as C;
+    match error.rdkafka_error_code() {
+        Some(
+            C::BrokerTransportFailure
+            | C::AllBrokersDown
+            | C::Resolve
+            | C::BrokerNotAvailable
+            | C::NetworkException
+            | C::RequestTimedOut
+            | C::OperationTimedOut
+            | C::LeaderNotAvailable
+            | C::NotLeaderForPartition
+            | C::PreferredLeaderNotAvailable,
+        ) => None,
+        Some(code @ (C::TopicAuthorizationFailed | C::ClusterAuthorizationFailed)) => {
+            topic_error(topic, code)
+        }
+        _ => Some(error.into()),
     }
 }
 
@@ -1066,6 +1097,25 @@ mod tests {
         v["version"] = 1.into();
         v["commitLsn"] = "zz".into();
         assert!(ProgressRecord::decode(&serde_json::to_vec(&v).unwrap()).is_err());
+    }
+
+    #[test]
+    fn a_reader_polls_through_what_librdkafka_recovers_from() {
+        use RDKafkaErrorCode as C;
+        let poll = |code| poll_error("p", KafkaError::MessageConsumption(code));
+        for code in [
+            C::BrokerTransportFailure,
+            C::AllBrokersDown,
+            C::Resolve,
+            C::NotLeaderForPartition,
+        ] {
+            assert!(poll(code).is_none(), "{code:?}");
+        }
+        let denied = poll(C::TopicAuthorizationFailed).unwrap();
+        assert!(matches!(denied, ProgressError::Denied { .. }), "{denied:?}");
+        assert!(!denied.is_transient());
+        let other = poll(C::InvalidMessage).unwrap();
+        assert!(matches!(other, ProgressError::Kafka(_)) && other.is_transient());
     }
 
     #[test]

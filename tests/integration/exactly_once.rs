@@ -938,3 +938,51 @@ async fn an_open_transaction_of_another_source_never_hides_newer_progress() {
         "the newest record, once committed"
     );
 }
+
+/// A bootstrap broker that is down is librdkafka's to route around, and
+/// it hands the connection error to the reader's `poll` all the same: the
+/// read polls on, rather than fail every start whose first connection
+/// went to that broker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bootstrap_broker_that_is_down_does_not_fail_the_progress_read() {
+    use outboxd::relay::exactly_once::{read_latest, write_plain, Isolation};
+    let brokers = broker().brokers.clone();
+    let topic = format!("eo-down-{}.progress", Uuid::new_v4().simple());
+    {
+        let (b, t) = (brokers.clone(), topic.clone());
+        tokio::task::spawn_blocking(move || crate::harness::broker::create_topics(&b, &[t]))
+            .await
+            .unwrap();
+    }
+    let ten = Duration::from_secs(10);
+    write_plain(
+        &kafka_config(&brokers),
+        &topic,
+        "mine",
+        Some(b"kept".to_vec()),
+        ten,
+    )
+    .await
+    .unwrap();
+    // A port nothing listens on, listed first.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let cfg = kafka_config(&format!("{closed},{brokers}"));
+    for read in 0..6 {
+        let got = read_latest(
+            &cfg,
+            &topic,
+            "mine",
+            Isolation::ReadCommitted,
+            Duration::from_secs(20),
+        )
+        .await;
+        assert_eq!(
+            got.unwrap_or_else(|e| panic!("read {read}: {e}")).as_deref(),
+            Some(&b"kept"[..]),
+            "read {read}"
+        );
+    }
+}
