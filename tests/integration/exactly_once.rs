@@ -857,6 +857,16 @@ async fn a_transaction_outlasting_the_transaction_timeout_is_named() {
     daemon.kill9();
 }
 
+/// A new topic `<prefix>-<uuid>.progress` with three partitions.
+async fn new_topic(brokers: &str, prefix: &str) -> String {
+    let topic = format!("{prefix}-{}.progress", Uuid::new_v4().simple());
+    let (b, t) = (brokers.to_owned(), topic.clone());
+    tokio::task::spawn_blocking(move || crate::harness::broker::create_topics(&b, &[t]))
+        .await
+        .unwrap();
+    topic
+}
+
 /// The progress topic is shared by every source and every outboxd, and a
 /// source killed or frozen between its progress record and its commit
 /// leaves a transaction open there until its successor's
@@ -869,13 +879,7 @@ async fn a_transaction_outlasting_the_transaction_timeout_is_named() {
 async fn an_open_transaction_of_another_source_never_hides_newer_progress() {
     use outboxd::relay::exactly_once::{read_latest, write_plain, Isolation, ProgressError};
     let brokers = broker().brokers.clone();
-    let topic = format!("eo-open-{}.progress", Uuid::new_v4().simple());
-    {
-        let (b, t) = (brokers.clone(), topic.clone());
-        tokio::task::spawn_blocking(move || crate::harness::broker::create_topics(&b, &[t]))
-            .await
-            .unwrap();
-    }
+    let topic = new_topic(&brokers, "eo-open").await;
     let cfg = kafka_config(&brokers);
     let ten = Duration::from_secs(10);
     write_plain(&cfg, &topic, "mine", Some(b"older".to_vec()), ten)
@@ -947,13 +951,7 @@ async fn an_open_transaction_of_another_source_never_hides_newer_progress() {
 async fn a_bootstrap_broker_that_is_down_does_not_fail_the_progress_read() {
     use outboxd::relay::exactly_once::{read_latest, write_plain, Isolation};
     let brokers = broker().brokers.clone();
-    let topic = format!("eo-down-{}.progress", Uuid::new_v4().simple());
-    {
-        let (b, t) = (brokers.clone(), topic.clone());
-        tokio::task::spawn_blocking(move || crate::harness::broker::create_topics(&b, &[t]))
-            .await
-            .unwrap();
-    }
+    let topic = new_topic(&brokers, "eo-down").await;
     let ten = Duration::from_secs(10);
     write_plain(
         &kafka_config(&brokers),
