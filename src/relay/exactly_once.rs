@@ -399,17 +399,15 @@ fn read_blocking(
         // which it does on a thread of its own after `assign` returns: a
         // step back could take the last window's end for its own and read
         // nothing. So each step back reads with a consumer of its own.
-        let mut first = true;
         while end > low {
             let start = (end - window).max(low);
             let stepped: BaseConsumer;
-            let reader = if first {
+            let reader = if end == high {
                 &consumer
             } else {
                 stepped = config.create()?;
                 &stepped
             };
-            first = false;
             if let Some(found) = scan(reader, topic, partition, start, end, slot, deadline, timeout)? {
                 if latest.as_ref().is_none_or(|(t, _)| found.0 >= *t) {
                     latest = Some(found);
