@@ -135,6 +135,27 @@ enum Command {
     Replay(ReplayArgs),
     /// Parked events (routing.on_poison = "park"): list, show, redrive, skip, discard.
     Parked(ParkedArgs),
+    /// Turn another relay's configuration into outboxd's TOML.
+    #[command(subcommand)]
+    Import(ImportCommand),
+}
+
+/// `outboxd import`
+#[derive(Debug, Subcommand)]
+enum ImportCommand {
+    /// Print the outboxd configuration equivalent to a Debezium PostgreSQL
+    /// connector with the Outbox Event Router (Kafka Connect's REST JSON or
+    /// a .properties file), naming each option that has no equivalent.
+    Debezium {
+        /// The connector's configuration: `GET /connectors/NAME` or
+        /// `/config` output, the JSON POSTed to create it, or a
+        /// standalone .properties file.
+        file: PathBuf,
+        /// The Connect worker's .properties (its converters and
+        /// bootstrap.servers, where the connector sets none).
+        #[arg(long)]
+        worker: Option<PathBuf>,
+    },
 }
 
 /// `outboxd parked`: see README.md, "Bad rows".
@@ -322,15 +343,15 @@ struct ReplayArgs {
     /// Where commit times are unknown (track_commit_timestamp off), select by created_at from this long before --since: a transaction that committed after --since may have begun before it.
     #[arg(long, value_parser = humantime::parse_duration, default_value = "5m")]
     slack: std::time::Duration,
-    /// Only rows of this aggregate type (repeatable).
+    /// Only rows of this aggregate type: the route column's value (repeatable).
     #[arg(long = "aggregate-type")]
     aggregate_types: Vec<String>,
-    /// Only rows of this aggregate id (repeatable).
+    /// Only rows of this aggregate id: the key column's value (repeatable).
     #[arg(long = "aggregate-id")]
     aggregate_ids: Vec<String>,
-    /// Only the row with this id (repeatable).
+    /// Only the row with this id: the id column's value (repeatable).
     #[arg(long = "id")]
-    ids: Vec<uuid::Uuid>,
+    ids: Vec<String>,
     /// Replay the whole table (needed when nothing else selects rows).
     #[arg(long)]
     all: bool,
@@ -843,6 +864,40 @@ async fn retention(
     }
 }
 
+fn import_debezium(file: &std::path::Path, worker: Option<&std::path::Path>) -> ExitCode {
+    use outboxd::cli::import;
+    let read = |p: &std::path::Path| {
+        std::fs::read_to_string(p).map_err(|e| format!("cannot read {}: {e}", p.display()))
+    };
+    let imported = (|| -> Result<import::Imported, String> {
+        let (name, connector) =
+            import::read_config(&file.display().to_string(), &read(file)?).map_err(|e| e.to_string())?;
+        let worker = match worker {
+            Some(w) => Some(
+                import::read_config(&w.display().to_string(), &read(w)?)
+                    .map_err(|e| e.to_string())?
+                    .1,
+            ),
+            None => None,
+        };
+        import::debezium(name.as_deref(), &connector, worker.as_ref()).map_err(|e| e.to_string())
+    })();
+    match imported {
+        Ok(i) => {
+            print!("{}", i.toml);
+            eprintln!(
+                "outboxd: imported; {} option(s) have no equivalent (listed at the end). Next: outboxd check --config <this file>",
+                i.notes.len()
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("outboxd: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let _ = SOURCE.set(cli.source.clone());
@@ -883,6 +938,9 @@ fn main() -> ExitCode {
             } => retention(config, older_than, batch, published_only, force, wait).await,
             Command::Replay(args) => replay(args).await,
             Command::Parked(args) => parked(args).await,
+            Command::Import(ImportCommand::Debezium { file, worker }) => {
+                import_debezium(&file, worker.as_deref())
+            }
         }
     });
     runtime.block_on(command).unwrap_or_else(|e| {

@@ -143,6 +143,8 @@ pub const DEAD_LETTER_REASONS: &[&str] = &[
     "aggregate_type_not_allowed",
     "bad_cloudevent",
     "schema_mismatch",
+    "bad_payload",
+    "bad_partition",
 ];
 
 impl Metrics {

@@ -83,7 +83,7 @@ fn records(topic: &str, n: usize) -> Vec<KafkaRecord> {
             KafkaRecord {
                 topic: topic.to_owned(),
                 key: format!("order-{}", i % 5000).into_bytes(),
-                value: payload.into_bytes(),
+                value: Some(payload.into_bytes()),
                 headers: vec![
                     ("id".into(), id.into_bytes()),
                     ("type".into(), b"ordering.order-placed.v1".to_vec()),
@@ -96,6 +96,7 @@ fn records(topic: &str, n: usize) -> Vec<KafkaRecord> {
                     ),
                 ],
                 timestamp_ms: now,
+                partition: None,
             }
         })
         .collect()

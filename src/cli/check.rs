@@ -3,9 +3,11 @@
 
 use std::fmt;
 
+use crate::config::columns::Role;
 use crate::config::{Config, Validated};
 use crate::kafka::sink::{KafkaSink, Retention};
 use crate::postgres::{admin, failover};
+use crate::source::outbox::OutboxColumns;
 
 /// The result of one check.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -100,24 +102,15 @@ async fn registry_checks(config: &Config, v: &Validated) -> Vec<CheckLine> {
         });
     }
     let seen = match admin::connect(&v.pg).await {
-        Ok(client) => client
-            .query(
-                &format!(
-                    "SELECT DISTINCT aggregate_type, type FROM (SELECT aggregate_type, type FROM {} LIMIT 10000) s ORDER BY 1, 2 LIMIT 100",
-                    v.table
-                ),
-                &[],
-            )
-            .await
-            .map(|rows| rows.iter().map(|r| (r.get::<_, String>(0), r.get::<_, String>(1))).collect::<Vec<_>>()),
+        Ok(client) => match columns_check(&client, v).await.1 {
+            Some(resolved) => seen_topics(&client, v, &resolved).await,
+            None => return out,
+        },
         Err(_) => return out,
     };
     match seen {
         Ok(pairs) => {
-            for (aggregate_type, event_type) in pairs {
-                let Ok(topic) = v.topic.render(&aggregate_type, &event_type) else {
-                    continue;
-                };
+            for (event_type, topic) in pairs {
                 out.push(match registry.check_event(&event_type, &topic).await {
                     Ok(found) => line("schema", true, format!("{event_type} on {topic} → {found}")),
                     Err(e) => line("schema", false, format!("{event_type} on {topic}: {e}")),
@@ -131,6 +124,59 @@ async fn registry_checks(config: &Config, v: &Validated) -> Vec<CheckLine> {
         )),
     }
     out
+}
+
+/// The (event type, topic) pairs of up to 10,000 of the table's rows,
+/// at most 100.
+async fn seen_topics(
+    client: &tokio_postgres::Client,
+    v: &Validated,
+    resolved: &OutboxColumns,
+) -> Result<Vec<(String, String)>, tokio_postgres::Error> {
+    let quote = |n: &str| format!("(\"{}\")::text", n.replace('"', "\"\""));
+    let role = |r: Role| resolved.role_column(r).map_or_else(|| "''".to_owned(), quote);
+    let mut list = vec![role(Role::Route), role(Role::Type)];
+    list.extend(v.columns.extra.iter().map(|c| quote(c.as_str())));
+    let sql = format!(
+        "SELECT DISTINCT * FROM (SELECT {} FROM {} LIMIT 10000) s LIMIT 1000",
+        list.join(", "),
+        v.table.quoted()
+    );
+    let rows = client.query(&sql, &[]).await?;
+    let mut seen = std::collections::BTreeSet::new();
+    for r in &rows {
+        let values = SeenRow {
+            route: r.get::<_, Option<String>>(0).unwrap_or_default(),
+            event_type: r.get::<_, Option<String>>(1).unwrap_or_default(),
+            extra: (2..r.len()).map(|i| r.get::<_, Option<String>>(i)).collect(),
+        };
+        if let Ok(topic) = v.topic.render(&values) {
+            seen.insert((values.event_type, topic));
+        }
+        if seen.len() >= 100 {
+            break;
+        }
+    }
+    Ok(seen.into_iter().collect())
+}
+
+/// A row's topic-deciding columns, as [`seen_topics`] reads them.
+struct SeenRow {
+    route: String,
+    event_type: String,
+    extra: Vec<Option<String>>,
+}
+
+impl crate::kafka::records::TopicValues for SeenRow {
+    fn route(&self) -> &str {
+        &self.route
+    }
+    fn event_type(&self) -> &str {
+        &self.event_type
+    }
+    fn column(&self, extra: usize) -> Option<&str> {
+        self.extra.get(extra).and_then(Option::as_deref)
+    }
 }
 
 /// The progress topic keeps its records for good (`None`: it does not
@@ -330,6 +376,62 @@ async fn progress_check(config: &Config, v: &Validated) -> CheckLine {
     }
 }
 
+/// The column map against the live table: every mapped column exists,
+/// with a type its role can be read from. The line names each role's
+/// column; a FAIL names the column and the setting to change.
+async fn columns_check(client: &tokio_postgres::Client, v: &Validated) -> (CheckLine, Option<OutboxColumns>) {
+    let catalog = match crate::source::outbox::read_table(client, &v.table).await {
+        Ok(c) => c,
+        Err(e) => return (line("columns", false, e.to_string()), None),
+    };
+    match OutboxColumns::from_catalog(&v.table.to_string(), &catalog, &v.columns) {
+        Ok(resolved) => (
+            line("columns", true, describe_columns(&resolved, v)),
+            Some(resolved),
+        ),
+        Err(e) => (line("columns", false, e.to_string()), None),
+    }
+}
+
+/// `id=id key=aggregateid route=aggregatetype type=- payload=payload …`.
+fn describe_columns(resolved: &OutboxColumns, v: &Validated) -> String {
+    let mut parts: Vec<String> = Role::ALL
+        .into_iter()
+        .map(|r| {
+            let name = match r {
+                Role::Id => "id",
+                Role::Key => "key",
+                Role::Route => "route",
+                Role::Type => "type",
+                Role::Payload => "payload",
+                Role::Headers => "headers",
+                Role::Timestamp => "timestamp",
+            };
+            let column = resolved.role_column(r).map_or_else(
+                || match r {
+                    Role::Timestamp => "(commit time)".to_owned(),
+                    _ => "(none)".to_owned(),
+                },
+                |c| format!("{c:?}"),
+            );
+            format!("{name}={column}")
+        })
+        .collect();
+    for p in &v.columns.placements {
+        let column = &v.columns.extra[p.extra];
+        parts.push(match p.placement {
+            crate::config::columns::Placement::Partition => format!("{:?}→partition", column.as_str()),
+            other => format!(
+                "{:?}→{} {:?}",
+                column.as_str(),
+                format!("{other:?}").to_lowercase(),
+                p.name
+            ),
+        });
+    }
+    parts.join(" ")
+}
+
 async fn postgres_checks(config: &Config, v: &Validated) -> Vec<CheckLine> {
     let mut out = Vec::new();
     let client = match admin::connect(&v.pg).await {
@@ -341,12 +443,21 @@ async fn postgres_checks(config: &Config, v: &Validated) -> Vec<CheckLine> {
     };
     out.push(line("postgres", true, format!("connected to {}", v.pg.target())));
     if config.mode == crate::config::Mode::Polling {
-        out.push(match admin::polling_table_problem(&client, &v.table).await {
+        let columns = columns_check(&client, v).await;
+        let timestamp = columns
+            .1
+            .as_ref()
+            .and_then(|c| c.role_column(Role::Timestamp).map(str::to_owned));
+        out.push(columns.0);
+        let Some(timestamp) = timestamp else {
+            return out;
+        };
+        out.push(match admin::polling_table_problem(&client, &v.table, &timestamp).await {
             Ok(()) => line(
                 "table",
                 true,
                 format!(
-                    "{} has published_at, and created_at is never NULL and defaults to clock_timestamp() (polling mode publishes in its order)",
+                    "{} has published_at, and {timestamp} is never NULL and defaults to clock_timestamp() (polling mode publishes in its order)",
                     v.table
                 ),
             ),
@@ -374,6 +485,7 @@ async fn postgres_checks(config: &Config, v: &Validated) -> Vec<CheckLine> {
     let table_ok = match admin::table_exists(&client, &v.table).await {
         Ok(true) => {
             out.push(line("table", true, format!("{} exists", v.table)));
+            out.push(columns_check(&client, v).await.0);
             true
         }
         Ok(false) => {

@@ -1,8 +1,9 @@
 //! The commands besides `run`: `check` ([`check`]), `status` ([`status`]),
-//! `replay` ([`replay`]), `retention` ([`retention`]), and the recovery
-//! steps of `progress` ([`progress`]).
+//! `replay` ([`replay`]), `retention` ([`retention`]), the recovery
+//! steps of `progress` ([`progress`]), and `import debezium` ([`import`]).
 
 pub mod check;
+pub mod import;
 pub mod parked;
 pub mod progress;
 pub mod replay;

@@ -251,6 +251,10 @@ struct Publisher {
     /// Exactly-once: one record per Kafka transaction, after Kafka refused
     /// a transaction of several (the refusal may have been a batch's).
     one_by_one: bool,
+    /// What the table says of its columns today, for the formats that
+    /// write a schema of each value (`connect-json`); a parked row does
+    /// not keep it.
+    facts: Option<std::sync::Arc<crate::source::outbox::ColumnFacts>>,
 }
 
 /// The marker of an exactly-once redrive: the sequence and the last
@@ -285,6 +289,25 @@ impl Publisher {
         }
         let registry =
             crate::schema::Registry::from_config(config, None).map_err(ParkedError::RegistrySetup)?;
+        let facts = if validated.value.format == crate::config::ValueFormat::ConnectJson
+            || validated.value.connect_key
+        {
+            let client = crate::postgres::admin::connect(&validated.pg)
+                .await
+                .map_err(ParkError::Admin)?;
+            let catalog = crate::source::outbox::read_table(&client, &validated.table)
+                .await
+                .map_err(ParkError::Admin)?;
+            let resolved = crate::source::outbox::OutboxColumns::from_catalog(
+                &validated.table.to_string(),
+                &catalog,
+                &validated.columns,
+            )
+            .map_err(|e| ParkError::Unreadable(e.to_string()))?;
+            Some(std::sync::Arc::new(resolved.facts()))
+        } else {
+            None
+        };
         Ok(Publisher {
             sink,
             config: config.clone(),
@@ -294,6 +317,7 @@ impl Publisher {
             started_at: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
             marker_key: format!("parked-redrive/{}", validated.slot.as_str()),
             one_by_one: false,
+            facts,
         })
     }
 
@@ -313,6 +337,11 @@ impl Publisher {
             || chrono::Utc::now().timestamp_millis(),
             chrono::DateTime::timestamp_millis,
         );
+        let mut row = row.clone();
+        if row.facts.is_none() {
+            row.facts.clone_from(&self.facts);
+        }
+        let row = &row;
         let mut built = build_record(row, &self.validated.topic, &self.validated.value, commit_ms);
         if let Some(registry) = self.registry.as_mut() {
             built = registry.prepare(built, row, commit_ms).await?;
@@ -556,9 +585,10 @@ async fn publish_in_transaction(
         let marker = KafkaRecord {
             topic: p.config.kafka.progress_topic().to_owned(),
             key: p.marker_key.clone().into_bytes(),
-            value: serde_json::to_vec(&marker).unwrap_or_default(),
+            value: Some(serde_json::to_vec(&marker).unwrap_or_default()),
             headers: Vec::new(),
             timestamp_ms: chrono::Utc::now().timestamp_millis(),
+            partition: None,
         };
         let timeout = p.config.kafka.exactly_once.commit_timeout.0;
         let alone = records.len() == 1;

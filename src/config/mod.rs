@@ -21,6 +21,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Deserializer};
 
+pub mod columns;
 pub mod conninfo;
 pub mod ident;
 pub mod kafka;
@@ -127,6 +128,9 @@ pub struct Config {
     pub polling: PollingConfig,
     /// Where the outbox lives.
     pub postgres: PostgresConfig,
+    /// Which column of the outbox table plays which role.
+    #[serde(default)]
+    pub columns: columns::ColumnsConfig,
     /// Where events go.
     pub kafka: KafkaConfig,
     /// How rows become Kafka records.
@@ -186,6 +190,8 @@ pub struct Validated {
     pub table: TableName,
     pub slot: SlotName,
     pub publication: PublicationName,
+    /// Which column plays which role, and the additional columns read.
+    pub columns: columns::ColumnMap,
     pub topic: TopicTemplate,
     /// How record values are built (`routing.value`, and the CloudEvents
     /// source).
@@ -418,9 +424,29 @@ impl Config {
                 "must be longer than postgres.status_interval, or outboxd is never ready",
             ));
         }
-        let mut topic = TopicTemplate::parse(&self.routing.topic, self.routing.lowercase_aggregate_type)
-            .map_err(|e| invalid("routing.topic", e))?;
+        let mut columns = columns::ColumnMap::new(&self.columns).map_err(|(path, e)| invalid(&path, e))?;
+        let regex = self
+            .routing
+            .topic_regex
+            .as_deref()
+            .map(routing::TopicRegex::parse)
+            .transpose()
+            .map_err(|e| invalid("routing.topic_regex", e))?;
+        let mut topic = TopicTemplate::parse(
+            &self.routing.topic,
+            self.routing.lowercase_aggregate_type,
+            &mut columns,
+            regex,
+        )
+        .map_err(|e| invalid("routing.topic", e))?;
+        self.validate_columns(&mut columns)?;
         if let Some(allowed) = &self.routing.allowed_aggregate_types {
+            columns.need(columns::Role::Route).map_err(|e| {
+                invalid(
+                    "routing.allowed_aggregate_types",
+                    format!("is matched against the route column, but {e}"),
+                )
+            })?;
             if allowed.is_empty() || allowed.iter().any(|a| a.is_empty() || a == "*") {
                 return Err(invalid(
                     "routing.allowed_aggregate_types",
@@ -441,7 +467,18 @@ impl Config {
         topic_allowed(&self.routing.dead_letter_topic, "routing.dead_letter_topic")?;
         let source = SourceTemplate::parse(&self.routing.cloudevents_source)
             .map_err(|e| invalid("routing.cloudevents_source", e))?;
-        let value = RecordValue::new(self.routing.value, source);
+        let mut value = RecordValue::new(self.routing.value, source);
+        value.text_payload = self.routing.text_payload;
+        value.standard_headers = self.routing.standard_headers;
+        value.tombstones = self.routing.tombstone_on_empty_payload;
+        value.placements = columns.placements.clone();
+        value.connect_key = self.routing.key_format == KeyFormat::ConnectJson;
+        value.connect_schemas = self.routing.connect_schemas;
+        value.connect_key_schemas = self.routing.connect_key_schemas;
+        value.connect_struct_prefix = format!(
+            "{}.{}.{}",
+            self.routing.connect_topic_prefix, table.schema, table.name
+        );
         self.validate_schemas()?;
         let listen: SocketAddr = self.http.listen.parse().map_err(|_| {
             invalid(
@@ -472,6 +509,7 @@ impl Config {
             table,
             slot,
             publication,
+            columns,
             topic,
             listen,
             transactional_id,
@@ -479,6 +517,65 @@ impl Config {
             source: None,
             source_name: None,
         })
+    }
+
+    /// What the column map needs of the other settings: CloudEvents need
+    /// a type column; envelope placements an envelope; header placements
+    /// names outboxd does not set itself.
+    fn validate_columns(&self, columns: &mut columns::ColumnMap) -> Result<(), ConfigError> {
+        use columns::Placement;
+        if matches!(
+            self.routing.value,
+            ValueFormat::CloudEvents | ValueFormat::CloudEventsBinary
+        ) {
+            columns.need(columns::Role::Type).map_err(|e| {
+                invalid(
+                    "routing.value",
+                    format!("a CloudEvent needs a type, from the type column, but {e}"),
+                )
+            })?;
+        }
+        let mut reserved = vec![crate::config::routing::ID_HEADER];
+        if self.routing.standard_headers {
+            reserved.extend(crate::config::routing::STANDARD_HEADERS);
+        }
+        for (i, p) in columns.placements.iter().enumerate() {
+            let key = format!("columns.additional[{i}]");
+            match p.placement {
+                Placement::Header if reserved.contains(&p.name.as_str()) => {
+                    return Err(invalid(
+                        &format!("{key}.name"),
+                        format!(
+                            "outboxd sets the {:?} header itself; name the placement otherwise{}",
+                            p.name,
+                            if self.routing.standard_headers && p.name != crate::config::routing::ID_HEADER {
+                                " (or set routing.standard_headers = false)"
+                            } else {
+                                ""
+                            }
+                        ),
+                    ))
+                }
+                Placement::Envelope
+                    if !matches!(self.routing.value, ValueFormat::Envelope | ValueFormat::ConnectJson) =>
+                {
+                    return Err(invalid(
+                        &format!("{key}.placement"),
+                        "an envelope placement needs routing.value = \"envelope\" or \"connect-json\"; place the column as a header",
+                    ))
+                }
+                _ => {}
+            }
+        }
+        if self.mode == Mode::Polling {
+            columns.need(columns::Role::Timestamp).map_err(|e| {
+                invalid(
+                    "columns.timestamp",
+                    format!("polling mode publishes rows in timestamp order, but {e}"),
+                )
+            })?;
+        }
+        Ok(())
     }
 
     /// The format the Schema Registry encodes: `routing.value`, or with
@@ -510,7 +607,7 @@ impl Config {
                     "routing.value needs a Schema Registry: add [schema_registry] with its url",
                 ));
             }
-            if self.routing.key_format != KeyFormat::String {
+            if self.routing.key_format.uses_registry() {
                 return Err(invalid(
                     "schema_registry.url",
                     "routing.key_format needs a Schema Registry: add [schema_registry] with its url",
@@ -865,8 +962,71 @@ mod tests {
         );
         let e = err("[http]\nlisten = \"nowhere\"\n");
         assert!(e.contains("http.listen"), "{e}");
-        let e = err("[routing]\ntopic = \"{nope}.events\"\n");
+        let e = err("[routing]\ntopic = \"{$1}.events\"\n");
         assert!(e.contains("routing.topic"), "{e}");
+    }
+
+    #[test]
+    fn columns_and_routing_agree_or_name_the_key() {
+        use crate::config::columns::Role;
+        let ok = |extra: &str| {
+            Config::from_toml(&format!("{MINIMAL}{extra}"), env(&[]))
+                .unwrap_or_else(|e| panic!("{extra}: {e}"))
+        };
+        let err = |extra: &str| {
+            Config::from_toml(&format!("{MINIMAL}{extra}"), env(&[]))
+                .unwrap_err()
+                .to_string()
+        };
+        // A topic over any column reads it; the route column's own name is
+        // {aggregate_type}.
+        let (_, v) = ok(
+            "[columns]\nroute = \"aggregatetype\"\n[routing]\ntopic = \"{tenant}.{aggregatetype}.events\"\n",
+        );
+        assert_eq!(v.columns.extra.len(), 1);
+        assert!(v.columns.role(Role::Route).needed);
+        // A regex's groups.
+        let (_, v) = ok("[routing]\ntopic_regex = \"(?<kind>[a-z]+)-(.*)\"\ntopic = \"{$kind}.{$2}\"\n");
+        assert!(v.topic.regex.is_some());
+        for (extra, key) in [
+            ("[routing]\ntopic_regex = \"(a\"\n", "routing.topic_regex"),
+            ("[routing]\ntopic_regex = \"(a)\"\ntopic = \"{$2}\"\n", "routing.topic"),
+            ("[routing]\ntopic_regex = \"(?=a)\"\n", "routing.topic_regex"),
+            // No route column: the default topic needs one.
+            ("[columns]\nroute = false\n", "routing.topic"),
+            (
+                "[columns]\nroute = false\n[routing]\ntopic = \"fixed\"\nallowed_aggregate_types = [\"A\"]\n",
+                "routing.allowed_aggregate_types",
+            ),
+            ("[columns]\ntype = false\n[routing]\nvalue = \"cloudevents\"\n", "routing.value"),
+            (
+                "[columns]\nadditional = [{ column = \"t\", placement = \"header\", name = \"type\" }]\n",
+                "columns.additional[0].name",
+            ),
+            (
+                "[columns]\nadditional = [{ column = \"t\", placement = \"header\", name = \"id\" }]\n[routing]\nstandard_headers = false\n",
+                "columns.additional[0].name",
+            ),
+            (
+                "[columns]\nadditional = [{ column = \"t\", placement = \"envelope\" }]\n[routing]\nvalue = \"payload\"\n",
+                "columns.additional[0].placement",
+            ),
+            ("[columns]\nid = false\n", "columns.id"),
+            ("[routing]\ntext_payload = \"yaml\"\n", "routing.text_payload"),
+        ] {
+            let e = err(extra);
+            assert!(e.contains(key), "{extra}: {e}");
+        }
+        let polling = Config::from_toml(
+            &format!("mode = \"polling\"\n{MINIMAL}[columns]\ntimestamp = false\n"),
+            env(&[]),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(polling.contains("columns.timestamp"), "{polling}");
+        // Without standard headers, `type` is a name a placement may take.
+        ok("[columns]\nadditional = [{ column = \"t\", placement = \"header\", name = \"type\" }]\n[routing]\nstandard_headers = false\n");
+        ok("[columns]\nadditional = [{ column = \"t\", placement = \"envelope\" }]\n[routing]\nvalue = \"connect-json\"\nkey_format = \"connect-json\"\n");
     }
 
     #[test]

@@ -2,6 +2,7 @@
 
 use serde::Deserialize;
 
+use super::columns::{ColumnMap, ColumnName, PlacedColumn, Role};
 use super::registry::{SchemaRule, SchemaSource, SubjectStrategy};
 use super::yes;
 
@@ -34,6 +35,10 @@ pub enum ValueFormat {
     /// the Confluent wire format.
     #[serde(rename = "json-schema")]
     JsonSchema,
+    /// What Debezium's Event Router writes through Kafka Connect's
+    /// `JsonConverter` (see [`crate::kafka::connect`]).
+    #[serde(rename = "connect-json")]
+    ConnectJson,
 }
 
 impl ValueFormat {
@@ -74,6 +79,16 @@ pub enum KeyFormat {
     /// A JSON string in the Confluent wire format, its schema
     /// `{"type": "string"}` under `<topic>-key`.
     JsonSchema,
+    /// Kafka Connect's `JsonConverter` form of the key column (what a
+    /// Debezium deployment with that key converter wrote).
+    ConnectJson,
+}
+
+impl KeyFormat {
+    /// Whether keys of this format are framed with a registry schema id.
+    pub fn uses_registry(self) -> bool {
+        matches!(self, KeyFormat::Avro | KeyFormat::JsonSchema)
+    }
 }
 
 /// What to do with a row Kafka will never accept.
@@ -141,6 +156,41 @@ pub struct RoutingConfig {
     /// Per event type (or per topic) schema settings.
     #[serde(default)]
     pub schemas: std::collections::BTreeMap<String, SchemaRule>,
+    /// A regex matched against the whole route value (Kafka Connect's
+    /// `RegexRouter`, Debezium's `route.topic.regex`): `topic` is then the
+    /// replacement, with `{$1}` or `{$name}` for its groups, and a value
+    /// it does not match is the topic as it is.
+    #[serde(default)]
+    pub topic_regex: Option<String>,
+    /// A NULL or blank payload becomes a tombstone: the key, a null value
+    /// (Debezium's `route.tombstone.on.empty.payload`), for compacted
+    /// topics.
+    #[serde(default)]
+    pub tombstone_on_empty_payload: bool,
+    /// What a text payload is inside a JSON value: `auto` (JSON when it
+    /// parses, else a JSON string), `string` or `json` (else a bad row).
+    #[serde(default)]
+    pub text_payload: TextPayload,
+    /// Set the `type`, `aggregateType` and `aggregateId` headers besides
+    /// `id` (false: `id` only, as Debezium's Event Router).
+    #[serde(default = "yes")]
+    pub standard_headers: bool,
+    /// With `value = "connect-json"`: write the value with its schema
+    /// (the value converter's `schemas.enable`, default true).
+    #[serde(default = "yes")]
+    pub connect_schemas: bool,
+    /// With `key_format = "connect-json"`: write the key with its schema
+    /// (the key converter's `schemas.enable`, default true).
+    #[serde(default = "yes")]
+    pub connect_key_schemas: bool,
+    /// With `connect-json` and `envelope` placements: the first part of
+    /// the value struct's name (Debezium's `topic.prefix`).
+    #[serde(default = "default_connect_topic_prefix")]
+    pub connect_topic_prefix: String,
+}
+
+fn default_connect_topic_prefix() -> String {
+    "outboxd".into()
 }
 
 impl Default for RoutingConfig {
@@ -159,6 +209,13 @@ impl Default for RoutingConfig {
             subject_strategy: SubjectStrategy::Topic,
             schema: SchemaSource::Registered,
             schemas: Default::default(),
+            topic_regex: None,
+            tombstone_on_empty_payload: false,
+            text_payload: TextPayload::Auto,
+            standard_headers: true,
+            connect_schemas: true,
+            connect_key_schemas: true,
+            connect_topic_prefix: default_connect_topic_prefix(),
         }
     }
 }
@@ -171,6 +228,12 @@ fn default_dead_letter_topic() -> String {
     "outboxd.dead-letter".into()
 }
 
+/// The header every record carries: the event id.
+pub const ID_HEADER: &str = "id";
+
+/// The headers `routing.standard_headers` adds besides `id`.
+pub const STANDARD_HEADERS: [&str; 3] = ["type", "aggregateType", "aggregateId"];
+
 /// Kafka's limit on topic name length.
 const MAX_TOPIC_LEN: usize = 249;
 
@@ -180,8 +243,62 @@ pub const DEFAULT_SOURCE: &str = "/outbox/{aggregate_type}";
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum TopicPart {
     Literal(String),
+    /// The route column's value (`{aggregate_type}`, or the route column's
+    /// own name).
     AggregateType,
+    /// The type column's value.
     EventType,
+    /// Another column's value: the row's additional value at this index.
+    Column(usize),
+    /// A capture group of `routing.topic_regex` (`{$1}`, `{$name}`).
+    Capture(Capture),
+}
+
+/// A capture group of the topic regex.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Capture {
+    Index(usize),
+    Name(String),
+}
+
+/// `routing.topic_regex`, matched against the whole route value as Kafka
+/// Connect's `RegexRouter` matches (`Matcher.matches()`).
+#[derive(Clone, Debug)]
+pub struct TopicRegex {
+    pub(crate) anchored: regex::Regex,
+    pub(crate) source: String,
+}
+
+impl PartialEq for TopicRegex {
+    fn eq(&self, other: &Self) -> bool {
+        self.source == other.source
+    }
+}
+
+impl Eq for TopicRegex {}
+
+impl TopicRegex {
+    pub fn parse(source: &str) -> Result<Self, String> {
+        let anchored = regex::Regex::new(&format!("^(?:{source})$")).map_err(|e| {
+            format!("{source:?} is not a regex outboxd can run (lookaround and backreferences are not supported): {e}")
+        })?;
+        Ok(TopicRegex {
+            anchored,
+            source: source.to_owned(),
+        })
+    }
+
+    /// How many groups it has, the whole match (group 0) included.
+    pub fn group_count(&self) -> usize {
+        self.anchored.captures_len()
+    }
+
+    fn has_group(&self, c: &Capture) -> bool {
+        match c {
+            Capture::Index(i) => *i < self.anchored.captures_len(),
+            Capture::Name(n) => self.anchored.capture_names().any(|g| g == Some(n.as_str())),
+        }
+    }
 }
 
 /// A parsed `routing.topic` template.
@@ -192,6 +309,9 @@ pub struct TopicTemplate {
     /// `routing.allowed_aggregate_types`: exact names, or prefixes ending
     /// in `*`. `None` allows any aggregate type.
     pub(crate) allowed: Option<Vec<String>>,
+    /// `routing.topic_regex`: the template is then the replacement, and a
+    /// route value it does not match is the topic as it is.
+    pub(crate) regex: Option<TopicRegex>,
 }
 
 fn topic_char(c: char) -> bool {
@@ -199,8 +319,16 @@ fn topic_char(c: char) -> bool {
 }
 
 impl TopicTemplate {
-    /// Parses a template such as `{aggregate_type}.events`.
-    pub fn parse(template: &str, lowercase_aggregate_type: bool) -> Result<Self, String> {
+    /// Parses a template such as `{aggregate_type}.events`. Placeholders:
+    /// `{aggregate_type}` (the route column), `{type}` (the type column),
+    /// `{$1}` and `{$name}` (capture groups of `regex`), and any other
+    /// `{column}`, which `columns` then reads.
+    pub fn parse(
+        template: &str,
+        lowercase_aggregate_type: bool,
+        columns: &mut ColumnMap,
+        regex: Option<TopicRegex>,
+    ) -> Result<Self, String> {
         let mut parts = Vec::new();
         let mut rest = template;
         while !rest.is_empty() {
@@ -209,15 +337,53 @@ impl TopicTemplate {
                     let end = rest
                         .find('}')
                         .ok_or_else(|| format!("unclosed {{ in {template:?}"))?;
-                    parts.push(match &rest[1..end] {
+                    let name = &rest[1..end];
+                    let part = match name {
+                        "" => return Err(format!("empty placeholder {{}} in {template:?}")),
                         "aggregate_type" => TopicPart::AggregateType,
                         "type" => TopicPart::EventType,
-                        other => {
-                            return Err(format!(
-                                "unknown placeholder {{{other}}} in {template:?}; use {{aggregate_type}} or {{type}}"
-                            ))
+                        _ if name.starts_with('$') => {
+                            let group = &name[1..];
+                            let capture = match group.parse::<usize>() {
+                                Ok(i) => Capture::Index(i),
+                                Err(_) => Capture::Name(group.to_owned()),
+                            };
+                            match &regex {
+                                None => {
+                                    return Err(format!(
+                                        "{{{name}}} is a capture group, but routing.topic_regex is not set"
+                                    ))
+                                }
+                                Some(r) if !r.has_group(&capture) => {
+                                    return Err(format!(
+                                        "routing.topic_regex {:?} has no group {group:?}",
+                                        r.source
+                                    ))
+                                }
+                                Some(_) => TopicPart::Capture(capture),
+                            }
                         }
-                    });
+                        _ => match columns.role_of(name) {
+                            Some(Role::Route) => TopicPart::AggregateType,
+                            Some(Role::Type) => TopicPart::EventType,
+                            _ => {
+                                let column = ColumnName::new(name)?;
+                                TopicPart::Column(columns.read_column(&column))
+                            }
+                        },
+                    };
+                    match part {
+                        TopicPart::AggregateType => columns.need(Role::Route).map_err(|e| {
+                            format!(
+                                "{{aggregate_type}} stands for the route column, but {e}; use a fixed topic"
+                            )
+                        })?,
+                        TopicPart::EventType => columns
+                            .need(Role::Type)
+                            .map_err(|e| format!("{{type}} stands for the type column, but {e}"))?,
+                        _ => {}
+                    }
+                    parts.push(part);
                     rest = &rest[end + 1..];
                 }
                 found => {
@@ -236,10 +402,16 @@ impl TopicTemplate {
         if parts.is_empty() {
             return Err("the topic template is empty".into());
         }
+        if regex.is_some() {
+            columns
+                .need(Role::Route)
+                .map_err(|e| format!("routing.topic_regex is matched against the route column, but {e}"))?;
+        }
         Ok(TopicTemplate {
             parts,
             allowed: None,
             lowercase_aggregate_type,
+            regex,
         })
     }
 
@@ -257,6 +429,11 @@ impl TopicTemplate {
                 None => a == aggregate_type,
             })
         })
+    }
+
+    /// Whether the topic is the same for every row.
+    pub fn is_fixed(&self) -> bool {
+        self.regex.is_none() && self.parts.iter().all(|p| matches!(p, TopicPart::Literal(_)))
     }
 }
 
@@ -339,27 +516,77 @@ impl SourceTemplate {
     }
 }
 
-/// How record values are built: `routing.value`, and for CloudEvents the
-/// `source` template.
+/// How record values and headers are built: `routing.value`, the
+/// CloudEvents `source` template, what a text payload is, which headers
+/// outboxd sets, tombstones, and where the additional columns go.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RecordValue {
     pub format: ValueFormat,
     pub source: SourceTemplate,
+    /// `routing.text_payload`.
+    pub text_payload: TextPayload,
+    /// `routing.standard_headers`: `type`, `aggregateType` and
+    /// `aggregateId` besides `id`.
+    pub standard_headers: bool,
+    /// `routing.tombstone_on_empty_payload`.
+    pub tombstones: bool,
+    /// `[[columns.additional]]`, resolved.
+    pub placements: Vec<PlacedColumn>,
+    /// `routing.key_format = "connect-json"`.
+    pub connect_key: bool,
+    /// `routing.connect_schemas`.
+    pub connect_schemas: bool,
+    /// `routing.connect_key_schemas`.
+    pub connect_key_schemas: bool,
+    /// The `connect-json` struct's name before the route value:
+    /// `<connect_topic_prefix>.<schema>.<table>`.
+    pub connect_struct_prefix: String,
 }
 
 impl RecordValue {
     pub fn new(format: ValueFormat, source: SourceTemplate) -> Self {
-        RecordValue { format, source }
-    }
-
-    /// `format`, with the default CloudEvents source.
-    pub fn of(format: ValueFormat) -> Self {
-        let source = SourceTemplate::parse(DEFAULT_SOURCE);
         RecordValue {
             format,
-            source: source.unwrap_or_else(|e| unreachable!("the default source parses: {e}")),
+            source,
+            text_payload: TextPayload::Auto,
+            standard_headers: true,
+            tombstones: false,
+            placements: Vec::new(),
+            connect_key: false,
+            connect_schemas: true,
+            connect_key_schemas: true,
+            connect_struct_prefix: "outboxd.public.outbox".into(),
         }
     }
+
+    /// `format`, with the default CloudEvents source and every other
+    /// setting at its default.
+    pub fn of(format: ValueFormat) -> Self {
+        let source = SourceTemplate::parse(DEFAULT_SOURCE);
+        RecordValue::new(
+            format,
+            source.unwrap_or_else(|e| unreachable!("the default source parses: {e}")),
+        )
+    }
+}
+
+/// `routing.text_payload`: what a `text` or `varchar` payload is where a
+/// value embeds the payload as JSON (the envelope, structured CloudEvents,
+/// the registry formats, dead letters). Under `value = "payload"` and in
+/// CloudEvents' binary mode the text's bytes go as they are, whatever this
+/// says.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum TextPayload {
+    /// The text itself when it is one JSON value; otherwise a JSON string
+    /// holding it.
+    #[default]
+    Auto,
+    /// Always a JSON string holding the text.
+    String,
+    /// The text must be JSON; a row whose text is not follows
+    /// `routing.on_poison` (`bad_payload`).
+    Json,
 }
 
 /// `[routing.park]`: how much may be parked before outboxd stops.

@@ -16,7 +16,7 @@
 //! ```
 //!
 //! Per source: `name`, `required`, `mode`, `polling`, `postgres`,
-//! `routing`, and `kafka.delivery` / `kafka.exactly_once` (the top-level
+//! `columns`, `routing`, and `kafka.delivery` / `kafka.exactly_once` (the top-level
 //! values are the default). Everything else (`kafka`, `http`, `health`,
 //! `shutdown`, `log`, `opentelemetry`, `schema_registry`) is shared and
 //! stays at the top. Each source is merged with the shared sections into
@@ -34,7 +34,7 @@ use std::collections::HashSet;
 use super::{interpolate_value, invalid, Config, ConfigError, Delivery, Validated};
 
 /// The sections a source owns; with `[[sources]]` they may not be at the top.
-const PER_SOURCE: &[&str] = &["mode", "polling", "postgres", "routing"];
+const PER_SOURCE: &[&str] = &["mode", "polling", "postgres", "columns", "routing"];
 /// The keys of `[kafka]` a source may set for itself.
 const PER_SOURCE_KAFKA: &[&str] = &["delivery", "exactly_once"];
 

@@ -11,7 +11,7 @@
 //! | `type`            | `type`                                               |
 //! | `subject`         | `aggregate_id`                                       |
 //! | `time`            | `created_at` (left out when RFC 3339 cannot write it) |
-//! | `datacontenttype` | `application/json` (`application/octet-stream` for a `bytea` payload) |
+//! | `datacontenttype` | `application/json`; `application/octet-stream` for a `bytea` payload; `text/plain; charset=utf-8` for a text payload that is no JSON, or under `routing.text_payload = "string"` |
 //! | `partitionkey`    | `aggregate_id`, the record key (partitioning extension) |
 //! | `traceparent`, `tracestate` | the row's headers of that name (distributed tracing extension) |
 //!
@@ -26,8 +26,9 @@
 //! left out, so a row cannot forge an attribute.
 
 use crate::config::routing::SourcePart;
+use crate::config::routing::TextPayload;
 pub use crate::config::routing::{SourceTemplate, DEFAULT_SOURCE};
-use crate::source::outbox::{OutboxRow, Payload};
+use crate::source::outbox::{is_json, CreatedAt, OutboxRow, Payload};
 
 /// The CloudEvents version written.
 pub const SPEC_VERSION: &str = "1.0";
@@ -36,6 +37,21 @@ pub const DATA_CONTENT_TYPE: &str = "application/json";
 /// `datacontenttype` of a `bytea` payload, whose bytes outboxd does not
 /// read.
 pub const BYTES_CONTENT_TYPE: &str = "application/octet-stream";
+/// `datacontenttype` of a text payload that is not JSON.
+pub const TEXT_CONTENT_TYPE: &str = "text/plain; charset=utf-8";
+
+/// The `datacontenttype` of a payload under `routing.text_payload`.
+pub fn data_content_type(payload: &Payload, text: TextPayload) -> &'static str {
+    match payload {
+        Payload::Json(_) | Payload::Null => DATA_CONTENT_TYPE,
+        Payload::Bytes(_) => BYTES_CONTENT_TYPE,
+        Payload::Text(t) => match text {
+            TextPayload::Json => DATA_CONTENT_TYPE,
+            TextPayload::Auto if is_json(t) => DATA_CONTENT_TYPE,
+            TextPayload::Auto | TextPayload::String => TEXT_CONTENT_TYPE,
+        },
+    }
+}
 /// `content-type` of a structured-mode record.
 pub const STRUCTURED_CONTENT_TYPE: &str = "application/cloudevents+json; charset=UTF-8";
 /// The header that carries `datacontenttype` (binary) or the format
@@ -89,6 +105,8 @@ impl<'a> Attributes<'a> {
         id: &'a str,
         source: &'a str,
         row_headers: &'a [(String, Vec<u8>)],
+        created_at: &CreatedAt,
+        text: TextPayload,
     ) -> Self {
         let mut pairs = vec![
             ("specversion", SPEC_VERSION),
@@ -96,13 +114,7 @@ impl<'a> Attributes<'a> {
             ("source", source),
             ("type", row.event_type.as_str()),
             ("subject", row.aggregate_id.as_str()),
-            (
-                "datacontenttype",
-                match row.payload {
-                    Payload::Json(_) => DATA_CONTENT_TYPE,
-                    Payload::Bytes(_) => BYTES_CONTENT_TYPE,
-                },
-            ),
+            ("datacontenttype", data_content_type(&row.payload, text)),
             ("partitionkey", row.aggregate_id.as_str()),
         ];
         for name in TRACING {
@@ -115,8 +127,7 @@ impl<'a> Attributes<'a> {
                 pairs.push((name, v));
             }
         }
-        let time = row
-            .created_at
+        let time = created_at
             .rfc3339()
             .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Micros, true));
         Attributes { pairs, time }
@@ -124,7 +135,7 @@ impl<'a> Attributes<'a> {
 
     /// The structured-mode value: the attributes, then `data` (the payload
     /// JSON as stored), or `data_base64` for bytes.
-    pub fn structured(&self, payload: &Payload) -> Vec<u8> {
+    pub fn structured(&self, payload: &Payload, text: TextPayload) -> Result<Vec<u8>, String> {
         let mut out = Vec::with_capacity(payload.len() + 320);
         out.push(b'{');
         for (name, value) in self.all() {
@@ -133,9 +144,9 @@ impl<'a> Attributes<'a> {
             push_json_string(&mut out, value);
             out.push(b',');
         }
-        payload.push_member(&mut out, "data", "data_base64");
+        payload.push_member(&mut out, "data", "data_base64", text)?;
         out.push(b'}');
-        out
+        Ok(out)
     }
 
     /// The binary-mode headers: `ce_<name>` for each attribute but
@@ -180,13 +191,15 @@ mod tests {
 
     fn row() -> OutboxRow {
         OutboxRow {
-            id: uuid::Uuid::nil(),
+            id: uuid::Uuid::nil().to_string(),
             aggregate_type: "Order Line".into(),
             aggregate_id: "o/1".into(),
             event_type: "ordering.order-placed.v1".into(),
             payload: r#"{"total": 1e400}"#.into(),
             headers: "{}".into(),
             created_at: CreatedAt::At(chrono::Utc.with_ymd_and_hms(2026, 11, 30, 1, 2, 3).unwrap()),
+            extra: Vec::new(),
+            facts: None,
         }
     }
 
@@ -217,8 +230,19 @@ mod tests {
             "traceparent".to_owned(),
             b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".to_vec(),
         )];
-        let a = Attributes::of(&r, "id-1", "/outbox/Order", &headers);
-        let v: serde_json::Value = serde_json::from_slice(&a.structured(&r#"{"total": 1}"#.into())).unwrap();
+        let a = Attributes::of(
+            &r,
+            "id-1",
+            "/outbox/Order",
+            &headers,
+            &r.created_at,
+            TextPayload::Auto,
+        );
+        let v: serde_json::Value = serde_json::from_slice(
+            &a.structured(&r#"{"total": 1}"#.into(), TextPayload::Auto)
+                .unwrap(),
+        )
+        .unwrap();
         assert_eq!(v["specversion"], "1.0");
         assert_eq!(v["subject"], "o/1");
         assert_eq!(v["time"], "2026-11-30T01:02:03.000000Z");
@@ -227,9 +251,11 @@ mod tests {
             "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
         );
         // The payload is embedded as stored, even a number no float holds.
-        assert!(String::from_utf8(a.structured(&r.payload))
-            .unwrap()
-            .ends_with(r#""data":{"total": 1e400}}"#));
+        assert!(
+            String::from_utf8(a.structured(&r.payload, TextPayload::Auto).unwrap())
+                .unwrap()
+                .ends_with(r#""data":{"total": 1e400}}"#)
+        );
         let h = a.binary_headers();
         assert!(h.contains(&("content-type".into(), b"application/json".to_vec())));
         assert!(h.contains(&("ce_id".into(), b"id-1".to_vec())));
@@ -241,8 +267,16 @@ mod tests {
         );
         let mut forever = r.clone();
         forever.created_at = CreatedAt::Unrepresentable("infinity".into());
-        let a = Attributes::of(&forever, "id-1", "/s", &[]);
-        let v: serde_json::Value = serde_json::from_slice(&a.structured(&"{}".into())).unwrap();
+        let a = Attributes::of(
+            &forever,
+            "id-1",
+            "/s",
+            &[],
+            &forever.created_at,
+            TextPayload::Auto,
+        );
+        let v: serde_json::Value =
+            serde_json::from_slice(&a.structured(&"{}".into(), TextPayload::Auto).unwrap()).unwrap();
         assert!(v.get("time").is_none(), "time is optional: left out, not made up");
         assert!(
             is_reserved_header("CE_id") && is_reserved_header("Content-Type") && !is_reserved_header("cents")

@@ -12,7 +12,6 @@
 use std::time::Duration;
 
 use crate::kafka::delivery::Awaited;
-use uuid::Uuid;
 
 use crate::config::{OnPoison, RoutingConfig};
 use crate::kafka::records::{dead_letter_for_row, dead_letter_stub, KafkaRecord, Poison, RecordError};
@@ -28,7 +27,7 @@ pub enum EnqueueError {
     #[error(
         "outbox row {id} can never be published: {error}; fix it, or set routing.on_poison = \"dead-letter\""
     )]
-    Poison { id: Uuid, error: String },
+    Poison { id: String, error: String },
 }
 
 /// What was enqueued for a row.
@@ -104,7 +103,10 @@ fn dead_letter(
     // Parking keeps the relay's order; a replay re-publishes history and
     // has no sequence to park behind: it stops at the row instead.
     if routing.on_poison != OnPoison::DeadLetter {
-        return Err(EnqueueError::Poison { id: row.id, error });
+        return Err(EnqueueError::Poison {
+            id: row.id.clone(),
+            error,
+        });
     }
     tracing::warn!(id = %row.id, reason, error = %error, "outbox row can never be published; sending it to the dead-letter topic");
     let poison = Poison {

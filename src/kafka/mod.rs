@@ -3,11 +3,13 @@
 //! ([`delivery`]), the clients the sources of a process share
 //! ([`clients`]),
 //! records and dead letters built from outbox rows ([`records`]),
-//! CloudEvents values ([`cloudevents`]), and table rows handed to the
-//! producer by polling mode and replay ([`enqueue`]).
+//! CloudEvents values ([`cloudevents`]), Kafka Connect's JSON as Debezium
+//! writes it ([`connect`]), and table rows handed to the producer by
+//! polling mode and replay ([`enqueue`]).
 
 pub mod clients;
 pub mod cloudevents;
+pub mod connect;
 pub mod delivery;
 pub mod enqueue;
 pub mod records;

@@ -1,20 +1,34 @@
 //! From outbox row to Kafka record (seed 000's relay, made exact).
 //!
-//! * topic: a template over `{aggregate_type}` and `{type}`; the default
-//!   `{aggregate_type}.events` lowercases the aggregate type (`Order` →
-//!   `order.events`);
-//! * key: `aggregate_id`, so one aggregate's events share a partition and
-//!   keep their order;
+//! The row arrives read through the column map ([`crate::source::outbox`]);
+//! here it becomes a record:
+//!
+//! * topic: `routing.topic`, a template over `{aggregate_type}` (the route
+//!   column; the default `{aggregate_type}.events` lowercases it: `Order` →
+//!   `order.events`), `{type}`, any other `{column}`, and with
+//!   `routing.topic_regex` its capture groups `{$1}`, `{$name}`;
+//! * key: the key column (`aggregate_id`), so one aggregate's events share
+//!   a partition and keep their order; the partition is the partitioner's
+//!   unless a `partition` placement picks it;
 //! * value: the envelope `{"eventId","type","occurredAt","aggregateType",
-//!   "aggregateId","data"}`, or the stored payload JSON byte for byte; a
-//!   `bytea` payload is forwarded as its bytes (`dataBase64` in the
-//!   envelope);
-//! * headers: `id`, `type`, `aggregateType`, `aggregateId`, then one header
-//!   per key of the row's `headers` object (strings raw, other values as
-//!   JSON text; keys that collide with the four above are skipped);
-//! * timestamp: `created_at`, when Kafka can take it: after the Unix epoch
-//!   and at most [`MAX_AHEAD_OF_COMMIT_MS`] after the transaction's commit.
-//!   Otherwise the commit time (see [`kafka_timestamp`]).
+//!   "aggregateId","data"}` (plus `envelope` placements), the payload byte
+//!   for byte, or CloudEvents; a `bytea` payload is forwarded as its bytes
+//!   (`dataBase64` in the envelope); a text payload follows
+//!   `routing.text_payload` wherever it is embedded in JSON. A NULL
+//!   payload is a null value where the value is the payload, `null` where
+//!   it is embedded; with `routing.tombstone_on_empty_payload`, a NULL or
+//!   blank payload is a tombstone in every format (the key, headers, a
+//!   null value);
+//! * headers: `id`, then (with `routing.standard_headers`) `type`,
+//!   `aggregateType` and `aggregateId` (the first two left out when the
+//!   table has no such column, or the value is empty), then one header per
+//!   key of the row's headers object (strings raw, other values as JSON
+//!   text; keys that collide with the ones above are skipped), then the
+//!   `header` placements (a NULL or missing column sets none);
+//! * timestamp: the timestamp column, when Kafka can take it: after the
+//!   Unix epoch and at most [`MAX_AHEAD_OF_COMMIT_MS`] after the
+//!   transaction's commit. Otherwise the commit time (see
+//!   [`kafka_timestamp`]).
 //!
 //! A row that can never become a valid record (an illegal topic name, an
 //! empty key, headers that are not an object) is a [`RecordError`]; the
@@ -22,11 +36,12 @@
 
 use chrono::SecondsFormat;
 
-use crate::config::routing::TopicPart;
-pub use crate::config::routing::{topic_name_problem, RecordValue, TopicTemplate};
+use crate::config::columns::Placement;
+pub use crate::config::routing::{topic_name_problem, RecordValue, TextPayload, TopicTemplate};
+use crate::config::routing::{Capture, TopicPart};
 use crate::config::ValueFormat;
-use crate::kafka::cloudevents;
-use crate::source::outbox::{CreatedAt, OutboxRow, UnreadableRow};
+use crate::kafka::{cloudevents, connect};
+use crate::source::outbox::{is_json, CreatedAt, Extra, OutboxRow, Payload, UnreadableRow};
 
 /// Header names outboxd sets on every record.
 pub mod header {
@@ -38,12 +53,34 @@ pub mod header {
     pub const REPLAYED: &str = "replayed";
 }
 
+/// What a template reads of a row: the route and type values, and the
+/// additional columns' text (`None`: NULL or missing).
+pub trait TopicValues {
+    fn route(&self) -> &str;
+    fn event_type(&self) -> &str;
+    fn column(&self, extra: usize) -> Option<&str>;
+}
+
+impl TopicValues for OutboxRow {
+    fn route(&self) -> &str {
+        &self.aggregate_type
+    }
+    fn event_type(&self) -> &str {
+        &self.event_type
+    }
+    fn column(&self, extra: usize) -> Option<&str> {
+        self.extra.get(extra).and_then(Extra::text)
+    }
+}
+
 impl TopicTemplate {
-    pub fn render(&self, aggregate_type: &str, event_type: &str) -> Result<String, RecordError> {
-        if !self.allows(aggregate_type) {
-            return Err(RecordError::AggregateTypeNotAllowed(aggregate_type.to_owned()));
+    /// The topic of `row`: the template filled in, an allowed aggregate
+    /// type, a legal name.
+    pub fn render(&self, row: &impl TopicValues) -> Result<String, RecordError> {
+        if !self.allows(row.route()) {
+            return Err(RecordError::AggregateTypeNotAllowed(row.route().to_owned()));
         }
-        let topic = self.render_unchecked(aggregate_type, event_type);
+        let topic = self.fill(row, true)?;
         validate_topic(&topic)?;
         Ok(topic)
     }
@@ -54,21 +91,60 @@ impl TopicTemplate {
     }
 
     /// The template filled in, whether or not the aggregate type is
-    /// allowed and the name is a legal topic: the sequence a row belongs
-    /// to when it is parked (see [`crate::park`]).
-    pub fn render_unchecked(&self, aggregate_type: &str, event_type: &str) -> String {
+    /// allowed and the name is a legal topic (a NULL column renders
+    /// empty): the sequence a row belongs to when it is parked (see
+    /// [`crate::park`]).
+    pub fn render_unchecked(&self, row: &impl TopicValues) -> String {
+        self.fill(row, false).unwrap_or_default()
+    }
+
+    fn route_value(&self, route: &str) -> String {
+        if self.lowercase_aggregate_type {
+            route.chars().flat_map(char::to_lowercase).collect()
+        } else {
+            route.to_owned()
+        }
+    }
+
+    fn fill(&self, row: &impl TopicValues, strict: bool) -> Result<String, RecordError> {
+        let captures = match &self.regex {
+            Some(re) => match re.anchored.captures(row.route()) {
+                Some(c) => Some(c),
+                // Kafka Connect's RegexRouter leaves the topic unchanged
+                // when the value does not match: the value is the topic.
+                None => return Ok(self.route_value(row.route())),
+            },
+            None => None,
+        };
         let mut topic = String::with_capacity(32);
         for p in &self.parts {
             match p {
                 TopicPart::Literal(l) => topic.push_str(l),
                 TopicPart::AggregateType if self.lowercase_aggregate_type => {
-                    topic.extend(aggregate_type.chars().flat_map(char::to_lowercase))
+                    topic.extend(row.route().chars().flat_map(char::to_lowercase))
                 }
-                TopicPart::AggregateType => topic.push_str(aggregate_type),
-                TopicPart::EventType => topic.push_str(event_type),
+                TopicPart::AggregateType => topic.push_str(row.route()),
+                TopicPart::EventType => topic.push_str(row.event_type()),
+                TopicPart::Column(i) => match row.column(*i) {
+                    Some(v) => topic.push_str(v),
+                    None if strict => {
+                        return Err(RecordError::IllegalTopic {
+                            topic: topic.clone(),
+                            reason: "a column the topic template reads is NULL",
+                        })
+                    }
+                    None => {}
+                },
+                TopicPart::Capture(c) => {
+                    let group = captures.as_ref().and_then(|caps| match c {
+                        Capture::Index(i) => caps.get(*i),
+                        Capture::Name(n) => caps.name(n),
+                    });
+                    topic.push_str(group.map_or("", |m| m.as_str()));
+                }
             }
         }
-        topic
+        Ok(topic)
     }
 }
 
@@ -88,13 +164,13 @@ pub fn validate_topic(topic: &str) -> Result<(), RecordError> {
 pub enum RecordError {
     #[error("topic name {topic:?} is illegal: {reason}")]
     IllegalTopic { topic: String, reason: &'static str },
-    #[error("aggregate_id is empty; the Kafka key must identify the aggregate")]
+    #[error("the key column is empty or NULL; the Kafka key must identify the aggregate")]
     EmptyKey,
     #[error("headers must be a JSON object, found {0}")]
     HeadersNotObject(String),
     #[error("headers cannot be made Kafka headers: {0}")]
     HeadersUnreadable(String),
-    #[error("created_at {0} cannot be written as an RFC 3339 time (years 0001 to 9999) in the envelope's occurredAt")]
+    #[error("the timestamp {0} cannot be written as an RFC 3339 time (years 0001 to 9999) in the envelope's occurredAt")]
     Timestamp(String),
     #[error("aggregate_type {0:?} is not in routing.allowed_aggregate_types, so no topic is made for it")]
     AggregateTypeNotAllowed(String),
@@ -103,6 +179,12 @@ pub enum RecordError {
     /// The payload does not fit its registry schema (see [`crate::schema`]).
     #[error("{0}")]
     SchemaMismatch(String),
+    /// `routing.text_payload = "json"` and the text is no JSON.
+    #[error("{0}")]
+    Payload(String),
+    /// The partition placement's value is no partition.
+    #[error("the partition column holds {0}, which is no partition number (0 to 2147483647)")]
+    Partition(String),
 }
 
 impl RecordError {
@@ -116,6 +198,8 @@ impl RecordError {
             RecordError::AggregateTypeNotAllowed(_) => "aggregate_type_not_allowed",
             RecordError::CloudEvent(_) => "bad_cloudevent",
             RecordError::SchemaMismatch(_) => "schema_mismatch",
+            RecordError::Payload(_) => "bad_payload",
+            RecordError::Partition(_) => "bad_partition",
         }
     }
 }
@@ -124,18 +208,32 @@ impl RecordError {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KafkaRecord {
     pub topic: String,
-    /// The key as sent: the `aggregate_id`'s UTF-8, or its registry
-    /// encoding under `routing.key_format`.
+    /// The key as sent: the key column's UTF-8, or its registry encoding
+    /// under `routing.key_format`.
     pub key: Vec<u8>,
-    pub value: Vec<u8>,
+    /// `None`: a null value (a tombstone, or a NULL payload forwarded).
+    pub value: Option<Vec<u8>>,
     pub headers: Vec<(String, Vec<u8>)>,
     pub timestamp_ms: i64,
+    /// The partition a `partition` placement picked; `None`: the
+    /// partitioner's, from the key.
+    pub partition: Option<i32>,
 }
 
 impl KafkaRecord {
     /// Bytes of key, value and headers: what it costs in a batch.
     pub fn size(&self) -> usize {
-        self.key.len() + self.value.len() + self.headers.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>()
+        self.key.len() + self.value_len() + self.headers.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>()
+    }
+
+    /// The value's length (0 for a null value).
+    pub fn value_len(&self) -> usize {
+        self.value.as_ref().map_or(0, Vec::len)
+    }
+
+    /// The value's bytes (empty for a null value).
+    pub fn value_bytes(&self) -> &[u8] {
+        self.value.as_deref().unwrap_or_default()
     }
 
     /// The value of header `name` as text (empty when it is missing).
@@ -148,19 +246,19 @@ impl KafkaRecord {
     }
 }
 
-/// How far past its transaction's commit `created_at` may lie and still be
-/// the record's timestamp. A later `created_at` was set by the writer, not
+/// How far past its transaction's commit the timestamp column may lie and
+/// still be the record's timestamp. A later one was set by the writer, not
 /// by the clock, and Kafka 4 refuses timestamps more than an hour ahead of
 /// the broker's clock (`log.message.timestamp.after.max.ms`).
 pub const MAX_AHEAD_OF_COMMIT_MS: i64 = 5 * 60 * 1000;
 
 /// The Kafka record timestamp (CreateTime) for a row committed at
-/// `commit_ms`: `created_at` when it lies after the Unix epoch and at most
-/// [`MAX_AHEAD_OF_COMMIT_MS`] after the commit; otherwise the commit time.
-/// Kafka takes neither negative timestamps nor far-future ones (and to
-/// librdkafka a timestamp of 0 means "now"), and a
-/// `created_at` out there (a date before 1970, year 20000, `infinity`) is
-/// still an event that happened when it committed.
+/// `commit_ms`: its timestamp when it lies after the Unix epoch and at
+/// most [`MAX_AHEAD_OF_COMMIT_MS`] after the commit; otherwise the commit
+/// time. Kafka takes neither negative timestamps nor far-future ones (and
+/// to librdkafka a timestamp of 0 means "now"), and a timestamp out there
+/// (a date before 1970, year 20000, `infinity`) is still an event that
+/// happened when it committed.
 pub fn kafka_timestamp(created_at: &CreatedAt, commit_ms: i64) -> i64 {
     match created_at {
         CreatedAt::At(t) => {
@@ -171,7 +269,7 @@ pub fn kafka_timestamp(created_at: &CreatedAt, commit_ms: i64) -> i64 {
                 commit_ms
             }
         }
-        CreatedAt::Unrepresentable(_) => commit_ms,
+        CreatedAt::Unrepresentable(_) | CreatedAt::Absent => commit_ms,
     }
 }
 
@@ -186,20 +284,27 @@ pub fn build_record(
     if row.aggregate_id.is_empty() {
         return Err(RecordError::EmptyKey);
     }
-    let topic = topic.render(&row.aggregate_type, &row.event_type)?;
+    let topic = topic.render(row)?;
     let user_headers = user_headers(&row.headers)?;
-    let id = row.id.to_string();
-    let mut headers = Vec::with_capacity(4 + user_headers.len());
-    headers.push((header::ID.to_owned(), id.clone().into_bytes()));
-    headers.push((header::TYPE.to_owned(), row.event_type.as_bytes().to_vec()));
-    headers.push((
-        header::AGGREGATE_TYPE.to_owned(),
-        row.aggregate_type.as_bytes().to_vec(),
-    ));
-    headers.push((
-        header::AGGREGATE_ID.to_owned(),
-        row.aggregate_id.as_bytes().to_vec(),
-    ));
+    let created_at = row.created_at.or_commit(commit_ms);
+    let id = row.id.as_str();
+    let mut headers = Vec::with_capacity(4 + user_headers.len() + value.placements.len());
+    headers.push((header::ID.to_owned(), id.as_bytes().to_vec()));
+    if value.standard_headers {
+        if !row.event_type.is_empty() {
+            headers.push((header::TYPE.to_owned(), row.event_type.as_bytes().to_vec()));
+        }
+        if !row.aggregate_type.is_empty() {
+            headers.push((
+                header::AGGREGATE_TYPE.to_owned(),
+                row.aggregate_type.as_bytes().to_vec(),
+            ));
+        }
+        headers.push((
+            header::AGGREGATE_ID.to_owned(),
+            row.aggregate_id.as_bytes().to_vec(),
+        ));
+    }
     let cloudevent = matches!(
         value.format,
         ValueFormat::CloudEvents | ValueFormat::CloudEventsBinary
@@ -218,50 +323,101 @@ pub fn build_record(
         }
         headers.push((k, v));
     }
-    let value = match value.format {
-        // Registry formats start from the payload: crate::schema encodes it.
-        ValueFormat::Payload | ValueFormat::Avro | ValueFormat::Protobuf | ValueFormat::JsonSchema => {
-            row.payload.as_bytes().to_vec()
-        }
-        ValueFormat::Envelope => {
-            let at = row
-                .created_at
-                .rfc3339()
-                .ok_or_else(|| RecordError::Timestamp(row.created_at.to_string()))?;
-            envelope(row, &id, at)
-        }
-        ValueFormat::CloudEvents | ValueFormat::CloudEventsBinary => {
-            if row.event_type.is_empty() {
-                return Err(RecordError::CloudEvent("a type: the row's type is empty"));
+    let mut partition = None;
+    for p in &value.placements {
+        let extra = row.extra.get(p.extra).unwrap_or(&Extra::Missing);
+        match p.placement {
+            Placement::Header => {
+                if let Some(text) = extra.text() {
+                    headers.push((p.name.clone(), text.as_bytes().to_vec()));
+                }
             }
-            let source = value.source.render(row).ok_or(RecordError::CloudEvent(
-                "a source: routing.cloudevents_source renders empty for this row",
-            ))?;
-            let attributes = cloudevents::Attributes::of(row, &id, &source, &headers);
-            if value.format == ValueFormat::CloudEvents {
-                let v = attributes.structured(&row.payload);
-                headers.push((
-                    cloudevents::CONTENT_TYPE.to_owned(),
-                    cloudevents::STRUCTURED_CONTENT_TYPE.as_bytes().to_vec(),
-                ));
-                v
-            } else {
-                let ce = attributes.binary_headers();
-                headers.extend(ce);
-                row.payload.as_bytes().to_vec()
+            Placement::Partition => {
+                partition = match extra.text() {
+                    None => None,
+                    Some(t) => Some(
+                        t.parse::<i32>()
+                            .ok()
+                            .filter(|p| *p >= 0)
+                            .ok_or_else(|| RecordError::Partition(t.to_owned()))?,
+                    ),
+                };
+            }
+            Placement::Envelope => {}
+        }
+    }
+    let tombstone = value.tombstones && row.payload.is_blank();
+    let value_rules = value;
+    let value = if tombstone {
+        None
+    } else {
+        match value.format {
+            // Registry formats start from the payload: crate::schema encodes it.
+            ValueFormat::Payload | ValueFormat::Avro | ValueFormat::Protobuf | ValueFormat::JsonSchema => {
+                (row.payload != Payload::Null).then(|| row.payload.as_bytes().to_vec())
+            }
+            ValueFormat::ConnectJson => {
+                let facts = row.facts.clone().unwrap_or_default();
+                Some(connect::value(
+                    row,
+                    &facts,
+                    value,
+                    value.connect_schemas,
+                    &value.connect_struct_prefix,
+                ))
+            }
+            ValueFormat::Envelope => {
+                let at = created_at
+                    .rfc3339()
+                    .ok_or_else(|| RecordError::Timestamp(created_at.to_string()))?;
+                Some(envelope(row, id, at, value)?)
+            }
+            ValueFormat::CloudEvents | ValueFormat::CloudEventsBinary => {
+                if row.event_type.is_empty() {
+                    return Err(RecordError::CloudEvent("a type: the row's type is empty"));
+                }
+                let source = value.source.render(row).ok_or(RecordError::CloudEvent(
+                    "a source: routing.cloudevents_source renders empty for this row",
+                ))?;
+                let attributes =
+                    cloudevents::Attributes::of(row, id, &source, &headers, &created_at, value.text_payload);
+                if value.format == ValueFormat::CloudEvents {
+                    let v = attributes
+                        .structured(&row.payload, value.text_payload)
+                        .map_err(RecordError::Payload)?;
+                    headers.push((
+                        cloudevents::CONTENT_TYPE.to_owned(),
+                        cloudevents::STRUCTURED_CONTENT_TYPE.as_bytes().to_vec(),
+                    ));
+                    Some(v)
+                } else {
+                    let ce = attributes.binary_headers();
+                    headers.extend(ce);
+                    (row.payload != Payload::Null).then(|| row.payload.as_bytes().to_vec())
+                }
             }
         }
     };
+    let key = if value_rules.connect_key {
+        connect::key(
+            row,
+            &row.facts.clone().unwrap_or_default(),
+            value_rules.connect_key_schemas,
+        )
+    } else {
+        row.aggregate_id.clone().into_bytes()
+    };
     Ok(KafkaRecord {
         topic,
-        key: row.aggregate_id.clone().into_bytes(),
+        key,
         value,
         headers,
-        timestamp_ms: kafka_timestamp(&row.created_at, commit_ms),
+        timestamp_ms: kafka_timestamp(&created_at, commit_ms),
+        partition,
     })
 }
 
-/// The row's `headers` object as Kafka headers, in key order: strings
+/// The row's headers object as Kafka headers, in key order: strings
 /// raw, other values as compact JSON text. A value that holds a number no
 /// float can hold (jsonb keeps `1e400` exactly) or is nested too deep to
 /// read as a value is passed on as PostgreSQL wrote it, not refused.
@@ -328,39 +484,50 @@ fn dlq_headers(p: &Poison, mut headers: Vec<(String, Vec<u8>)>) -> Vec<(String, 
 }
 
 /// A dead letter for a row: the original row as JSON (id, aggregate type
-/// and id, type, createdAt, headers and payload, the last two as stored),
-/// with the `dlq.*` headers. The payload is replaced by its size when it is
-/// itself the problem; the row stays in the outbox table.
+/// and id, type, createdAt, headers and payload, the last two as stored
+/// where they are JSON, else as JSON strings), with the `dlq.*` headers.
+/// The payload is replaced by its size when it is itself the problem; the
+/// row stays in the outbox table.
 pub fn dead_letter_for_row(row: &OutboxRow, poison: &Poison, topic: &str) -> KafkaRecord {
     let mut out = Vec::with_capacity(row.payload.len() + row.headers.len() + 256);
-    out.extend_from_slice(b"{\"id\":\"");
-    out.extend_from_slice(row.id.to_string().as_bytes());
-    out.extend_from_slice(b"\",\"aggregateType\":");
+    out.extend_from_slice(b"{\"id\":");
+    push_json_string(&mut out, &row.id);
+    out.extend_from_slice(b",\"aggregateType\":");
     push_json_string(&mut out, &row.aggregate_type);
     out.extend_from_slice(b",\"aggregateId\":");
     push_json_string(&mut out, &row.aggregate_id);
     out.extend_from_slice(b",\"type\":");
     push_json_string(&mut out, &row.event_type);
     out.extend_from_slice(b",\"createdAt\":");
-    match row.created_at.rfc3339() {
-        Some(t) => {
+    match (&row.created_at, row.created_at.rfc3339()) {
+        (_, Some(t)) => {
             out.push(b'"');
             push_rfc3339_micros(&mut out, t);
             out.push(b'"');
         }
-        None => push_json_string(&mut out, &row.created_at.to_string()),
+        (CreatedAt::Absent, None) => out.extend_from_slice(b"null"),
+        (c, None) => push_json_string(&mut out, &c.to_string()),
     }
     out.extend_from_slice(b",\"headers\":");
-    out.extend_from_slice(row.headers.as_bytes());
+    // A text headers column that is no JSON is what a dead letter may be
+    // about: it goes as a string, never as broken JSON.
+    if is_json(&row.headers) {
+        out.extend_from_slice(row.headers.as_bytes());
+    } else {
+        push_json_string(&mut out, &row.headers);
+    }
     if poison.omit_payload {
         out.extend_from_slice(format!(",\"payloadBytes\":{}}}", row.payload.len()).as_bytes());
     } else {
         out.push(b',');
-        row.payload.push_member(&mut out, "payload", "payloadBase64");
+        // Auto never refuses: JSON as it is, any other text as a string.
+        let _ = row
+            .payload
+            .push_member(&mut out, "payload", "payloadBase64", TextPayload::Auto);
         out.push(b'}');
     }
     let ids = vec![
-        (header::ID.to_owned(), row.id.to_string().into_bytes()),
+        (header::ID.to_owned(), row.id.as_bytes().to_vec()),
         (header::TYPE.to_owned(), row.event_type.as_bytes().to_vec()),
         (
             header::AGGREGATE_TYPE.to_owned(),
@@ -404,7 +571,7 @@ pub fn dead_letter_for_record(rec: KafkaRecord, poison: &Poison, topic: &str) ->
     let value = if poison.omit_payload {
         Vec::new()
     } else {
-        rec.value
+        rec.value.unwrap_or_default()
     };
     dead_letter(topic, rec.key, value, dlq_headers(poison, rec.headers))
 }
@@ -457,7 +624,7 @@ pub fn dead_letter_stub(rec: &KafkaRecord, refused: &str) -> KafkaRecord {
         format!(
             ",\"keyBytes\":{},\"valueBytes\":{},\"headerBytes\":{header_bytes}}}",
             rec.key.len(),
-            rec.value.len()
+            rec.value_len()
         )
         .as_bytes(),
     );
@@ -476,9 +643,10 @@ fn dead_letter(topic: &str, key: Vec<u8>, value: Vec<u8>, headers: Vec<(String, 
     KafkaRecord {
         topic: topic.to_owned(),
         key,
-        value,
+        value: Some(value),
         headers,
         timestamp_ms: chrono::Utc::now().timestamp_millis(),
+        partition: None,
     }
 }
 
@@ -520,12 +688,18 @@ fn push_json_string(out: &mut Vec<u8>, s: &str) {
     let _ = serde_json::to_writer(&mut *out, s);
 }
 
-/// The seed relay's envelope, with the payload embedded without re-encoding.
-fn envelope(row: &OutboxRow, id: &str, occurred_at: &chrono::DateTime<chrono::Utc>) -> Vec<u8> {
+/// The seed relay's envelope, with the payload embedded without
+/// re-encoding, then the `envelope` placements as members.
+fn envelope(
+    row: &OutboxRow,
+    id: &str,
+    occurred_at: &chrono::DateTime<chrono::Utc>,
+    value: &RecordValue,
+) -> Result<Vec<u8>, RecordError> {
     let mut out = Vec::with_capacity(row.payload.len() + 192);
-    out.extend_from_slice(b"{\"eventId\":\"");
-    out.extend_from_slice(id.as_bytes());
-    out.extend_from_slice(b"\",\"type\":");
+    out.extend_from_slice(b"{\"eventId\":");
+    push_json_string(&mut out, id);
+    out.extend_from_slice(b",\"type\":");
     push_json_string(&mut out, &row.event_type);
     out.extend_from_slice(b",\"occurredAt\":\"");
     push_rfc3339_micros(&mut out, occurred_at);
@@ -534,26 +708,62 @@ fn envelope(row: &OutboxRow, id: &str, occurred_at: &chrono::DateTime<chrono::Ut
     out.extend_from_slice(b",\"aggregateId\":");
     push_json_string(&mut out, &row.aggregate_id);
     out.push(b',');
-    row.payload.push_member(&mut out, "data", "dataBase64");
+    row.payload
+        .push_member(&mut out, "data", "dataBase64", value.text_payload)
+        .map_err(RecordError::Payload)?;
+    for p in value
+        .placements
+        .iter()
+        .filter(|p| p.placement == Placement::Envelope)
+    {
+        let extra = row.extra.get(p.extra).unwrap_or(&Extra::Missing);
+        if *extra == Extra::Missing {
+            continue;
+        }
+        out.push(b',');
+        push_json_string(&mut out, &p.name);
+        out.push(b':');
+        extra.push_json(&mut out);
+    }
     out.push(b'}');
-    out
+    Ok(out)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::columns::ColumnMap;
+    use crate::source::outbox::Payload;
     use chrono::TimeZone;
-    use uuid::Uuid;
+
+    /// A route and an event type, as a template reads a row.
+    impl TopicValues for (&str, &str) {
+        fn route(&self) -> &str {
+            self.0
+        }
+        fn event_type(&self) -> &str {
+            self.1
+        }
+        fn column(&self, _: usize) -> Option<&str> {
+            None
+        }
+    }
+
+    fn template(text: &str, lowercase: bool) -> Result<TopicTemplate, String> {
+        TopicTemplate::parse(text, lowercase, &mut ColumnMap::default(), None)
+    }
 
     fn row() -> OutboxRow {
         OutboxRow {
-            id: Uuid::parse_str("0190a5a4-8c1e-7000-8000-000000000001").unwrap(),
+            id: "0190a5a4-8c1e-7000-8000-000000000001".into(),
             aggregate_type: "Order".into(),
             aggregate_id: "1001".into(),
             event_type: "ordering.order-placed.v1".into(),
             payload: r#"{"total": 12.5, "name": "김 \"q\""}"#.into(),
             headers: r#"{"correlationId": "c-1", "attempt": 2, "id": "spoof"}"#.into(),
             created_at: CreatedAt::At(chrono::Utc.with_ymd_and_hms(2026, 11, 30, 1, 2, 3).unwrap()),
+            extra: Vec::new(),
+            facts: None,
         }
     }
 
@@ -561,7 +771,7 @@ mod tests {
     const COMMIT_MS: i64 = 1_796_000_524_000;
 
     fn default_topic() -> TopicTemplate {
-        TopicTemplate::parse("{aggregate_type}.events", true).unwrap()
+        template("{aggregate_type}.events", true).unwrap()
     }
 
     #[test]
@@ -576,7 +786,7 @@ mod tests {
         assert_eq!(r.topic, "order.events");
         assert_eq!(r.key, b"1001");
         assert_eq!(r.timestamp_ms, 1_796_000_523_000);
-        let v: serde_json::Value = serde_json::from_slice(&r.value).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(r.value_bytes()).unwrap();
         assert_eq!(
             v,
             serde_json::json!({
@@ -630,7 +840,7 @@ mod tests {
             COMMIT_MS,
         )
         .unwrap();
-        assert_eq!(r.value, row().payload.as_bytes());
+        assert_eq!(r.value_bytes(), row().payload.as_bytes());
     }
 
     fn poison() -> Poison {
@@ -648,7 +858,7 @@ mod tests {
         let poison = poison();
         let d = dead_letter_for_row(&row(), &poison, "outboxd.dead-letter");
         assert_eq!(d.topic, "outboxd.dead-letter");
-        let v: serde_json::Value = serde_json::from_slice(&d.value).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(d.value_bytes()).unwrap();
         assert_eq!(v["payload"]["total"], 12.5);
         assert_eq!(v["headers"]["correlationId"], "c-1");
         assert_eq!(v["aggregateType"], "Order");
@@ -661,20 +871,21 @@ mod tests {
             ..poison
         };
         let v: serde_json::Value =
-            serde_json::from_slice(&dead_letter_for_row(&row(), &big, "d").value).unwrap();
+            serde_json::from_slice(dead_letter_for_row(&row(), &big, "d").value_bytes()).unwrap();
         assert!(v.get("payload").is_none() && v["payloadBytes"].as_u64().unwrap() > 0);
     }
 
     #[test]
     fn templates() {
-        let t = TopicTemplate::parse("app.{aggregate_type}.{type}", false).unwrap();
-        assert_eq!(t.render("Order", "placed").unwrap(), "app.Order.placed");
-        assert!(TopicTemplate::parse("{nope}", true)
+        let t = template("app.{aggregate_type}.{type}", false).unwrap();
+        assert_eq!(t.render(&("Order", "placed")).unwrap(), "app.Order.placed");
+        assert!(template("{$1}", true)
             .unwrap_err()
-            .contains("unknown placeholder"));
-        assert!(TopicTemplate::parse("a b", true).is_err());
-        assert!(TopicTemplate::parse("{aggregate_type", true).is_err());
-        assert!(TopicTemplate::parse("", true).is_err());
+            .contains("topic_regex is not set"));
+        assert!(template("a b", true).is_err());
+        assert!(template("{aggregate_type", true).is_err());
+        assert!(template("", true).is_err());
+        assert!(template("{}", true).is_err());
     }
 
     #[test]
@@ -762,7 +973,7 @@ mod tests {
         let full = dead_letter_for_row(&r, &poison, "dlq");
         let stub = dead_letter_stub(&full, "Message size too large");
         let size = stub.key.len()
-            + stub.value.len()
+            + stub.value_len()
             + stub.headers.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>();
         assert!(size < 4096, "{size} bytes");
         assert!(stub.key.is_empty(), "a key too long to keep");
@@ -777,7 +988,7 @@ mod tests {
         assert!(header("dlq.error")
             .unwrap()
             .contains("the dead letter itself was refused"));
-        let value: serde_json::Value = serde_json::from_slice(&stub.value).unwrap();
+        let value: serde_json::Value = serde_json::from_slice(stub.value_bytes()).unwrap();
         assert_eq!(value["keyBytes"], 5000);
         assert!(value["valueBytes"].as_u64().unwrap() > 2_000_000);
     }
@@ -837,7 +1048,7 @@ mod tests {
             .unwrap();
             assert_eq!(rec.timestamp_ms, COMMIT_MS, "{text}");
             let dl = dead_letter_for_row(&r, &poison(), "dlq");
-            let v: serde_json::Value = serde_json::from_slice(&dl.value).unwrap();
+            let v: serde_json::Value = serde_json::from_slice(dl.value_bytes()).unwrap();
             assert_eq!(v["createdAt"], text, "the dead letter keeps PostgreSQL's text");
         }
     }
@@ -865,16 +1076,232 @@ mod tests {
     #[test]
     fn only_allowed_aggregate_types_become_topics() {
         let t = default_topic().allowing(vec!["Order".into(), "Pay*".into()]);
-        assert_eq!(t.render("Order", "x").unwrap(), "order.events");
-        assert_eq!(t.render("Payment", "x").unwrap(), "payment.events");
+        assert_eq!(t.render(&("Order", "x")).unwrap(), "order.events");
+        assert_eq!(t.render(&("Payment", "x")).unwrap(), "payment.events");
         for bad in ["order", "Orders", "Spam", "", "Pa"] {
-            let e = t.render(bad, "x").unwrap_err();
+            let e = t.render(&(bad, "x")).unwrap_err();
             assert_eq!(e.reason(), "aggregate_type_not_allowed", "{bad:?}");
             assert!(crate::metrics::DEAD_LETTER_REASONS.contains(&e.reason()));
         }
         assert!(
-            default_topic().render("Anything", "x").is_ok(),
+            default_topic().render(&("Anything", "x")).is_ok(),
             "no list: any type"
         );
+    }
+
+    fn routed(text: &str, regex: Option<&str>, map: &mut ColumnMap) -> TopicTemplate {
+        let regex = regex.map(|r| crate::config::routing::TopicRegex::parse(r).unwrap());
+        TopicTemplate::parse(text, false, map, regex).unwrap()
+    }
+
+    #[test]
+    fn topics_from_any_column_and_from_a_regex() {
+        let mut map = ColumnMap::default();
+        let t = routed("{tenant}.{aggregate_type}", None, &mut map);
+        let mut r = row();
+        r.extra = vec![Extra::Text("acme".into())];
+        assert_eq!(t.render(&r).unwrap(), "acme.Order");
+        r.extra = vec![Extra::Null];
+        assert_eq!(
+            t.render(&r).unwrap_err().reason(),
+            "illegal_topic",
+            "a NULL column routes nowhere"
+        );
+        // Kafka Connect's RegexRouter: a whole match is replaced, anything
+        // else is the topic as it is.
+        let t = routed(
+            "outbox.{$kind}.{$2}",
+            Some("(?<kind>[a-z]+)-(.*)"),
+            &mut ColumnMap::default(),
+        );
+        assert_eq!(t.render(&("order-placed", "")).unwrap(), "outbox.order.placed");
+        assert_eq!(t.render(&("Order", "")).unwrap(), "Order");
+        assert_eq!(
+            t.render(&("x-order-placed", "")).unwrap(),
+            "outbox.x.order-placed",
+            "the first group is as short as the regex makes it"
+        );
+        assert!(
+            routed("{$1}", Some("a(b)?"), &mut ColumnMap::default())
+                .render(&("a", ""))
+                .is_err(),
+            "an empty name is no topic"
+        );
+    }
+
+    fn placed(
+        placement: crate::config::columns::Placement,
+        name: &str,
+        extra: usize,
+    ) -> crate::config::columns::PlacedColumn {
+        crate::config::columns::PlacedColumn {
+            extra,
+            placement,
+            name: name.into(),
+        }
+    }
+
+    #[test]
+    fn placements_headers_partition_and_envelope() {
+        use crate::config::columns::Placement;
+        let mut value = RecordValue::of(ValueFormat::Envelope);
+        value.placements = vec![
+            placed(Placement::Header, "eventType", 0),
+            placed(Placement::Partition, "", 1),
+            placed(Placement::Envelope, "tenant", 2),
+            placed(Placement::Header, "gone", 3),
+            placed(Placement::Envelope, "flag", 4),
+        ];
+        let mut r = row();
+        r.extra = vec![
+            Extra::Text("OrderPlaced".into()),
+            Extra::Number("2".into()),
+            Extra::Null,
+            Extra::Missing,
+            Extra::Bool(true),
+        ];
+        let rec = build_record(&r, &default_topic(), &value, COMMIT_MS).unwrap();
+        assert_eq!(rec.partition, Some(2));
+        assert_eq!(rec.header_text("eventType"), "OrderPlaced");
+        assert!(
+            rec.headers.iter().all(|(k, _)| k != "gone"),
+            "a missing column sets no header"
+        );
+        let v: serde_json::Value = serde_json::from_slice(rec.value_bytes()).unwrap();
+        assert_eq!(v["tenant"], serde_json::Value::Null);
+        assert_eq!(v["flag"], true);
+        r.extra[1] = Extra::Number("-1".into());
+        assert_eq!(
+            build_record(&r, &default_topic(), &value, COMMIT_MS)
+                .unwrap_err()
+                .reason(),
+            "bad_partition"
+        );
+        r.extra[1] = Extra::Null;
+        assert_eq!(
+            build_record(&r, &default_topic(), &value, COMMIT_MS)
+                .unwrap()
+                .partition,
+            None,
+            "NULL: the partitioner's"
+        );
+    }
+
+    #[test]
+    fn null_and_blank_payloads_and_tombstones() {
+        let mut r = row();
+        r.payload = Payload::Null;
+        for format in [ValueFormat::Payload, ValueFormat::CloudEventsBinary] {
+            let rec = build_record(&r, &default_topic(), &RecordValue::of(format), COMMIT_MS).unwrap();
+            assert_eq!(rec.value, None, "{format:?}: a NULL payload is a null value");
+        }
+        let env = build_record(
+            &r,
+            &default_topic(),
+            &RecordValue::of(ValueFormat::Envelope),
+            COMMIT_MS,
+        )
+        .unwrap();
+        let v: serde_json::Value = serde_json::from_slice(env.value_bytes()).unwrap();
+        assert_eq!(v["data"], serde_json::Value::Null);
+        // With tombstones, NULL and blank text are tombstones in every
+        // format: the key and headers, a null value.
+        r.payload = Payload::Text("  ".into());
+        for format in [
+            ValueFormat::Envelope,
+            ValueFormat::CloudEvents,
+            ValueFormat::ConnectJson,
+            ValueFormat::Payload,
+        ] {
+            let mut value = RecordValue::of(format);
+            value.tombstones = true;
+            let rec = build_record(&r, &default_topic(), &value, COMMIT_MS).unwrap();
+            assert_eq!(rec.value, None, "{format:?}");
+            assert_eq!(rec.key, b"1001");
+            assert_eq!(rec.header_text("id"), r.id);
+        }
+        r.payload = Payload::Json("{}".into());
+        let mut value = RecordValue::of(ValueFormat::Payload);
+        value.tombstones = true;
+        assert_eq!(
+            build_record(&r, &default_topic(), &value, COMMIT_MS)
+                .unwrap()
+                .value
+                .as_deref(),
+            Some(b"{}".as_slice())
+        );
+    }
+
+    #[test]
+    fn a_text_payload_never_makes_invalid_json() {
+        let mut r = row();
+        r.payload = Payload::Text("not json {".into());
+        let raw = build_record(
+            &r,
+            &default_topic(),
+            &RecordValue::of(ValueFormat::Payload),
+            COMMIT_MS,
+        )
+        .unwrap();
+        assert_eq!(raw.value_bytes(), b"not json {", "the bytes as they are");
+        for format in [ValueFormat::Envelope, ValueFormat::CloudEvents] {
+            let rec = build_record(&r, &default_topic(), &RecordValue::of(format), COMMIT_MS).unwrap();
+            let v: serde_json::Value = serde_json::from_slice(rec.value_bytes()).unwrap();
+            assert_eq!(v["data"], "not json {", "{format:?}");
+            let mut strict = RecordValue::of(format);
+            strict.text_payload = TextPayload::Json;
+            assert_eq!(
+                build_record(&r, &default_topic(), &strict, COMMIT_MS)
+                    .unwrap_err()
+                    .reason(),
+                "bad_payload"
+            );
+        }
+        r.payload = Payload::Text(r#"{"a": [1]}"#.into());
+        let rec = build_record(
+            &r,
+            &default_topic(),
+            &RecordValue::of(ValueFormat::Envelope),
+            COMMIT_MS,
+        )
+        .unwrap();
+        assert!(String::from_utf8_lossy(rec.value_bytes()).ends_with(r#""data":{"a": [1]}}"#));
+        // A headers text that is no JSON: a dead letter still is JSON.
+        r.headers = "{not".into();
+        assert_eq!(
+            build_record(
+                &r,
+                &default_topic(),
+                &RecordValue::of(ValueFormat::Envelope),
+                COMMIT_MS
+            )
+            .unwrap_err()
+            .reason(),
+            "bad_headers"
+        );
+        let dl = dead_letter_for_row(&r, &poison(), "dlq");
+        let v: serde_json::Value = serde_json::from_slice(dl.value_bytes()).unwrap();
+        assert_eq!(v["headers"], "{not");
+    }
+
+    #[test]
+    fn without_standard_headers_only_the_id() {
+        let mut value = RecordValue::of(ValueFormat::Payload);
+        value.standard_headers = false;
+        let mut r = row();
+        r.headers = "{}".into();
+        let rec = build_record(&r, &default_topic(), &value, COMMIT_MS).unwrap();
+        let names: Vec<&str> = rec.headers.iter().map(|(k, _)| k.as_str()).collect();
+        assert_eq!(names, ["id"]);
+        // No type column: no type header, even with standard headers.
+        r.event_type.clear();
+        let rec = build_record(
+            &r,
+            &default_topic(),
+            &RecordValue::of(ValueFormat::Payload),
+            COMMIT_MS,
+        )
+        .unwrap();
+        assert!(rec.headers.iter().all(|(k, _)| k != "type"));
     }
 }

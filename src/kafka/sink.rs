@@ -169,6 +169,13 @@ impl Refusal {
                 reason: "bad_timestamp",
                 omit_payload: false,
             },
+            // A partition a `partition` placement picked that the topic
+            // does not have (librdkafka's local error, once it knows the
+            // topic's partitions).
+            RDKafkaErrorCode::UnknownPartition => Refusal::Record {
+                reason: "bad_partition",
+                omit_payload: false,
+            },
             RDKafkaErrorCode::InvalidTopic
             | RDKafkaErrorCode::InvalidRecord
             | RDKafkaErrorCode::InvalidMessage => Refusal::Record {
@@ -1013,21 +1020,26 @@ impl KafkaSink {
                 value: Some(v.as_slice()),
             });
         }
-        let record = BaseRecord::with_opaque_to(&rec.topic, 0)
+        let mut record = BaseRecord::with_opaque_to(&rec.topic, 0)
             .key(rec.key.as_slice())
-            .payload(rec.value.as_slice())
             .headers(headers)
             .timestamp(rec.timestamp_ms);
+        if let Some(value) = &rec.value {
+            record = record.payload(value.as_slice());
+        }
+        if let Some(p) = rec.partition {
+            record = record.partition(p);
+        }
         let full = |e: &KafkaError| matches!(e, KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull));
         // librdkafka counts a record's value against its queue's bytes: a
         // value larger than all of them never fits, and waiting would
         // never end. (A producer shared with other sources may be full of
         // theirs, so an empty queue is no test.)
         let outcome = match send(&self.producer, record)? {
-            Err((e, _)) if full(&e) && rec.value.len() as u64 > self.queue_bytes => {
+            Err((e, _)) if full(&e) && rec.value_len() as u64 > self.queue_bytes => {
                 return Err(KafkaSinkError::QueueTooSmall {
                     topic: rec.topic.clone(),
-                    bytes: rec.value.len(),
+                    bytes: rec.value_len(),
                 })
             }
             other => other,
@@ -1134,7 +1146,7 @@ pub fn batch_bytes_alone(rec: &KafkaRecord) -> usize {
         .map(|(k, v)| field(k.len()) + field(v.len()))
         .sum();
     let body =
-        1 + 1 + 1 + field(rec.key.len()) + field(rec.value.len()) + varint(rec.headers.len()) + headers;
+        1 + 1 + 1 + field(rec.key.len()) + field(rec.value_len()) + varint(rec.headers.len()) + headers;
     61 + varint(body) + body
 }
 

@@ -3,15 +3,15 @@
 //! SQL connection (never the replication one).
 
 use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
 use tokio_postgres::Client;
-use uuid::Uuid;
 
 use crate::config::conninfo::PgConnectConfig;
 use crate::config::ident::TableName;
 use crate::lsn::Lsn;
 use crate::lsn::RowPos;
 use crate::postgres::admin::{self, AdminError};
-use crate::source::outbox::{CreatedAt, OutboxRow, Payload};
+use crate::source::outbox::{CreatedAt, Extra, OutboxRow, Payload};
 
 /// Why the parked-event tables could not be used.
 #[derive(Debug, thiserror::Error)]
@@ -88,7 +88,7 @@ impl ParkedEvent {
     /// The event's id as text.
     pub fn id(&self) -> String {
         match &self.row {
-            ParkedRow::Row(r) => r.id.to_string(),
+            ParkedRow::Row(r) => r.id.clone(),
             ParkedRow::Unreadable { id, .. } => id.clone(),
         }
     }
@@ -118,11 +118,78 @@ pub struct SequenceHead {
     pub bytes: i64,
 }
 
-/// `created_at` as text PostgreSQL and [`CreatedAt::parse`] read back.
-fn created_at_text(c: &CreatedAt) -> String {
+/// `created_at` as text PostgreSQL and [`CreatedAt::parse`] read back
+/// (`None`: absent).
+fn created_at_text(c: &CreatedAt) -> Option<String> {
     match c {
-        CreatedAt::At(t) => t.format("%Y-%m-%d %H:%M:%S%.6f+00").to_string(),
-        CreatedAt::Unrepresentable(s) => s.clone(),
+        CreatedAt::At(t) => Some(t.format("%Y-%m-%d %H:%M:%S%.6f+00").to_string()),
+        CreatedAt::Unrepresentable(s) => Some(s.clone()),
+        CreatedAt::Absent => None,
+    }
+}
+
+/// What the `columns` column holds for a row that was read (its own
+/// columns cannot say it): a payload that is text or NULL rather than
+/// JSON or bytes, and the additional columns' values. NULL when neither
+/// (every row parked before column maps existed reads back so).
+#[derive(Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+struct RowShape {
+    /// `"text"` or `"null"`; absent: JSON or bytes (`payload_bytea`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    payload: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    extra: Vec<ParkedExtra>,
+}
+
+/// An additional column's value as parked.
+#[derive(Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(tag = "k", content = "v", rename_all = "lowercase")]
+enum ParkedExtra {
+    Missing,
+    Null,
+    Text(String),
+    Number(String),
+    Bool(bool),
+    Json(String),
+}
+
+impl From<&Extra> for ParkedExtra {
+    fn from(e: &Extra) -> Self {
+        match e {
+            Extra::Missing => ParkedExtra::Missing,
+            Extra::Null => ParkedExtra::Null,
+            Extra::Text(s) => ParkedExtra::Text(s.clone()),
+            Extra::Number(s) => ParkedExtra::Number(s.clone()),
+            Extra::Bool(b) => ParkedExtra::Bool(*b),
+            Extra::Json(s) => ParkedExtra::Json(s.clone()),
+        }
+    }
+}
+
+impl From<ParkedExtra> for Extra {
+    fn from(e: ParkedExtra) -> Self {
+        match e {
+            ParkedExtra::Missing => Extra::Missing,
+            ParkedExtra::Null => Extra::Null,
+            ParkedExtra::Text(s) => Extra::Text(s),
+            ParkedExtra::Number(s) => Extra::Number(s),
+            ParkedExtra::Bool(b) => Extra::Bool(b),
+            ParkedExtra::Json(s) => Extra::Json(s),
+        }
+    }
+}
+
+impl RowShape {
+    fn of(r: &OutboxRow) -> Option<String> {
+        let shape = RowShape {
+            payload: match r.payload {
+                Payload::Text(_) => Some("text".into()),
+                Payload::Null => Some("null".into()),
+                Payload::Json(_) | Payload::Bytes(_) => None,
+            },
+            extra: r.extra.iter().map(ParkedExtra::from).collect(),
+        };
+        (shape != RowShape::default()).then(|| serde_json::to_string(&shape).unwrap_or_default())
     }
 }
 
@@ -647,11 +714,11 @@ async fn insert_event(
                 Some(r.aggregate_type.as_str()),
                 Some(r.aggregate_id.as_str()),
                 Some(r.event_type.as_str()),
-                Some(r.payload.as_bytes()),
+                (r.payload != Payload::Null).then(|| r.payload.as_bytes()),
                 Some(matches!(r.payload, Payload::Bytes(_))),
                 Some(r.headers.as_str()),
-                Some(created_at_text(&r.created_at)),
-                None,
+                created_at_text(&r.created_at),
+                RowShape::of(r),
             ),
             ParkedRow::Unreadable {
                 aggregate_id,
@@ -665,7 +732,7 @@ async fn insert_event(
                 None,
                 None,
                 None,
-                Some(columns_json.as_str()),
+                Some(columns_json.clone()),
             ),
         };
     let n = tx
@@ -713,28 +780,38 @@ fn row_from(r: &tokio_postgres::Row) -> Result<ParkedEvent, ParkError> {
     let id: String = r.get(4);
     let columns: Option<String> = r.get(12);
     let row = match (r.get::<_, Option<String>>(5), columns) {
-        (Some(aggregate_type), None) => {
-            let payload: Vec<u8> = r.get::<_, Option<Vec<u8>>>(8).unwrap_or_default();
-            let payload =
-                if r.get::<_, Option<bool>>(9).unwrap_or(false) {
-                    Payload::Bytes(payload)
-                } else {
-                    Payload::Json(String::from_utf8(payload).map_err(|_| {
-                        ParkError::Unreadable(format!("event {id}: its payload is not UTF-8"))
-                    })?)
-                };
+        (Some(aggregate_type), shape) => {
+            let shape: RowShape = match shape {
+                Some(text) => serde_json::from_str(&text)
+                    .map_err(|e| ParkError::Unreadable(format!("event {id}: its columns {text:?}: {e}")))?,
+                None => RowShape::default(),
+            };
+            let bytes: Option<Vec<u8>> = r.get(8);
+            let text = |b: Vec<u8>| {
+                String::from_utf8(b)
+                    .map_err(|_| ParkError::Unreadable(format!("event {id}: its payload is not UTF-8")))
+            };
+            let payload = match (shape.payload.as_deref(), bytes) {
+                (Some("null"), _) | (_, None) => Payload::Null,
+                (Some("text"), Some(b)) => Payload::Text(text(b)?),
+                (_, Some(b)) if r.get::<_, Option<bool>>(9).unwrap_or(false) => Payload::Bytes(b),
+                (_, Some(b)) => Payload::Json(text(b)?),
+            };
             ParkedRow::Row(OutboxRow {
-                id: Uuid::parse_str(&id)
-                    .map_err(|_| ParkError::Unreadable(format!("event id {id:?} is no UUID")))?,
+                id: id.clone(),
                 aggregate_type,
                 aggregate_id: r.get::<_, Option<String>>(6).unwrap_or_default(),
                 event_type: r.get::<_, Option<String>>(7).unwrap_or_default(),
                 payload,
                 headers: r.get::<_, Option<String>>(10).unwrap_or_else(|| "{}".into()),
-                created_at: CreatedAt::parse(&r.get::<_, Option<String>>(11).unwrap_or_default()),
+                created_at: r
+                    .get::<_, Option<String>>(11)
+                    .map_or(CreatedAt::Absent, |t| CreatedAt::parse(&t)),
+                extra: shape.extra.into_iter().map(Extra::from).collect(),
+                facts: None,
             })
         }
-        (_, columns) => ParkedRow::Unreadable {
+        (None, columns) => ParkedRow::Unreadable {
             id: id.clone(),
             aggregate_id: r.get::<_, Option<String>>(6).unwrap_or_default(),
             columns_json: columns.unwrap_or_else(|| "{}".into()),
@@ -764,9 +841,10 @@ mod tests {
             Utc.with_ymd_and_hms(9999, 12, 31, 23, 59, 59).unwrap(),
         ] {
             let c = CreatedAt::At(t);
-            assert_eq!(CreatedAt::parse(&created_at_text(&c)), c, "{t}");
+            assert_eq!(CreatedAt::parse(&created_at_text(&c).unwrap()), c, "{t}");
         }
         let c = CreatedAt::Unrepresentable("infinity".into());
-        assert_eq!(CreatedAt::parse(&created_at_text(&c)), c);
+        assert_eq!(CreatedAt::parse(&created_at_text(&c).unwrap()), c);
+        assert_eq!(created_at_text(&CreatedAt::Absent), None);
     }
 }

@@ -71,52 +71,116 @@ pub async fn table_exists(client: &Client, table: &TableName) -> Result<bool, Ad
     Ok(row.get(0))
 }
 
-/// What polling mode needs of the outbox table: `published_at`, and a
-/// `created_at` that every row has and that is the insert time
-/// (`clock_timestamp()`), since rows are published in its order.
-pub async fn polling_table_problem(client: &Client, table: &TableName) -> Result<(), AdminError> {
+/// One column of a table as the catalog describes it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CatalogColumn {
+    pub name: String,
+    /// The type's oid, a domain's base type's (through every level).
+    pub base_type_oid: u32,
+    /// The base type's `typtype` (`b` base, `e` enum, `c` composite, …).
+    pub typtype: i8,
+    /// The declared type, as `format_type` writes it (`character
+    /// varying(255)`, a domain's name).
+    pub type_name: String,
+    pub not_null: bool,
+    /// The default expression, if any.
+    pub default: Option<String>,
+}
+
+/// The columns of `table`, in their order (dropped ones left out); empty
+/// when the table does not exist.
+pub async fn table_columns(client: &Client, table: &TableName) -> Result<Vec<CatalogColumn>, AdminError> {
     let rows = client
         .query(
-            "SELECT a.attname::text, a.attnotnull, pg_catalog.pg_get_expr(d.adbin, d.adrelid)
-               FROM pg_catalog.pg_attribute a
-               LEFT JOIN pg_catalog.pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
-              WHERE a.attrelid = (SELECT c.oid FROM pg_catalog.pg_class c
-                                    JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
-                                   WHERE n.nspname = $1 AND c.relname = $2)
-                AND a.attnum > 0 AND NOT a.attisdropped AND a.attname IN ('published_at', 'created_at')",
+            "WITH RECURSIVE cols AS (
+                 SELECT a.attnum, a.attname::text AS name, a.atttypid AS typid, a.attnotnull,
+                        pg_catalog.format_type(a.atttypid, a.atttypmod) AS type_name,
+                        pg_catalog.pg_get_expr(d.adbin, d.adrelid) AS dflt
+                   FROM pg_catalog.pg_attribute a
+                   LEFT JOIN pg_catalog.pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+                  WHERE a.attrelid = (SELECT c.oid FROM pg_catalog.pg_class c
+                                        JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+                                       WHERE n.nspname = $1 AND c.relname = $2)
+                    AND a.attnum > 0 AND NOT a.attisdropped),
+             base AS (
+                 SELECT cols.attnum, cols.typid AS oid, 0 AS depth FROM cols
+                 UNION ALL
+                 SELECT base.attnum, t.typbasetype, base.depth + 1
+                   FROM base JOIN pg_catalog.pg_type t ON t.oid = base.oid
+                  WHERE t.typtype = 'd' AND base.depth < 16)
+             SELECT cols.name, b.oid, t.typtype, cols.type_name, cols.attnotnull, cols.dflt
+               FROM cols
+               JOIN LATERAL (SELECT oid FROM base WHERE base.attnum = cols.attnum ORDER BY depth DESC LIMIT 1) b ON true
+               JOIN pg_catalog.pg_type t ON t.oid = b.oid
+              ORDER BY cols.attnum",
             &[&table.schema, &table.name],
         )
         .await?;
-    if !table_exists(client, table).await? {
+    Ok(rows
+        .iter()
+        .map(|r| CatalogColumn {
+            name: r.get(0),
+            base_type_oid: r.get(1),
+            typtype: r.get(2),
+            type_name: r.get(3),
+            not_null: r.get(4),
+            default: r.get(5),
+        })
+        .collect())
+}
+
+/// What polling mode needs of the outbox table: `published_at`, and a
+/// timestamp column (`created_at` unless `columns.timestamp` names
+/// another) that every row has and that is the insert time
+/// (`clock_timestamp()`), since rows are published in its order.
+pub async fn polling_table_problem(
+    client: &Client,
+    table: &TableName,
+    timestamp: &str,
+) -> Result<(), AdminError> {
+    let columns = table_columns(client, table).await?;
+    if columns.is_empty() {
         return Err(AdminError::NoTable {
             table: table.to_string(),
         });
     }
-    let column = |name: &str| rows.iter().find(|r| r.get::<_, String>(0) == name);
-    for name in [crate::postgres::publication::column::CREATED_AT, "published_at"] {
-        if column(name).is_none() {
-            return Err(AdminError::NoColumn {
-                table: table.to_string(),
-                column: name,
-            });
-        }
-    }
-    let Some(created_at) = column(crate::postgres::publication::column::CREATED_AT) else {
-        return Ok(());
-    };
-    if !created_at.get::<_, bool>(1) {
-        return Err(AdminError::CreatedAtNullable {
+    let column = |name: &str| columns.iter().find(|c| c.name == name);
+    if column("published_at").is_none() {
+        return Err(AdminError::NoColumn {
             table: table.to_string(),
+            column: "published_at",
         });
     }
-    let default: Option<String> = created_at.get(2);
-    if !default
+    let Some(created_at) = column(timestamp) else {
+        return Err(AdminError::NoColumn {
+            table: table.to_string(),
+            column: "created_at (columns.timestamp)",
+        });
+    };
+    // timestamptz, or timestamp (read as UTC): rounds compare it with the
+    // watermark's time.
+    if ![1184, 1114].contains(&created_at.base_type_oid) {
+        return Err(AdminError::PollingTimestampType {
+            table: table.to_string(),
+            column: timestamp.to_owned(),
+            found: created_at.type_name.clone(),
+        });
+    }
+    if !created_at.not_null {
+        return Err(AdminError::CreatedAtNullable {
+            table: table.to_string(),
+            column: timestamp.to_owned(),
+        });
+    }
+    if !created_at
+        .default
         .as_deref()
         .is_some_and(|d| d.contains("clock_timestamp()"))
     {
         return Err(AdminError::CreatedAtDefault {
             table: table.to_string(),
-            default: default.unwrap_or_else(|| "nothing".into()),
+            column: timestamp.to_owned(),
+            default: created_at.default.clone().unwrap_or_else(|| "nothing".into()),
         });
     }
     Ok(())

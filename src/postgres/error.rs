@@ -165,10 +165,20 @@ pub enum AdminError {
     TableReplaced { table: String, now: String },
     #[error("outbox table {table} has no column {column:?}: it must follow migrations/0001_outbox.sql")]
     NoColumn { table: String, column: &'static str },
-    #[error("outbox table {table} allows a NULL created_at: polling mode publishes rows in created_at order and never reads a row without one. Set the NULL ones (UPDATE {table} SET created_at = now() WHERE created_at IS NULL), then run ALTER TABLE {table} ALTER COLUMN created_at SET NOT NULL")]
-    CreatedAtNullable { table: String },
-    #[error("outbox table {table}'s created_at defaults to {default}, not clock_timestamp(): with a transaction's start time, a writer that waited for another one (a lock on the aggregate, a version check) can get the earlier created_at, and polling mode, which publishes in created_at order, would publish its event first. Run ALTER TABLE {table} ALTER COLUMN created_at SET DEFAULT clock_timestamp() (migration 0008 does it for the table named outbox)")]
-    CreatedAtDefault { table: String, default: String },
+    #[error("outbox table {table} allows a NULL {column}: polling mode publishes rows in {column} order and never reads a row without one. Set the NULL ones (UPDATE {table} SET {column} = now() WHERE {column} IS NULL), then run ALTER TABLE {table} ALTER COLUMN {column} SET NOT NULL")]
+    CreatedAtNullable { table: String, column: String },
+    #[error("outbox table {table}'s {column} defaults to {default}, not clock_timestamp(): with a transaction's start time, a writer that waited for another one (a lock on the aggregate, a version check) can get the earlier {column}, and polling mode, which publishes in {column} order, would publish its event first. Run ALTER TABLE {table} ALTER COLUMN {column} SET DEFAULT clock_timestamp() (migration 0008 does it for the table named outbox)")]
+    CreatedAtDefault {
+        table: String,
+        column: String,
+        default: String,
+    },
+    #[error("outbox table {table}'s {column} (columns.timestamp) is {found}: polling mode orders rows by it and compares it with the server's clock, so it must be timestamptz or timestamp")]
+    PollingTimestampType {
+        table: String,
+        column: String,
+        found: String,
+    },
     #[error("replication slot {slot} exists but {problem}; drop it with SELECT pg_drop_replication_slot('{slot}') or configure another slot name")]
     ForeignSlot { slot: String, problem: String },
     #[error("outbox table {table} is partitioned, and publication {publication} does not publish via the partition root: pgoutput would describe each row as its partition, and outboxd would never see it as an outbox row. Run: {fix}")]

@@ -338,7 +338,7 @@ mod tests {
         assert_eq!((d.len(), d.bytes()), (1, 10), "the purged ones left the count");
         assert!(d.has_purged());
         let purged = d.take_purged();
-        let values: Vec<&[u8]> = purged.iter().map(|(_, r)| r.value.as_slice()).collect();
+        let values: Vec<&[u8]> = purged.iter().map(|(_, r)| r.value_bytes()).collect();
         assert_eq!(values, [b"one".as_slice(), b"three"], "in send order");
         assert_eq!(purged[0].0.pos, pos(1));
         assert!(!d.has_purged());

@@ -311,13 +311,15 @@ mod tests {
     fn insert(payload_bytes: usize) -> StreamEvent {
         StreamEvent::Insert {
             row: OutboxRow {
-                id: uuid::Uuid::nil(),
+                id: uuid::Uuid::nil().to_string(),
                 aggregate_type: "Order".into(),
                 aggregate_id: "o-1".into(),
                 event_type: "t".into(),
                 payload: crate::source::outbox::Payload::Json("x".repeat(payload_bytes)),
                 headers: "{}".into(),
                 created_at: CreatedAt::Unrepresentable("infinity".into()),
+                extra: Vec::new(),
+                facts: None,
             },
             lsn: Lsn(1),
         }

@@ -868,12 +868,13 @@ impl Transactions {
         Some(KafkaRecord {
             topic: self.progress_topic.clone(),
             key: self.identity.slot.clone().into_bytes(),
-            value: record.encode(),
+            value: Some(record.encode()),
             headers: vec![(
                 "outboxd.progress.version".to_owned(),
                 PROGRESS_VERSION.to_string().into_bytes(),
             )],
             timestamp_ms: now.timestamp_millis(),
+            partition: None,
         })
     }
 }
@@ -998,7 +999,7 @@ mod tests {
         let rec = t.progress_record(chrono::Utc::now()).expect("a record");
         assert_eq!(rec.topic, "outboxd.progress");
         assert_eq!(rec.key, b"s");
-        let decoded = ProgressRecord::decode(&rec.value).unwrap();
+        let decoded = ProgressRecord::decode(rec.value_bytes()).unwrap();
         assert_eq!(decoded.commit_lsn, "0/16B3748");
         assert_eq!(decoded.events, 1);
         t.check_owner(&decoded).unwrap();
@@ -1088,7 +1089,7 @@ mod tests {
             commit_time: 0,
         });
         let rec = t.progress_record(chrono::Utc::now()).unwrap();
-        let mut v: serde_json::Value = serde_json::from_slice(&rec.value).unwrap();
+        let mut v: serde_json::Value = serde_json::from_slice(rec.value_bytes()).unwrap();
         v["version"] = 2.into();
         let e = ProgressRecord::decode(&serde_json::to_vec(&v).unwrap()).unwrap_err();
         assert!(e.to_string().contains("version 2"), "{e}");

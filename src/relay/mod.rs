@@ -125,6 +125,7 @@ use crate::relay::exactly_once::{
 };
 use crate::relay::leader::LeaderElection;
 use crate::relay::progress::{AckTracker, LastCommit};
+use crate::source::outbox::OutboxColumns;
 use crate::source::stream::{OutboxStream, StreamError};
 use durability::{Durability, ExactlyOnce};
 use poller::poll_slot_and_brokers;
@@ -215,6 +216,8 @@ pub enum RelayError {
     Schema(#[from] crate::schema::SchemaError),
     #[error("schema_registry: {0}")]
     RegistrySetup(String),
+    #[error("{0}; outboxd reads nothing until the [columns] settings fit the table")]
+    Mapping(#[from] crate::source::outbox::MappingError),
 }
 
 impl RelayError {
@@ -241,7 +244,7 @@ impl RelayError {
             RelayError::TransactionTimedOut { .. } => "transaction",
             RelayError::KafkaDenied { .. } => "denied",
             RelayError::DeadLetterFailed(_) => "dead_letter",
-            RelayError::Otel(_) | RelayError::RegistrySetup(_) => "config",
+            RelayError::Otel(_) | RelayError::RegistrySetup(_) | RelayError::Mapping(_) => "config",
             RelayError::Park(_) | RelayError::ParkLimit(_) => "poison",
             RelayError::Schema(_) => "schema_registry",
         }
@@ -278,6 +281,7 @@ impl RelayError {
             | RelayError::SlotLost(_)
             | RelayError::ProgressTopicRetention(_)
             | RelayError::RegistrySetup(_)
+            | RelayError::Mapping(_)
             | RelayError::Otel(_) => false,
         }
     }
@@ -643,6 +647,14 @@ impl Relay {
             self.read_messages = true;
             subject.receiving.read_before = true;
         }
+        // The column map must fit the table before anything is streamed:
+        // a row read otherwise could only be refused.
+        let catalog = crate::source::outbox::read_table(&client, &self.validated.table).await?;
+        OutboxColumns::from_catalog(
+            &self.validated.table.to_string(),
+            &catalog,
+            &self.validated.columns,
+        )?;
         let wal_end = admin::wal_insert_lsn(&client).await?;
         if let Some(detail) = resume::register_beyond_wal(record.as_ref(), system.timeline, wal_end) {
             return Err(self.rewound(detail));
@@ -718,7 +730,8 @@ impl Relay {
         let table_oid = verified.table_oid;
         let guard = publication::spawn_guard(client, subject, verified, start);
         Ok(Connected {
-            stream: OutboxStream::new(stream, v.table.clone(), table_oid).with_messages(message_prefix),
+            stream: OutboxStream::new(stream, v.table.clone(), table_oid, v.columns.clone(), catalog)
+                .with_messages(message_prefix),
             start,
             guard,
             status_every,

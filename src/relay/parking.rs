@@ -23,6 +23,8 @@ use tokio::time::Instant;
 
 use super::session::Session;
 use super::{Relay, RelayError};
+use crate::config::columns::Role;
+use crate::kafka::records::TopicValues;
 use crate::lsn::RowPos;
 use crate::ops::health::{Parked, ParkedSequence, PARKED_SHOWN};
 use crate::park::{ParkStore, ParkedEvent, ParkedRow, ParkedSet};
@@ -142,17 +144,16 @@ impl Relay {
     /// The sequence (topic, key) of an outbox row.
     fn sequence_of(&self, row: &OutboxRow) -> (String, String) {
         (
-            self.validated
-                .topic
-                .render_unchecked(&row.aggregate_type, &row.event_type),
+            self.validated.topic.render_unchecked(row),
             row.aggregate_id.clone(),
         )
     }
 
-    /// The sequence of a parked row; an unreadable row's aggregate type and
-    /// event type are read from its columns' text. `None` when they (or its
-    /// aggregate id) cannot be read: parking it would not hold its
-    /// aggregate's later events back.
+    /// The sequence of a parked row; an unreadable row's route, type and
+    /// additional columns are read from its columns' text, by the column
+    /// map's names. `None` when what the topic needs (or its key) cannot
+    /// be read: parking it would not hold its aggregate's later events
+    /// back.
     fn sequence_of_parked(&self, row: &ParkedRow) -> Option<(String, String)> {
         match row {
             ParkedRow::Row(r) => Some(self.sequence_of(r)),
@@ -161,22 +162,31 @@ impl Relay {
                 columns_json,
                 ..
             } => {
+                if aggregate_id.is_empty() {
+                    return None;
+                }
                 let columns: serde_json::Value = serde_json::from_str(columns_json).unwrap_or_default();
                 let text = |name: &str| columns.get(name).and_then(|v| v.as_str()).map(str::to_owned);
-                let aggregate_type = text("aggregate_type")?;
+                let map = &self.validated.columns;
+                let role = |r: Role| map.column(r).and_then(|c| text(c.as_str()));
+                let route = match role(Role::Route) {
+                    Some(t) if !t.is_empty() => t,
+                    _ if map.role(Role::Route).needed => return None,
+                    _ => String::new(),
+                };
                 // The type matters only to a template that names it.
-                let event_type = match text("type") {
+                let event_type = match role(Role::Type) {
                     Some(t) => t,
                     None if self.validated.topic.uses_event_type() => return None,
                     None => String::new(),
                 };
-                if aggregate_id.is_empty() || aggregate_type.is_empty() {
-                    return None;
-                }
+                let values = ColumnsText {
+                    route,
+                    event_type,
+                    extra: map.extra.iter().map(|c| text(c.as_str())).collect(),
+                };
                 Some((
-                    self.validated
-                        .topic
-                        .render_unchecked(&aggregate_type, &event_type),
+                    self.validated.topic.render_unchecked(&values),
                     aggregate_id.clone(),
                 ))
             }
@@ -442,5 +452,24 @@ pub(super) fn unreadable(row: &UnreadableRow) -> ParkedRow {
         id: row.id.clone(),
         aggregate_id: row.aggregate_id.clone(),
         columns_json: row.columns_json.clone(),
+    }
+}
+
+/// An unreadable row's columns, as a topic template reads them.
+struct ColumnsText {
+    route: String,
+    event_type: String,
+    extra: Vec<Option<String>>,
+}
+
+impl TopicValues for ColumnsText {
+    fn route(&self) -> &str {
+        &self.route
+    }
+    fn event_type(&self) -> &str {
+        &self.event_type
+    }
+    fn column(&self, extra: usize) -> Option<&str> {
+        self.extra.get(extra).and_then(Option::as_deref)
     }
 }

@@ -68,8 +68,8 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use tokio::sync::watch;
 use tokio_postgres::Client;
-use uuid::Uuid;
 
+use crate::config::columns::Role;
 use crate::config::{Config, Validated};
 use crate::kafka::clients::KafkaClients;
 use crate::kafka::enqueue::{enqueue_row, set_aside, set_aside_as_stub, EnqueueError, Enqueued};
@@ -79,7 +79,7 @@ use crate::metrics::Metrics;
 use crate::ops::health::Health;
 use crate::postgres::admin::{self, AdminError};
 use crate::relay::leader::LeaderElection;
-use crate::source::outbox::{OutboxRow, TABLE_COLUMNS};
+use crate::source::outbox::{OutboxColumns, OutboxRow};
 
 /// Why polling stopped or a round failed.
 #[derive(Debug, thiserror::Error)]
@@ -96,11 +96,13 @@ pub enum PollingError {
     RegistrySetup(String),
     #[error("an outbox row cannot be read: {0}")]
     Row(crate::source::outbox::RowError),
+    #[error("{0}; outboxd reads nothing until the [columns] settings fit the table")]
+    Mapping(#[from] crate::source::outbox::MappingError),
     #[error("the polling lease lapsed in the middle of a round (this process was stopped or starved longer than postgres.leader_timeout); the rest of the round is left to whichever instance leads now")]
     LeadershipLost,
     #[error("Kafka refused the batch holding outbox row {id} ({source}); sending the rows from there one at a time, to set aside only the row Kafka refuses")]
     BatchRefused {
-        id: Uuid,
+        id: String,
         source: rdkafka::error::KafkaError,
     },
 }
@@ -134,7 +136,10 @@ impl PollingError {
             PollingError::Admin(_) => false,
             PollingError::Kafka(e) => e.is_transient(),
             PollingError::Schema(e) => e.is_transient(),
-            PollingError::Poison(_) | PollingError::RegistrySetup(_) | PollingError::Row(_) => false,
+            PollingError::Poison(_)
+            | PollingError::RegistrySetup(_)
+            | PollingError::Row(_)
+            | PollingError::Mapping(_) => false,
             PollingError::BatchRefused { .. } | PollingError::LeadershipLost => true,
         }
     }
@@ -191,9 +196,75 @@ pub struct PollingRelay {
     watermark: Watermark,
     /// After Kafka refused a batch: send one row at a time, waiting for
     /// each, up to and including this row.
-    isolate_until: Option<Uuid>,
+    isolate_until: Option<String>,
     /// The Schema Registry of the registry formats.
     registry: Option<crate::schema::Registry>,
+    /// How a round reads the table, once a connection has resolved the
+    /// column map against it.
+    statements: Option<Statements>,
+}
+
+/// A round's statements over the column map.
+#[derive(Debug, Clone)]
+struct Statements {
+    /// The rows of a round, oldest first (`$1` rows, older than `$2`).
+    select: String,
+    /// Reads its result rows.
+    columns: OutboxColumns,
+    /// Marks rows published (`$1`: their ids' text).
+    mark: String,
+    /// The age of the oldest unpublished row, in seconds.
+    oldest: String,
+}
+
+impl Statements {
+    /// Resolves the column map against the table; the table must give
+    /// the order polling publishes in.
+    async fn of(client: &Client, v: &Validated) -> Result<Self, PollingError> {
+        let catalog = crate::source::outbox::read_table(client, &v.table).await?;
+        let resolved = OutboxColumns::from_catalog(&v.table.to_string(), &catalog, &v.columns)?;
+        let timestamp = resolved
+            .role_column(Role::Timestamp)
+            .ok_or_else(|| AdminError::NoColumn {
+                table: v.table.to_string(),
+                column: "created_at (columns.timestamp)",
+            })?
+            .to_owned();
+        admin::polling_table_problem(client, &v.table, &timestamp).await?;
+        let id = resolved.role_column(Role::Id).unwrap_or("id").to_owned();
+        let id_type = catalog
+            .iter()
+            .find(|c| c.name == id)
+            .map_or_else(|| "text".to_owned(), |c| c.type_name.clone());
+        let quote = |n: &str| format!("\"{}\"", n.replace('"', "\"\""));
+        let table = v.table.quoted().to_string();
+        let (list, columns) = resolved.select();
+        // A timestamp without a zone holds UTC.
+        let ts_utc = match resolved.timestamp_kind() {
+            Some(crate::source::outbox::Kind::Timestamp) => {
+                format!("{} AT TIME ZONE 'UTC'", quote(&timestamp))
+            }
+            _ => quote(&timestamp),
+        };
+        Ok(Statements {
+            oldest: format!(
+                "SELECT EXTRACT(EPOCH FROM now() - MIN({ts_utc}))::float8 FROM {table} WHERE published_at IS NULL"
+            ),
+            // o.<timestamp>, not the text output column of the same name:
+            // only the table column uses the partial index.
+            select: format!(
+                "SELECT {list} FROM {table} o WHERE o.published_at IS NULL AND o.{ts} < $2::timestamptz \
+                  ORDER BY o.{ts}, o.ctid LIMIT $1 FOR UPDATE",
+                ts = quote(&timestamp)
+            ),
+            columns,
+            // The ids as the column's own type, so that its index serves.
+            mark: format!(
+                "UPDATE {table} SET published_at = now() WHERE {id} = ANY($1::text[]::{id_type}[])",
+                id = quote(&id)
+            ),
+        })
+    }
 }
 
 impl std::fmt::Debug for PollingRelay {
@@ -257,6 +328,7 @@ impl PollingRelay {
             watermark: Watermark::default(),
             isolate_until: None,
             registry,
+            statements: None,
         })
     }
 
@@ -323,15 +395,19 @@ impl PollingRelay {
             }
             if client.as_ref().is_none_or(Client::is_closed) {
                 match self.connect().await {
-                    // The table must give the order polling publishes in.
-                    Ok(c) => match admin::polling_table_problem(&c, &self.validated.table).await {
-                        Ok(()) => client = Some(c),
-                        Err(e @ (AdminError::Query(_) | AdminError::Connect { .. })) => {
+                    // The column map must fit the table, and the table
+                    // give the order polling publishes in.
+                    Ok(c) => match Statements::of(&c, &self.validated).await {
+                        Ok(statements) => {
+                            self.statements = Some(statements);
+                            client = Some(c);
+                        }
+                        Err(e) if e.is_transient() => {
                             tracing::warn!(error = %e, retry_in = ?backoff, "cannot read the outbox table's columns; retrying");
                             self.wait(&mut shutdown, backoff).await;
                             continue;
                         }
-                        Err(e) => return Err(e.into()),
+                        Err(e) => return Err(e),
                     },
                     Err(e) => {
                         self.health.set_streaming(None);
@@ -404,10 +480,13 @@ impl PollingRelay {
             self.metrics.last_ack_timestamp_seconds.set(now);
             self.health.acked_at(std::time::Instant::now());
         }
-        if let Ok(age) = outbox_sdk::retention::oldest_unpublished_age(client, &self.validated.table).await {
-            self.metrics
-                .oldest_unpublished_seconds
-                .set(age.map_or(0.0, |d| d.as_secs_f64()));
+        if let Some(statements) = &self.statements {
+            if let Ok(row) = client.query_one(&statements.oldest, &[]).await {
+                let age: Option<f64> = row.get(0);
+                self.metrics
+                    .oldest_unpublished_seconds
+                    .set(age.map_or(0.0, |s| s.max(0.0)));
+            }
         }
         self.health.set_inflight(0, None);
         self.health.status_sent(0, 0, 0);
@@ -425,7 +504,6 @@ impl PollingRelay {
         // current generation.
         let generation = self.sink.quiet_generation().await;
         self.sink.adopt(generation);
-        let table = self.validated.table.quoted().to_string();
         let tx = client.transaction().await?;
         // created_at::text follows DateStyle; a role or database default
         // such as 'SQL, DMY' must not change what outboxd reads.
@@ -449,24 +527,23 @@ impl PollingRelay {
                 published: 0,
             });
         };
+        let Some(statements) = self.statements.clone() else {
+            return Err(PollingError::Admin(AdminError::NoTable {
+                table: self.validated.table.to_string(),
+            }));
+        };
         let rows = tx
             .query(
-                &format!(
-                    // o.created_at, not the text output column of the same
-                    // name: only the table column uses the partial index.
-                    "SELECT {TABLE_COLUMNS}
-                       FROM {table} o WHERE o.published_at IS NULL AND o.created_at < $2
-                      ORDER BY o.created_at, o.ctid LIMIT $1 FOR UPDATE"
-                ),
+                &statements.select,
                 &[&(self.config.polling.batch_size as i64), &watermark],
             )
             .await?;
         let selected = rows.len();
-        let mut published: Vec<Uuid> = Vec::with_capacity(selected);
+        let mut published: Vec<String> = Vec::with_capacity(selected);
         let mut pending: Vec<Pending> = Vec::with_capacity(selected);
         let mut failure: Option<PollingError> = None;
         for r in &rows {
-            let row = match OutboxRow::from_table(r) {
+            let row = match statements.columns.from_result(r) {
                 Ok(row) => row,
                 Err(e) => {
                     failure = Some(PollingError::Row(e));
@@ -495,7 +572,7 @@ impl PollingRelay {
                     failure = Some(e);
                     break;
                 }
-                if pending.is_empty() && self.isolate_until == published.last().copied() {
+                if pending.is_empty() && self.isolate_until.as_ref() == published.last() {
                     tracing::info!("past the row Kafka refused; sending in batches again");
                     self.isolate_until = None;
                 }
@@ -523,11 +600,7 @@ impl PollingRelay {
             }
         }
         if !published.is_empty() {
-            tx.execute(
-                &format!("UPDATE {table} SET published_at = now() WHERE id = ANY($1)"),
-                &[&published],
-            )
-            .await?;
+            tx.execute(&statements.mark, &[&published]).await?;
         }
         tx.commit().await?;
         if self.isolate_until.is_some() && failure.is_none() {
@@ -542,7 +615,7 @@ impl PollingRelay {
                 PollingError::LeadershipLost => "postgres_stream",
                 PollingError::Poison(_) | PollingError::Row(_) => "poison",
                 PollingError::Schema(_) => "schema_registry",
-                PollingError::RegistrySetup(_) => "config",
+                PollingError::RegistrySetup(_) | PollingError::Mapping(_) => "config",
                 PollingError::Admin(_) => "postgres_stream",
             });
             return Err(e);
@@ -592,7 +665,7 @@ impl PollingRelay {
     async fn settle(
         &mut self,
         pending: &mut Vec<Pending>,
-        published: &mut Vec<Uuid>,
+        published: &mut Vec<String>,
         alone: bool,
     ) -> Result<(), PollingError> {
         let mut failure = None;
@@ -604,12 +677,12 @@ impl PollingRelay {
             let report = enqueued.into_future().await;
             self.count_purged(&report);
             if failure.is_some() {
-                name_the_failure(&mut failure, &mut self.isolate_until, row.id, report);
+                name_the_failure(&mut failure, &mut self.isolate_until, row.id.clone(), report);
                 continue;
             }
             let (source, msg) = match report {
                 Report::Stored { .. } => {
-                    published.push(row.id);
+                    published.push(row.id.clone());
                     continue;
                 }
                 Report::Failed(source, msg) => (source, msg),
@@ -653,8 +726,11 @@ impl PollingRelay {
                     }
                 }
                 (Refusal::Record { .. }, _) => {
-                    self.isolate_until = Some(row.id);
-                    failure = Some(PollingError::BatchRefused { id: row.id, source });
+                    self.isolate_until = Some(row.id.clone());
+                    failure = Some(PollingError::BatchRefused {
+                        id: row.id.clone(),
+                        source,
+                    });
                 }
                 _ => {
                     failure = Some(PollingError::Kafka(KafkaSinkError::Delivery {
@@ -676,20 +752,20 @@ impl PollingRelay {
         row: &OutboxRow,
         reason: &'static str,
         error: String,
-        published: &mut Vec<Uuid>,
+        published: &mut Vec<String>,
         stubbed: bool,
     ) -> Result<(), PollingError> {
         let (mut sent, mut stubbed) = (sent, stubbed);
         loop {
             match sent.into_future().await {
                 Report::Stored { .. } => {
-                    published.push(row.id);
+                    published.push(row.id.clone());
                     return Ok(());
                 }
                 Report::Failed(e, _) if Refusal::of(&e) != Refusal::Transient => {
                     if stubbed {
                         return Err(PollingError::Poison(EnqueueError::Poison {
-                            id: row.id,
+                            id: row.id.clone(),
                             error: format!(
                                 "{error}; its dead letter and that dead letter's stub were refused too ({e})"
                             ),
@@ -719,8 +795,8 @@ impl PollingRelay {
 /// polling is never retried at once for ever).
 fn name_the_failure(
     failure: &mut Option<PollingError>,
-    isolate_until: &mut Option<Uuid>,
-    id: Uuid,
+    isolate_until: &mut Option<String>,
+    id: String,
     later: Report,
 ) {
     if !failure.as_ref().is_some_and(PollingError::is_purge) || !later.is_failure() {
@@ -728,7 +804,7 @@ fn name_the_failure(
     }
     *failure = match later {
         Report::Failed(source, _) if matches!(Refusal::of(&source), Refusal::Record { .. }) => {
-            *isolate_until = Some(id);
+            *isolate_until = Some(id.clone());
             Some(PollingError::BatchRefused { id, source })
         }
         other => other.into_result().err().map(PollingError::Kafka),

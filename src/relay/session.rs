@@ -92,7 +92,7 @@ pub(super) fn record_from_message(msg: &rdkafka::message::OwnedMessage) -> Kafka
     KafkaRecord {
         topic: msg.topic().to_owned(),
         key: msg.key().unwrap_or_default().to_vec(),
-        value: msg.payload().unwrap_or_default().to_vec(),
+        value: msg.payload().map(<[u8]>::to_vec),
         headers: msg
             .headers()
             .map(|h| {
@@ -102,6 +102,7 @@ pub(super) fn record_from_message(msg: &rdkafka::message::OwnedMessage) -> Kafka
             })
             .unwrap_or_default(),
         timestamp_ms: msg.timestamp().to_millis().unwrap_or(0),
+        partition: None,
     }
 }
 

@@ -30,7 +30,7 @@ pub fn subject(topic: &str) -> String {
 /// The string schema of a key format, and its registry type.
 fn schema(format: KeyFormat) -> Option<(&'static str, &'static str)> {
     match format {
-        KeyFormat::String => None,
+        KeyFormat::String | KeyFormat::ConnectJson => None,
         KeyFormat::Avro => Some((r#""string""#, "AVRO")),
         // `$schema` tells it from the Avro schema of the same text.
         KeyFormat::JsonSchema => Some((
@@ -60,7 +60,7 @@ pub fn encoded(format: KeyFormat, id: u32, key: &str) -> Vec<u8> {
             // Writing a &str to a Vec cannot fail.
             let _ = serde_json::to_writer(&mut out, key);
         }
-        KeyFormat::String => return key.as_bytes().to_vec(),
+        KeyFormat::String | KeyFormat::ConnectJson => return key.as_bytes().to_vec(),
     }
     out
 }

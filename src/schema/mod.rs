@@ -54,10 +54,11 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+use crate::config::routing::TextPayload;
 use crate::config::{KeyFormat, SchemaRouting, SchemaRule, SchemaSource, SubjectStrategy, ValueFormat};
 use crate::kafka::records::{KafkaRecord, RecordError};
 use crate::metrics::Metrics;
-use crate::source::outbox::{OutboxRow, Payload};
+use crate::source::outbox::{JsonPayload, OutboxRow, Payload};
 pub use avro::Misfit;
 use client::{Client, ClientError, Served};
 
@@ -99,6 +100,10 @@ pub enum SchemaError {
     /// The registry refused the string schema of a key subject.
     #[error("the Schema Registry refused the string key schema under subject {subject:?} ({source}): register \"string\" (Avro) or {{\"type\": \"string\"}} (JSON Schema) under it, or set routing.key_format = \"string\"")]
     KeySchema { subject: String, source: ClientError },
+    /// A text payload that is no JSON under `routing.text_payload =
+    /// "json"`: the row's own problem.
+    #[error("{0}")]
+    Payload(String),
     /// The registry served a schema outboxd cannot encode with.
     #[error("schema {what} cannot be used for routing.value = {format:?}: {reason}; register a schema of that kind, or pin another in [routing.schemas]")]
     Unusable {
@@ -111,7 +116,7 @@ pub enum SchemaError {
 impl SchemaError {
     /// The row is the cause: `routing.on_poison` applies.
     pub fn is_row_problem(&self) -> bool {
-        matches!(self, SchemaError::Mismatch { .. })
+        matches!(self, SchemaError::Mismatch { .. } | SchemaError::Payload(_))
     }
 
     /// A new session may succeed (only a wait that shutdown cut short).
@@ -159,6 +164,18 @@ enum Inferred {
     /// the refusal is older than the refresh interval, then it is asked
     /// again.
     Refused(String, Instant),
+}
+
+/// A row's payload as the registry sees it.
+enum Body<'a> {
+    /// JSON to encode.
+    Json(std::borrow::Cow<'a, str>),
+    /// Bytes already encoded by the application, to check.
+    Encoded(&'a [u8]),
+    /// NULL: a null value, nothing to encode.
+    Null,
+    /// Text that is no JSON under `routing.text_payload = "json"`: why.
+    NotJson(String),
 }
 
 /// A schema id read from an encoded (`bytea`) payload, once the registry
@@ -219,6 +236,8 @@ pub type InUseBoard = Arc<Mutex<BTreeMap<(String, String), SchemaInUse>>>;
 pub struct Registry {
     client: Client,
     format: ValueFormat,
+    /// `routing.text_payload`: what a text payload is as JSON.
+    text_payload: TextPayload,
     /// The values are CloudEvents in binary mode: the encoding is their
     /// `data`, with `content-type` and `ce_dataschema` set to match.
     cloudevents: bool,
@@ -278,7 +297,7 @@ impl Registry {
     ) -> Result<Option<Registry>, String> {
         let format = config.registry_format();
         let key_format = config.routing.key_format;
-        if !format.uses_registry() && key_format == KeyFormat::String {
+        if !format.uses_registry() && !key_format.uses_registry() {
             return Ok(None);
         }
         let cfg = config
@@ -288,6 +307,7 @@ impl Registry {
         Ok(Some(Registry {
             client: Client::new(cfg)?,
             format,
+            text_payload: config.routing.text_payload,
             cloudevents: config.routing.value == ValueFormat::CloudEventsBinary,
             routing: config.schema_routing(),
             refresh: cfg.refresh_interval.0,
@@ -377,6 +397,19 @@ impl Registry {
             .unwrap_or_else(|| infer::record_name(event_type))
     }
 
+    /// What the row's payload is to the registry.
+    fn body<'a>(&self, row: &'a OutboxRow) -> Body<'a> {
+        match &row.payload {
+            Payload::Bytes(b) => Body::Encoded(b),
+            Payload::Null => Body::Null,
+            p => match p.json_value(self.text_payload) {
+                Ok(JsonPayload::Json(j)) => Body::Json(j),
+                Ok(JsonPayload::Bytes(b)) => Body::Encoded(b),
+                Err(e) => Body::NotJson(e),
+            },
+        }
+    }
+
     /// Whether the schema for this row on `topic` is cached and fresh (a
     /// payload no schema can be inferred from is "ready": encoding
     /// reports it).
@@ -387,16 +420,18 @@ impl Registry {
         if !self.format.uses_registry() {
             return true;
         }
-        let text = match &row.payload {
-            Payload::Bytes(b) => {
+        let text = match self.body(row) {
+            Body::Encoded(b) => {
                 return framed(b).is_none_or(|(id, _)| {
                     self.by_id
                         .get(&id)
                         .is_some_and(|e| e.fetched().0.elapsed() < self.refresh)
                 })
             }
-            Payload::Json(text) => text,
+            Body::Null | Body::NotJson(_) => return true,
+            Body::Json(text) => text,
         };
+        let text = text.as_ref();
         if self.is_inferred(&row.event_type, topic) {
             let Some(subject) = self.subject(&row.event_type, topic) else {
                 return true;
@@ -515,15 +550,16 @@ impl Registry {
             return Ok(());
         }
         let event_type = row.event_type.as_str();
-        let text = match &row.payload {
-            Payload::Bytes(b) => match framed(b) {
+        let text = match self.body(row) {
+            Body::Encoded(b) => match framed(b) {
                 Some((id, _)) => return self.resolve_id(id).await,
                 None => return Ok(()),
             },
-            Payload::Json(text) => text,
+            Body::Null | Body::NotJson(_) => return Ok(()),
+            Body::Json(text) => text,
         };
         if self.is_inferred(event_type, topic) {
-            return self.register_inferred(row, text, topic).await;
+            return self.register_inferred(row, &text, topic).await;
         }
         let rule = self.routing.rule(event_type, topic).cloned();
         let subject = self.subject(event_type, topic);
@@ -869,7 +905,7 @@ impl Registry {
                 if let Some(c) = &self.counters {
                     c.hit.inc();
                 }
-                bytes.clone_into(&mut record.value);
+                record.value = Some(bytes.to_vec());
                 self.describe_data(record, id);
                 self.show(&row.event_type, &record.topic, expected, None, id);
                 Ok(())
@@ -933,10 +969,18 @@ impl Registry {
     }
 
     fn encode_value(&self, record: &mut KafkaRecord, row: &OutboxRow) -> Result<(), SchemaError> {
-        let text = match &row.payload {
-            Payload::Bytes(b) => return self.check_encoded(record, row, b),
-            Payload::Json(text) => text,
+        // A null value (a tombstone, a NULL payload) is encoded as null,
+        // as the Confluent serializers write it.
+        if record.value.is_none() {
+            return Ok(());
+        }
+        let text = match self.body(row) {
+            Body::Encoded(b) => return self.check_encoded(record, row, b),
+            Body::Null => return Ok(()),
+            Body::NotJson(e) => return Err(SchemaError::Payload(e)),
+            Body::Json(text) => text,
         };
+        let text = text.as_ref();
         if self.is_inferred(&row.event_type, &record.topic) {
             return self.encode_inferred(record, row, text);
         }
@@ -984,7 +1028,7 @@ impl Registry {
             }
             Codec::Protobuf(c) => c.encode(payload, &mut out).map_err(mismatch)?,
         }
-        record.value = out;
+        record.value = Some(out);
         self.describe_data(record, id);
         Ok(())
     }
@@ -1060,6 +1104,7 @@ impl Registry {
     ) -> Result<Option<RecordError>, SchemaError> {
         match self.encode(record, row) {
             Ok(()) => Ok(None),
+            Err(SchemaError::Payload(e)) => Ok(Some(RecordError::Payload(e))),
             Err(e) if e.is_row_problem() => Ok(Some(RecordError::SchemaMismatch(e.to_string()))),
             Err(e) => Err(e),
         }

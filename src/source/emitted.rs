@@ -115,13 +115,17 @@ fn row(content: &[u8], commit_time: chrono::DateTime<chrono::Utc>) -> Result<Out
         None => CreatedAt::At(commit_time),
     };
     Ok(OutboxRow {
-        id: c.id,
+        id: c.id.to_string(),
         aggregate_type: c.aggregate_type,
         aggregate_id: c.aggregate_id,
         event_type: c.event_type,
         payload: Payload::Json(c.payload.get().to_owned()),
         headers,
         created_at,
+        // A message has no additional columns: a placement reads it as
+        // missing, a topic template that reads one renders no topic.
+        extra: Vec::new(),
+        facts: None,
     })
 }
 
@@ -160,7 +164,7 @@ mod tests {
                 "createdAt": "2026-12-01T09:59:59.5+00:00", "extra": true}}"#
         );
         let r = row(content.as_bytes(), commit()).unwrap();
-        assert_eq!(r.id, id);
+        assert_eq!(r.id, id.to_string());
         assert_eq!(
             (r.aggregate_type.as_str(), r.aggregate_id.as_str()),
             ("Order", "1001")

@@ -15,13 +15,14 @@
 
 use std::collections::HashMap;
 
+use crate::config::columns::ColumnMap;
 use crate::config::ident::TableName;
 use crate::lsn::Lsn;
 use crate::postgres::connection::ReplicationStream;
 use crate::postgres::copy_both::{ReplicationMessage, StandbyStatusUpdate};
 use crate::postgres::error::PgError;
 use crate::postgres::pgoutput::{LogicalMessage, PgOutputDecoder, PgTimestamp};
-use crate::source::outbox::{OutboxColumns, OutboxRow, RowError, UnreadableRow};
+use crate::source::outbox::{OutboxColumns, OutboxRow, RowError, TableColumn, UnreadableRow};
 
 /// One step of the outbox stream.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -90,6 +91,12 @@ pub struct OutboxStream {
     table_oid: u32,
     /// Relation id → outbox column positions; `None` for other tables.
     relations: HashMap<u32, Option<OutboxColumns>>,
+    /// Which column plays which role.
+    columns: ColumnMap,
+    /// The table's columns as the catalog described them at start: the
+    /// kinds of columns whose type a `Relation` does not tell (domains,
+    /// enums).
+    catalog: Vec<TableColumn>,
     /// The server's WAL end, from the latest XLogData or keepalive.
     server_wal_end: Lsn,
     /// The prefix of logical decoding messages that are outbox events
@@ -101,13 +108,21 @@ pub struct OutboxStream {
 }
 
 impl OutboxStream {
-    pub fn new(stream: ReplicationStream, table: TableName, table_oid: u32) -> Self {
+    pub fn new(
+        stream: ReplicationStream,
+        table: TableName,
+        table_oid: u32,
+        columns: ColumnMap,
+        catalog: Vec<TableColumn>,
+    ) -> Self {
         OutboxStream {
             stream,
             decoder: PgOutputDecoder::new(),
             table,
             table_oid,
             relations: HashMap::new(),
+            columns,
+            catalog,
             server_wal_end: Lsn::ZERO,
             message_prefix: None,
             commit_time: PgTimestamp(0),
@@ -120,6 +135,11 @@ impl OutboxStream {
     pub fn with_messages(mut self, prefix: Option<String>) -> Self {
         self.message_prefix = prefix;
         self
+    }
+
+    /// The commit time of the transaction being read.
+    fn commit_datetime(&self) -> chrono::DateTime<chrono::Utc> {
+        chrono::DateTime::from_timestamp_micros(self.commit_time.unix_micros()).unwrap_or_default()
     }
 
     /// The server's WAL end as last reported on the stream.
@@ -171,9 +191,7 @@ impl OutboxStream {
             LogicalMessage::Message(m)
                 if m.flags & 1 == 1 && self.message_prefix.as_deref() == Some(m.prefix.as_str()) =>
             {
-                let commit_time = chrono::DateTime::from_timestamp_micros(self.commit_time.unix_micros())
-                    .unwrap_or_default();
-                match crate::source::emitted::read(&m.content, commit_time) {
+                match crate::source::emitted::read(&m.content, self.commit_datetime()) {
                     crate::source::emitted::Read::Event(row) => Some(StreamEvent::Insert { row, lsn }),
                     crate::source::emitted::Read::Unreadable(row) => {
                         Some(StreamEvent::Unreadable { row, lsn })
@@ -199,8 +217,12 @@ impl OutboxStream {
                 }
                 let columns = if is_outbox {
                     Some(
-                        OutboxColumns::from_relation(&rel)
-                            .map_err(|source| StreamError::Row { lsn, source })?,
+                        OutboxColumns::from_relation(&rel, &self.columns, &self.catalog).map_err(|e| {
+                            StreamError::Row {
+                                lsn,
+                                source: RowError::Mapping(Box::new(e)),
+                            }
+                        })?,
                     )
                 } else {
                     None
@@ -209,7 +231,7 @@ impl OutboxStream {
                 None
             }
             LogicalMessage::Insert(ins) => match self.relations.get(&ins.relation_id) {
-                Some(Some(columns)) => match columns.row(&ins.new) {
+                Some(Some(columns)) => match columns.row(&ins.new, self.commit_datetime()) {
                     Ok(row) => Some(StreamEvent::Insert { row, lsn }),
                     // A tuple of another width: the stream is out of step
                     // with its relation, which no row-level handling fixes.

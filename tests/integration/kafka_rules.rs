@@ -674,12 +674,13 @@ async fn a_record_over_its_topics_limit_is_refused_before_it_is_sent() {
     let record = |len: usize| KafkaRecord {
         topic: topic.clone(),
         key: b"agg-1".to_vec(),
-        value: vec![b'x'; len],
+        value: Some(vec![b'x'; len]),
         headers: vec![
             ("id".into(), b"0193a1c2".to_vec()),
             ("type".into(), vec![b't'; 200]),
         ],
         timestamp_ms: now,
+        partition: None,
     };
     let mut len = 19_000;
     while batch_bytes_alone(&record(len)) < 20_000 {
@@ -714,7 +715,7 @@ async fn a_record_over_its_topics_limit_is_refused_before_it_is_sent() {
         .send(
             FutureRecord::to(&topic)
                 .key(over.key.as_slice())
-                .payload(over.value.as_slice())
+                .payload(over.value_bytes())
                 .headers(headers)
                 .timestamp(now),
             Duration::from_secs(10),

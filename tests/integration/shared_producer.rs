@@ -107,9 +107,10 @@ async fn a_failed_delivery_purges_the_shared_queue_and_the_other_lanes_send_thei
     let record = |topic: &str, key: &str, value: String, ts: i64| KafkaRecord {
         topic: topic.to_owned(),
         key: key.as_bytes().to_vec(),
-        value: value.into_bytes(),
+        value: Some(value.into_bytes()),
         headers: vec![("id".into(), Uuid::new_v4().to_string().into_bytes())],
         timestamp_ms: ts,
+        partition: None,
     };
     // A's record is ten minutes ahead: the broker refuses its batch.
     let refused = send(&mut a, &record(&strict, "k", "ahead".into(), now_ms() + 600_000)).unwrap();

@@ -38,8 +38,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use uuid::Uuid;
-
 use crate::config::{Config, Mode, Validated};
 use crate::kafka::enqueue::{enqueue_row, set_aside, set_aside_as_stub, EnqueueError, Enqueued};
 use crate::kafka::records::{build_record, header, KafkaRecord, RecordError};
@@ -85,7 +83,7 @@ pub enum ReplayError {
     #[error("schema_registry: {0}")]
     RegistrySetup(String),
     #[error("Kafka did not acknowledge the record of outbox row {id}: {source}; the replay stopped there")]
-    Delivery { id: Uuid, source: KafkaSinkError },
+    Delivery { id: String, source: KafkaSinkError },
 }
 
 impl From<EnqueueError> for ReplayError {
@@ -212,7 +210,13 @@ impl Replay {
             return Err(ReplayError::NothingSelected);
         }
         let client = admin::connect(&self.validated.pg).await?;
-        let query = Query::prepare(&client, &self.validated.table, self.config.mode == Mode::Cdc).await?;
+        let query = Query::prepare(
+            &client,
+            &self.validated.table,
+            &self.validated.columns,
+            self.config.mode == Mode::Cdc,
+        )
+        .await?;
         let file = StateFile::new(&o.state);
         let started_at = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
         let fresh = State::new(o.selection.clone(), started_at);
@@ -244,7 +248,7 @@ impl Replay {
         // After Kafka refused a batch: rows go one at a time, each waiting
         // for its answer, up to and including this one, so that a refusal
         // is the row's own (see `crate::relay::polling`, the same rule).
-        let mut isolate_until: Option<Uuid> = None;
+        let mut isolate_until: Option<String> = None;
         let mut registry =
             crate::schema::Registry::from_config(&self.config, None).map_err(ReplayError::RegistrySetup)?;
         // Ctrl-C ends a wait for an unreachable registry too.
@@ -304,7 +308,7 @@ impl Replay {
                             break;
                         }
                     }
-                    if let Some(until) = isolate_until {
+                    if let Some(until) = isolate_until.clone() {
                         self.settle(&mut sink, &mut pending, &mut state, &mut settled, true)
                             .await;
                         if settled.last_id == Some(until) {
@@ -394,7 +398,7 @@ impl Replay {
             if let Report::Failed(source, _) = &report {
                 if let (Refusal::Record { reason, .. }, None) = (Refusal::of(source), dead) {
                     if !alone {
-                        settled.refused_batch = Some(r.key.id);
+                        settled.refused_batch = Some(r.key.id.clone());
                         continue;
                     }
                     let error = format!("Kafka refused it: {source}");
@@ -422,7 +426,7 @@ impl Replay {
             };
             if let Some((reason, refused)) = refused_dead_letter {
                 if !alone {
-                    settled.refused_batch = Some(r.key.id);
+                    settled.refused_batch = Some(r.key.id.clone());
                     continue;
                 }
                 let error = format!("its dead letter was refused: {refused}");
@@ -441,7 +445,7 @@ impl Replay {
                     } else {
                         state.counts.published += 1;
                     }
-                    settled.last_id = Some(r.key.id);
+                    settled.last_id = Some(r.key.id.clone());
                     state.last = Some(r.key);
                 }
                 Err(source) => {
@@ -457,6 +461,8 @@ impl Replay {
             .commit_ms
             .or_else(|| r.row.created_at.rfc3339().map(chrono::DateTime::timestamp_millis))
             .unwrap_or_else(|| chrono::Utc::now().timestamp_millis());
+        // A row without a timestamp takes the commit time, or the time of
+        // the replay (`commit_ms` above).
         let mut rec = build_record(&r.row, &self.validated.topic, &self.validated.value, commit_ms)?;
         rec.headers.retain(|(k, _)| k != header::REPLAYED);
         rec.headers
@@ -469,9 +475,9 @@ impl Replay {
 #[derive(Debug, Default)]
 struct Settled {
     /// The last row acknowledged (or set aside).
-    last_id: Option<Uuid>,
+    last_id: Option<String>,
     /// Kafka refused the batch holding this row.
-    refused_batch: Option<Uuid>,
+    refused_batch: Option<String>,
     failure: Option<ReplayError>,
 }
 

@@ -1,5 +1,11 @@
 //! Which rows a replay publishes, in which order, read how.
 //!
+//! The table is read through the column map ([`crate::source::outbox`]):
+//! `created_at` below is the timestamp column (a `timestamp` read as UTC,
+//! a `bigint` as epoch milliseconds), `aggregate_type` the route column,
+//! `aggregate_id` the key column and `id` the id column, whatever they are
+//! named.
+//!
 //! # Order
 //!
 //! The relay publishes in commit order. A replay reconstructs it as far as
@@ -10,7 +16,8 @@
 //! `id` (the SDK's ids are UUIDv7, so within one transaction that is the
 //! order of the writes). In polling mode rows are updated once published,
 //! so `xmin` is no longer the inserting transaction's and `created_at`
-//! alone is used.
+//! alone is used. A table without a timestamp column, replayed without
+//! commit times, is replayed in `id` order.
 //!
 //! # Time ranges
 //!
@@ -31,15 +38,14 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
+use crate::config::columns::{ColumnMap, Role};
+use crate::config::ident::TableName;
+use crate::postgres::admin::AdminError;
+use crate::source::outbox::{Kind, OutboxColumns, OutboxRow};
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use tokio_postgres::types::ToSql;
 use tokio_postgres::Client;
-use uuid::Uuid;
-
-use crate::config::ident::TableName;
-use crate::postgres::admin::AdminError;
-use crate::source::outbox::{OutboxRow, TABLE_COLUMNS, TABLE_COLUMN_COUNT};
 
 /// The rows to replay. Serialized into the state file, so that `--resume`
 /// continues exactly this selection.
@@ -54,7 +60,8 @@ pub struct Selection {
     pub slack: Duration,
     pub aggregate_types: Vec<String>,
     pub aggregate_ids: Vec<String>,
-    pub ids: Vec<Uuid>,
+    /// Event ids, as text (a uuid, text or an integer id column).
+    pub ids: Vec<String>,
 }
 
 /// `Duration` as whole seconds in the state file.
@@ -90,7 +97,7 @@ impl Selection {
 pub struct Key {
     pub order_time: String,
     pub created_at: String,
-    pub id: Uuid,
+    pub id: String,
 }
 
 /// A row read for replay: the row, its order key and its commit time.
@@ -117,43 +124,86 @@ pub struct Count {
 pub struct Query {
     table: String,
     /// The order-time expression over the row alias `o`.
-    order_time: &'static str,
+    order_time: String,
     /// The commit-time expression (`NULL` when it cannot be known).
     commit_time: &'static str,
+    /// The timestamp column as a `timestamptz` (`-infinity` for a row
+    /// without one, so that order keys never hold NULL).
+    created_at: String,
+    /// The id column, its type for casts, the route and key columns.
+    id: String,
+    id_type: String,
+    route: Option<String>,
+    key: String,
+    /// Reads result rows; a query's own columns follow its width.
+    list: String,
+    columns: OutboxColumns,
 }
 
 const COMMIT_TIME: &str = "pg_xact_commit_timestamp(o.xmin)";
-const ORDER_TIME_BY_COMMIT: &str = "coalesce(pg_xact_commit_timestamp(o.xmin), o.created_at)";
+
+fn quote(name: &str) -> String {
+    format!("o.\"{}\"", name.replace('"', "\"\""))
+}
 
 impl Query {
-    /// Sets the session up (ISO dates in UTC, as outboxd reads them) and
-    /// decides whether commit times can be used: `track_commit_timestamp`
-    /// on, and rows never updated (`by_commit_time` is false in polling
-    /// mode).
+    /// Sets the session up (ISO dates in UTC, as outboxd reads them),
+    /// resolves the column map against the table, and decides whether
+    /// commit times can be used: `track_commit_timestamp` on, and rows
+    /// never updated (`by_commit_time` is false in polling mode).
     pub async fn prepare(
         client: &Client,
         table: &TableName,
+        map: &ColumnMap,
         by_commit_time: bool,
     ) -> Result<Self, AdminError> {
         client
             .batch_execute("SET DateStyle = 'ISO'; SET TimeZone = 'UTC'")
             .await?;
+        let catalog = crate::source::outbox::read_table(client, table).await?;
+        let resolved = OutboxColumns::from_catalog(&table.to_string(), &catalog, map)
+            .map_err(|e| AdminError::Row(e.to_string()))?;
         let tracked: String = client.query_one("SHOW track_commit_timestamp", &[]).await?.get(0);
         let commit = by_commit_time && tracked == "on";
+        let created_at = match (resolved.role_column(Role::Timestamp), resolved.timestamp_kind()) {
+            (Some(c), Some(Kind::Timestamp)) => format!("({} AT TIME ZONE 'UTC')", quote(c)),
+            (Some(c), Some(Kind::Int(_))) => format!("to_timestamp({} / 1000.0)", quote(c)),
+            (Some(c), _) => quote(c),
+            (None, _) => "NULL::timestamptz".to_owned(),
+        };
+        let created_at = format!("coalesce({created_at}, '-infinity'::timestamptz)");
+        let id_name = resolved.role_column(Role::Id).unwrap_or("id").to_owned();
+        let id_type = catalog
+            .iter()
+            .find(|c| c.name == id_name)
+            .map_or_else(|| "text".to_owned(), |c| c.type_name.clone());
+        let (list, columns) = resolved.select();
         Ok(Query {
             table: table.quoted().to_string(),
             order_time: if commit {
-                ORDER_TIME_BY_COMMIT
+                format!("coalesce({COMMIT_TIME}, {created_at})")
             } else {
-                "o.created_at"
+                created_at.clone()
             },
             commit_time: if commit { COMMIT_TIME } else { "NULL::timestamptz" },
+            created_at,
+            id: quote(&id_name),
+            id_type,
+            route: resolved.role_column(Role::Route).map(quote),
+            key: quote(resolved.role_column(Role::Key).unwrap_or("aggregate_id")),
+            list,
+            columns,
         })
     }
 
     /// Whether rows are ordered by commit time (else by `created_at`).
     pub fn by_commit_time(&self) -> bool {
         self.commit_time == COMMIT_TIME
+    }
+
+    /// `$p` as a value of the id column's type.
+    fn as_id(&self, p: &str) -> String {
+        format!("{p}::text::{}", self.id_type)
     }
 
     /// The `WHERE` clause and its parameters for `sel`, after `after`.
@@ -165,36 +215,42 @@ impl Query {
             format!("${}", params.len())
         };
         let ct = self.commit_time;
+        let created_at = &self.created_at;
         if let Some(since) = sel.since {
             let p = param(Box::new(since));
             let slack = param(Box::new(sel.slack.as_secs_f64()));
             clauses.push(format!(
-                "coalesce({ct} >= {p}, o.created_at >= {p} - make_interval(secs => {slack}))"
+                "coalesce({ct} >= {p}, {created_at} >= {p} - make_interval(secs => {slack}))"
             ));
         }
         if let Some(until) = sel.until {
             let p = param(Box::new(until));
-            clauses.push(format!("coalesce({ct} < {p}, o.created_at < {p})"));
+            clauses.push(format!("coalesce({ct} < {p}, {created_at} < {p})"));
         }
         if !sel.aggregate_types.is_empty() {
             let p = param(Box::new(sel.aggregate_types.clone()));
-            clauses.push(format!("o.aggregate_type = ANY({p})"));
+            clauses.push(match &self.route {
+                Some(route) => format!("({route})::text = ANY({p})"),
+                None => "false".to_owned(),
+            });
         }
         if !sel.aggregate_ids.is_empty() {
             let p = param(Box::new(sel.aggregate_ids.clone()));
-            clauses.push(format!("o.aggregate_id = ANY({p})"));
+            clauses.push(format!("({})::text = ANY({p})", self.key));
         }
         if !sel.ids.is_empty() {
             let p = param(Box::new(sel.ids.clone()));
-            clauses.push(format!("o.id = ANY({p})"));
+            clauses.push(format!("{} = ANY({p}::text[]::{}[])", self.id, self.id_type));
         }
         if let Some(k) = after {
             let t = param(Box::new(k.order_time.clone()));
             let c = param(Box::new(k.created_at.clone()));
-            let i = param(Box::new(k.id));
+            let i = param(Box::new(k.id.clone()));
             clauses.push(format!(
-                "({}, o.created_at, o.id) > ({t}::text::timestamptz, {c}::text::timestamptz, {i})",
-                self.order_time
+                "({}, {created_at}, {}) > ({t}::text::timestamptz, {c}::text::timestamptz, {})",
+                self.order_time,
+                self.id,
+                self.as_id(&i)
             ));
         }
         let filter = if clauses.is_empty() {
@@ -211,11 +267,14 @@ impl Query {
         client: &Client,
         sel: &Selection,
         after: Option<&Key>,
-    ) -> Result<Vec<Uuid>, AdminError> {
+    ) -> Result<Vec<String>, AdminError> {
         let (filter, params) = self.filter(sel, after);
         let sql = format!(
-            "SELECT o.id FROM {} o WHERE {filter} ORDER BY {}, o.created_at, o.id",
-            self.table, self.order_time
+            "SELECT ({id})::text FROM {} o WHERE {filter} ORDER BY {}, {}, {id}",
+            self.table,
+            self.order_time,
+            self.created_at,
+            id = self.id
         );
         let refs: Vec<&(dyn ToSql + Sync)> =
             params.iter().map(|p| p.as_ref() as &(dyn ToSql + Sync)).collect();
@@ -231,8 +290,12 @@ impl Query {
         after: Option<&Key>,
     ) -> Result<Vec<Count>, AdminError> {
         let (filter, params) = self.filter(sel, after);
+        let route = self
+            .route
+            .as_ref()
+            .map_or_else(|| "''".to_owned(), |r| format!("({r})::text"));
         let sql = format!(
-            "SELECT o.aggregate_type, count(*), min({t})::text, max({t})::text
+            "SELECT {route}, count(*), min({t})::text, max({t})::text
                FROM {} o WHERE {filter} GROUP BY 1 ORDER BY 1",
             self.table,
             t = self.order_time
@@ -243,7 +306,7 @@ impl Query {
         Ok(rows
             .iter()
             .map(|r| Count {
-                aggregate_type: r.get(0),
+                aggregate_type: r.get::<_, Option<String>>(0).unwrap_or_default(),
                 rows: r.get(1),
                 first: r.get(2),
                 last: r.get(3),
@@ -252,31 +315,40 @@ impl Query {
     }
 
     /// The rows with these ids that still exist, by id.
-    pub async fn rows(&self, client: &Client, ids: &[Uuid]) -> Result<HashMap<Uuid, ReplayRow>, AdminError> {
+    pub async fn rows(
+        &self,
+        client: &Client,
+        ids: &[String],
+    ) -> Result<HashMap<String, ReplayRow>, AdminError> {
         let sql = format!(
-            "SELECT {TABLE_COLUMNS}, ({t})::text,
-                    (extract(epoch FROM {ct}) * 1000)::float8
-               FROM {} o WHERE o.id = ANY($1)",
+            "SELECT {}, ({t})::text, (extract(epoch FROM {ct}) * 1000)::float8, ({c})::text
+               FROM {} o WHERE {} = ANY($1::text[]::{}[])",
+            self.list,
             self.table,
+            self.id,
+            self.id_type,
             t = self.order_time,
-            ct = self.commit_time
+            ct = self.commit_time,
+            c = self.created_at,
         );
         let rows = client.query(&sql, &[&ids]).await?;
+        let at = self.columns.width();
         rows.iter()
             .map(|r| {
-                let row = OutboxRow::from_table(r).map_err(|e| AdminError::Row(e.to_string()))?;
+                let row = self
+                    .columns
+                    .from_result(r)
+                    .map_err(|e| AdminError::Row(e.to_string()))?;
                 let replay = ReplayRow {
                     key: Key {
-                        order_time: r.get(TABLE_COLUMN_COUNT),
-                        created_at: r.get(6),
-                        id: row.id,
+                        order_time: r.get(at),
+                        created_at: r.get(at + 2),
+                        id: row.id.clone(),
                     },
                     row,
-                    commit_ms: r
-                        .get::<_, Option<f64>>(TABLE_COLUMN_COUNT + 1)
-                        .map(|ms| ms as i64),
+                    commit_ms: r.get::<_, Option<f64>>(at + 1).map(|ms| ms as i64),
                 };
-                Ok((replay.row.id, replay))
+                Ok((replay.row.id.clone(), replay))
             })
             .collect()
     }

@@ -178,7 +178,7 @@ mod tests {
         s.last = Some(Key {
             order_time: "2026-12-01 00:00:00+00".into(),
             created_at: "2026-12-01 00:00:00+00".into(),
-            id: uuid::Uuid::nil(),
+            id: uuid::Uuid::nil().to_string(),
         });
         file.save(&s).unwrap();
         assert_eq!(file.load().unwrap(), Some(s.clone()));

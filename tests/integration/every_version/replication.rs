@@ -22,6 +22,11 @@ fn subject(publication: &PublicationName, table: &TableName) -> outboxd::postgre
         publication: publication.clone(),
         table: table.clone(),
         receiving: Default::default(),
+        columns: outboxd::config::columns::ColumnMap::default()
+            .read_columns()
+            .into_iter()
+            .map(|c| c.as_str().to_owned())
+            .collect(),
     }
 }
 
@@ -55,7 +60,10 @@ async fn open_stream(db: &TestDb, publication: &str, slot: &str) -> (OutboxStrea
         })
         .await
         .expect("START_REPLICATION");
-    (OutboxStream::new(stream, table, verified.table_oid), client)
+    (
+        OutboxStream::new(stream, table, verified.table_oid, Default::default(), Vec::new()),
+        client,
+    )
 }
 
 async fn next(stream: &mut OutboxStream) -> StreamEvent {
@@ -188,7 +196,7 @@ async fn thousand_rows_in_hundred_transactions_decode_exactly() {
                 panic!("transaction {t} row {r}: expected an insert")
             };
             assert!(lsn < final_lsn, "insert precedes its commit record");
-            assert_eq!(row.id, w.id);
+            assert_eq!(row.id, w.id.to_string());
             assert_eq!(row.aggregate_type, w.aggregate_type);
             assert_eq!(row.aggregate_id, w.aggregate_id);
             assert_eq!(row.event_type, w.event_type);
@@ -307,7 +315,11 @@ async fn other_tables_updates_and_deletes_do_not_surface() {
             _ => {}
         }
     }
-    assert_eq!(inserts, vec![keep, gone, last], "only outbox inserts surface");
+    assert_eq!(
+        inserts,
+        vec![keep.to_string(), gone.to_string(), last.to_string()],
+        "only outbox inserts surface"
+    );
     // Every transaction with published changes still frames Begin/Commit.
     assert!(commits >= 6, "saw {commits} commits");
 }
