@@ -34,6 +34,9 @@
 //! g. With `--scaling`, the cost as work grows (`scaling`).
 //! h. With `--sources`, three sources in one process beside one
 //!    (`sources`); `--only-sources` runs that table alone.
+//! i. `--only-mapping`: the drain of a table read through `[columns]`
+//!    (renamed columns, two header placements) beside the default table's,
+//!    alternating, on backlogs of the same rows (`mapping`).
 //!
 //! Results: markdown tables on stdout and JSON in target/bench/results.json
 //! (`vs_debezium` holds the side-by-side figures). All measures run side by
@@ -46,6 +49,7 @@ mod ceiling;
 #[path = "../../tests/integration/harness/mod.rs"]
 #[allow(dead_code)]
 mod harness;
+mod mapping;
 mod measure;
 mod relays;
 mod scaling;
@@ -86,6 +90,9 @@ struct Args {
     /// nothing else.
     sources: bool,
     only_sources: bool,
+    /// Only the drain through a column map beside the default one
+    /// (`mapping`).
+    only_mapping: bool,
     outboxd_kafka: Vec<String>,
     exactly_once_settings: Vec<String>,
 }
@@ -104,6 +111,7 @@ fn args() -> Args {
         scaling: false,
         sources: false,
         only_sources: false,
+        only_mapping: false,
         outboxd_kafka: Vec::new(),
         exactly_once_settings: Vec::new(),
     };
@@ -128,6 +136,7 @@ fn args() -> Args {
             "--scaling" => a.scaling = true,
             "--sources" => a.sources = true,
             "--only-sources" => a.only_sources = true,
+            "--only-mapping" => a.only_mapping = true,
             "--exactly-once-setting" => {
                 a.exactly_once_settings.push(
                     argv.get(i + 1)
@@ -226,6 +235,20 @@ async fn write_rows(client: &mut tokio_postgres::Client, n: usize, shape: Shape)
 
 /// [`write_rows`] into another outbox table.
 async fn write_rows_into(client: &mut tokio_postgres::Client, table: &str, n: usize, shape: Shape) -> Lsn {
+    let target = format!("{table} (id, aggregate_type, aggregate_id, type, payload, headers)");
+    write_rows_as(client, &target, "", n, shape).await
+}
+
+/// [`write_rows`] into `target` (a table and its column list, in the order
+/// id, aggregate type, aggregate id, type, payload, headers, then the
+/// columns `extra` selects).
+async fn write_rows_as(
+    client: &mut tokio_postgres::Client,
+    target: &str,
+    extra: &str,
+    n: usize,
+    shape: Shape,
+) -> Lsn {
     let mut last = Lsn::ZERO;
     let transactions = n.div_ceil(100);
     let aggregate_type = if shape.types > 1 {
@@ -248,12 +271,13 @@ async fn write_rows_into(client: &mut tokio_postgres::Client, table: &str, n: us
         let rows = (n - t * 100).min(100) as i32;
         let tx = client.transaction().await.unwrap();
         tx.execute(
-            &format!("INSERT INTO {table} (id, aggregate_type, aggregate_id, type, payload, headers)
+            &format!("INSERT INTO {target}
              SELECT gen_random_uuid(), {aggregate_type}, 'order-' || ($1::int * 100 + g) % 5000, 'ordering.order-placed.v1',
                     {payload},
                     jsonb_build_object('correlationId', md5(($1::int * 100 + g)::text),
                                        'traceparent', '00-' || md5(($1::int * 100 + g)::text || 't') || '-'
                                                       || substr(md5(($1::int * 100 + g)::text || 's'), 1, 16) || '-01')
+                    {extra}
                FROM generate_series(1, $2::int) g"),
             &[&(t as i32), &rows],
         )
@@ -749,6 +773,18 @@ async fn main() {
         exactly_once_settings: a.exactly_once_settings.clone(),
         registry_url: a.avro.then(|| harness::registry::registry().url.clone()),
     };
+    if a.only_mapping {
+        let out_dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench");
+        std::fs::create_dir_all(&out_dir).unwrap();
+        let results = json!({"mapping": mapping::run(&mut client, &s, n).await});
+        std::fs::write(
+            out_dir.join("mapping.json"),
+            serde_json::to_string_pretty(&results).unwrap(),
+        )
+        .unwrap();
+        broker.kill();
+        return;
+    }
     if a.only_sources {
         let out_dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench");
         std::fs::create_dir_all(&out_dir).unwrap();

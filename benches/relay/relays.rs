@@ -50,6 +50,9 @@ pub enum Kind {
     OutboxdTraced,
     /// outboxd with `routing.value = "avro"` against a registered schema.
     OutboxdAvro,
+    /// outboxd on `mapped_outbox` through `[columns]`: renamed columns and
+    /// two header placements ([`crate::mapping`]).
+    OutboxdMapped,
     /// Another outboxd binary (`OUTBOXD_BENCH_REFERENCE`, for example an
     /// earlier release) with the plain run's configuration: a before/after
     /// comparison on the same backlog, in the same run.
@@ -65,6 +68,7 @@ impl Kind {
             Kind::OutboxdExactlyOnce => "outboxd_eo",
             Kind::OutboxdTraced => "outboxd_otel",
             Kind::OutboxdAvro => "outboxd_avro",
+            Kind::OutboxdMapped => "outboxd_mapped",
             Kind::Reference => "reference",
             Kind::Polling => "polling",
             Kind::Debezium => "debezium",
@@ -80,6 +84,7 @@ impl Kind {
             | Kind::OutboxdExactlyOnce
             | Kind::OutboxdTraced
             | Kind::OutboxdAvro
+            | Kind::OutboxdMapped
             | Kind::Reference
             | Kind::Polling => {
                 let http_port = free_port();
@@ -94,6 +99,7 @@ impl Kind {
 url = "postgres://postgres@127.0.0.1:{pg}/postgres?sslmode=disable"
 slot = "{slot}"
 publication = "{publication}"
+{table}
 [kafka]
 brokers = "{brokers}"
 topic_partitions = 3
@@ -102,6 +108,7 @@ topic_replication_factor = 1
 [routing]
 topic = "{topic}"
 {avro}
+{columns}
 [http]
 listen = "127.0.0.1:{http_port}"
 [log]
@@ -123,7 +130,21 @@ level = "{level}"
                     },
                     level = std::env::var("OUTBOXD_BENCH_LOG").unwrap_or_else(|_| "info".into()),
                     pg = s.pg_port,
-                    publication = s.publication,
+                    publication = if self == Kind::OutboxdMapped {
+                        crate::mapping::PUBLICATION
+                    } else {
+                        &s.publication
+                    },
+                    table = if self == Kind::OutboxdMapped {
+                        format!("table = \"public.{}\"", crate::mapping::TABLE)
+                    } else {
+                        String::new()
+                    },
+                    columns = if self == Kind::OutboxdMapped {
+                        crate::mapping::COLUMNS
+                    } else {
+                        ""
+                    },
                     brokers = s.brokers,
                     kafka_extra = if self == Kind::OutboxdExactlyOnce {
                         format!(

@@ -452,12 +452,13 @@ async fn postgres_checks(config: &Config, v: &Validated) -> Vec<CheckLine> {
         let Some(timestamp) = timestamp else {
             return out;
         };
-        out.push(match admin::polling_table_problem(&client, &v.table, &timestamp).await {
+        let published = &config.polling.published_column;
+        out.push(match admin::polling_table_problem(&client, &v.table, &timestamp, published).await {
             Ok(()) => line(
                 "table",
                 true,
                 format!(
-                    "{} has published_at, and {timestamp} is never NULL and defaults to clock_timestamp() (polling mode publishes in its order)",
+                    "{} has {published}, and {timestamp} is never NULL and defaults to clock_timestamp() (polling mode publishes in its order)",
                     v.table
                 ),
             ),

@@ -251,9 +251,8 @@ struct Publisher {
     /// Exactly-once: one record per Kafka transaction, after Kafka refused
     /// a transaction of several (the refusal may have been a batch's).
     one_by_one: bool,
-    /// What the table says of its columns today, for the formats that
-    /// write a schema of each value (`connect-json`); a parked row does
-    /// not keep it.
+    /// What the table says of its columns today (which roles it has, and
+    /// for `connect-json` their types); a parked row does not keep it.
     facts: Option<std::sync::Arc<crate::source::outbox::ColumnFacts>>,
 }
 
@@ -289,9 +288,7 @@ impl Publisher {
         }
         let registry =
             crate::schema::Registry::from_config(config, None).map_err(ParkedError::RegistrySetup)?;
-        let facts = if validated.value.format == crate::config::ValueFormat::ConnectJson
-            || validated.value.connect_key
-        {
+        let facts = {
             let client = crate::postgres::admin::connect(&validated.pg)
                 .await
                 .map_err(ParkError::Admin)?;
@@ -305,8 +302,6 @@ impl Publisher {
             )
             .map_err(|e| ParkError::Unreadable(e.to_string()))?;
             Some(std::sync::Arc::new(resolved.facts()))
-        } else {
-            None
         };
         Ok(Publisher {
             sink,

@@ -568,6 +568,8 @@ impl Config {
             }
         }
         if self.mode == Mode::Polling {
+            columns::ColumnName::new(&self.polling.published_column)
+                .map_err(|e| invalid("polling.published_column", e))?;
             columns.need(columns::Role::Timestamp).map_err(|e| {
                 invalid(
                     "columns.timestamp",

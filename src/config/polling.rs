@@ -29,6 +29,10 @@ pub struct PollingConfig {
     /// Pause after a round that found fewer than `batch_size` rows.
     #[serde(default = "default_poll_pause")]
     pub interval: HumanDuration,
+    /// The `timestamptz` column a round sets once a row is published (NULL
+    /// until then), `published_at` in migration 0001.
+    #[serde(default = "default_published_column")]
+    pub published_column: String,
 }
 
 impl Default for PollingConfig {
@@ -36,8 +40,13 @@ impl Default for PollingConfig {
         PollingConfig {
             batch_size: default_batch_size(),
             interval: default_poll_pause(),
+            published_column: default_published_column(),
         }
     }
+}
+
+fn default_published_column() -> String {
+    "published_at".into()
 }
 
 fn default_batch_size() -> usize {

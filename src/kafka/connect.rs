@@ -37,9 +37,45 @@ use crate::config::columns::Placement;
 use crate::config::routing::RecordValue;
 use crate::source::outbox::{ColumnFacts, Extra, Fact, Kind, OutboxRow, Payload};
 
+/// A JSON string as Jackson's default generator writes it (Connect's
+/// `JsonConverter` serialises through Jackson): `"` and `\` escaped, the
+/// control characters as `\b`, `\t`, `\n`, `\f`, `\r` or `\u00XX`, and a
+/// character beyond the Basic Multilingual Plane as its UTF-16 surrogate
+/// pair, `\uD83D\uDE00`, hex digits in upper case; everything else as
+/// its UTF-8. (serde_json writes the same but for the last two: it keeps
+/// such characters as UTF-8 and writes lower-case hex.)
 fn push_str(out: &mut Vec<u8>, s: &str) {
-    // Writing a &str to a Vec cannot fail.
-    let _ = serde_json::to_writer(&mut *out, s);
+    const HEX: &[u8; 16] = b"0123456789ABCDEF";
+    let unicode = |out: &mut Vec<u8>, unit: u16| {
+        out.extend_from_slice(b"\\u");
+        for shift in [12, 8, 4, 0] {
+            out.push(HEX[usize::from((unit >> shift) & 0xF)]);
+        }
+    };
+    out.push(b'"');
+    for c in s.chars() {
+        match c {
+            '"' => out.extend_from_slice(b"\\\""),
+            '\\' => out.extend_from_slice(b"\\\\"),
+            '\u{8}' => out.extend_from_slice(b"\\b"),
+            '\t' => out.extend_from_slice(b"\\t"),
+            '\n' => out.extend_from_slice(b"\\n"),
+            '\u{c}' => out.extend_from_slice(b"\\f"),
+            '\r' => out.extend_from_slice(b"\\r"),
+            c if (c as u32) < 0x20 => unicode(out, c as u16),
+            c if (c as u32) > 0xFFFF => {
+                let mut units = [0u16; 2];
+                for unit in c.encode_utf16(&mut units).iter() {
+                    unicode(out, *unit);
+                }
+            }
+            c => {
+                let mut buf = [0u8; 4];
+                out.extend_from_slice(c.encode_utf8(&mut buf).as_bytes());
+            }
+        }
+    }
+    out.push(b'"');
 }
 
 /// A column's schema, without the closing brace (a struct field appends
@@ -207,6 +243,8 @@ mod tests {
                 kind: Kind::Text,
                 optional: false,
             }],
+            has_route: true,
+            has_type: true,
         }
     }
 
@@ -267,6 +305,14 @@ mod tests {
             text(value(&row(), &facts(), &rules, false, "x")),
             r#"{"payload":"{\"a\": 1}","eventType":"OrderPlaced"}"#
         );
+    }
+
+    #[test]
+    fn strings_are_escaped_as_jackson_escapes_them() {
+        let mut out = Vec::new();
+        push_str(&mut out, "tab\there \u{1}\u{1f} \"q\" \\ 주문 ✓ 😀 \u{7f} /");
+        let want = "\"tab\\there \\u0001\\u001F \\\"q\\\" \\\\ 주문 ✓ \\uD83D\\uDE00 \u{7f} /\"";
+        assert_eq!(text(out), want);
     }
 
     #[test]

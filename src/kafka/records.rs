@@ -21,7 +21,7 @@
 //!   null value);
 //! * headers: `id`, then (with `routing.standard_headers`) `type`,
 //!   `aggregateType` and `aggregateId` (the first two left out when the
-//!   table has no such column, or the value is empty), then one header per
+//!   table has no such column), then one header per
 //!   key of the row's headers object (strings raw, other values as JSON
 //!   text; keys that collide with the ones above are skipped), then the
 //!   `header` placements (a NULL or missing column sets none);
@@ -291,10 +291,14 @@ pub fn build_record(
     let mut headers = Vec::with_capacity(4 + user_headers.len() + value.placements.len());
     headers.push((header::ID.to_owned(), id.as_bytes().to_vec()));
     if value.standard_headers {
-        if !row.event_type.is_empty() {
+        // A row of a table without a type (or route) column has no such
+        // header; a message or a row read back from the park tables (no
+        // facts) has both columns.
+        let facts = row.facts.as_deref();
+        if facts.is_none_or(|f| f.has_type) {
             headers.push((header::TYPE.to_owned(), row.event_type.as_bytes().to_vec()));
         }
-        if !row.aggregate_type.is_empty() {
+        if facts.is_none_or(|f| f.has_route) {
             headers.push((
                 header::AGGREGATE_TYPE.to_owned(),
                 row.aggregate_type.as_bytes().to_vec(),

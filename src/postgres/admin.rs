@@ -129,14 +129,17 @@ pub async fn table_columns(client: &Client, table: &TableName) -> Result<Vec<Cat
         .collect())
 }
 
-/// What polling mode needs of the outbox table: `published_at`, and a
-/// timestamp column (`created_at` unless `columns.timestamp` names
-/// another) that every row has and that is the insert time
-/// (`clock_timestamp()`), since rows are published in its order.
+/// What polling mode needs of the outbox table: the column it marks rows
+/// published in (`published`, `published_at` unless
+/// `polling.published_column` names another), and a timestamp column
+/// (`created_at` unless `columns.timestamp` names another) that every row
+/// has and that is the insert time (`clock_timestamp()`), since rows are
+/// published in its order.
 pub async fn polling_table_problem(
     client: &Client,
     table: &TableName,
     timestamp: &str,
+    published: &str,
 ) -> Result<(), AdminError> {
     let columns = table_columns(client, table).await?;
     if columns.is_empty() {
@@ -145,11 +148,21 @@ pub async fn polling_table_problem(
         });
     }
     let column = |name: &str| columns.iter().find(|c| c.name == name);
-    if column("published_at").is_none() {
-        return Err(AdminError::NoColumn {
-            table: table.to_string(),
-            column: "published_at",
-        });
+    match column(published) {
+        None => {
+            return Err(AdminError::NoPublishedColumn {
+                table: table.to_string(),
+                column: published.to_owned(),
+            })
+        }
+        Some(c) if c.base_type_oid != 1184 && c.base_type_oid != 1114 => {
+            return Err(AdminError::PollingTimestampType {
+                table: table.to_string(),
+                column: published.to_owned(),
+                found: c.type_name.clone(),
+            })
+        }
+        Some(_) => {}
     }
     let Some(created_at) = column(timestamp) else {
         return Err(AdminError::NoColumn {

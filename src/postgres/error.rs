@@ -173,7 +173,9 @@ pub enum AdminError {
         column: String,
         default: String,
     },
-    #[error("outbox table {table}'s {column} (columns.timestamp) is {found}: polling mode orders rows by it and compares it with the server's clock, so it must be timestamptz or timestamp")]
+    #[error("outbox table {table} has no column {column:?} (polling.published_column): polling mode marks each published row there; add it (ALTER TABLE {table} ADD COLUMN {column} timestamptz) or name the column that holds it")]
+    NoPublishedColumn { table: String, column: String },
+    #[error("outbox table {table}'s column {column} is {found}: polling mode orders rows by its timestamp column (columns.timestamp) and marks them in polling.published_column, so each must be timestamptz or timestamp")]
     PollingTimestampType {
         table: String,
         column: String,

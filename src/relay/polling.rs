@@ -220,7 +220,7 @@ struct Statements {
 impl Statements {
     /// Resolves the column map against the table; the table must give
     /// the order polling publishes in.
-    async fn of(client: &Client, v: &Validated) -> Result<Self, PollingError> {
+    async fn of(client: &Client, v: &Validated, published: &str) -> Result<Self, PollingError> {
         let catalog = crate::source::outbox::read_table(client, &v.table).await?;
         let resolved = OutboxColumns::from_catalog(&v.table.to_string(), &catalog, &v.columns)?;
         let timestamp = resolved
@@ -230,7 +230,7 @@ impl Statements {
                 column: "created_at (columns.timestamp)",
             })?
             .to_owned();
-        admin::polling_table_problem(client, &v.table, &timestamp).await?;
+        admin::polling_table_problem(client, &v.table, &timestamp, published).await?;
         let id = resolved.role_column(Role::Id).unwrap_or("id").to_owned();
         let id_type = catalog
             .iter()
@@ -248,20 +248,23 @@ impl Statements {
         };
         Ok(Statements {
             oldest: format!(
-                "SELECT EXTRACT(EPOCH FROM now() - MIN({ts_utc}))::float8 FROM {table} WHERE published_at IS NULL"
+                "SELECT EXTRACT(EPOCH FROM now() - MIN({ts_utc}))::float8 FROM {table} WHERE {published} IS NULL",
+                published = quote(published)
             ),
             // o.<timestamp>, not the text output column of the same name:
             // only the table column uses the partial index.
             select: format!(
-                "SELECT {list} FROM {table} o WHERE o.published_at IS NULL AND o.{ts} < $2::timestamptz \
+                "SELECT {list} FROM {table} o WHERE o.{published} IS NULL AND o.{ts} < $2::timestamptz \
                   ORDER BY o.{ts}, o.ctid LIMIT $1 FOR UPDATE",
-                ts = quote(&timestamp)
+                ts = quote(&timestamp),
+                published = quote(published)
             ),
             columns,
             // The ids as the column's own type, so that its index serves.
             mark: format!(
-                "UPDATE {table} SET published_at = now() WHERE {id} = ANY($1::text[]::{id_type}[])",
-                id = quote(&id)
+                "UPDATE {table} SET {published} = now() WHERE {id} = ANY($1::text[]::{id_type}[])",
+                id = quote(&id),
+                published = quote(published)
             ),
         })
     }
@@ -397,7 +400,9 @@ impl PollingRelay {
                 match self.connect().await {
                     // The column map must fit the table, and the table
                     // give the order polling publishes in.
-                    Ok(c) => match Statements::of(&c, &self.validated).await {
+                    Ok(c) => match Statements::of(&c, &self.validated, &self.config.polling.published_column)
+                        .await
+                    {
                         Ok(statements) => {
                             self.statements = Some(statements);
                             client = Some(c);

@@ -119,13 +119,13 @@ impl Payload {
 
     /// NULL, or text of nothing but whitespace: what
     /// `routing.tombstone_on_empty_payload` makes a tombstone (Debezium's
-    /// `route.tombstone.on.empty.payload`: `toString().trim().isEmpty()`).
+    /// `route.tombstone.on.empty.payload`: `toString().trim().isEmpty()`,
+    /// which bytes never are).
     pub fn is_blank(&self) -> bool {
         match self {
             Payload::Null => true,
             Payload::Text(s) => s.trim().is_empty(),
-            Payload::Bytes(b) => b.is_empty(),
-            Payload::Json(_) => false,
+            Payload::Bytes(_) | Payload::Json(_) => false,
         }
     }
 
@@ -144,9 +144,11 @@ impl Payload {
                 TextPayload::Auto => JsonPayload::Json(Cow::Owned(json_string(s))),
                 TextPayload::Json => match serde_json::from_str::<&serde_json::value::RawValue>(s) {
                     Ok(_) => JsonPayload::Json(Cow::Borrowed(s)),
-                    Err(e) => return Err(format!(
+                    Err(e) => {
+                        return Err(format!(
                         "the text payload is not JSON ({e}), and routing.text_payload = \"json\" needs JSON"
-                    )),
+                    ))
+                    }
                 },
             },
         })
@@ -448,6 +450,10 @@ pub struct ColumnFacts {
     pub payload: Fact,
     /// The additional columns, in [`ColumnMap::extra`] order.
     pub extra: Vec<Fact>,
+    /// The table has a route column and a type column: their headers are
+    /// written (even when a value is empty).
+    pub has_route: bool,
+    pub has_type: bool,
 }
 
 impl Default for ColumnFacts {
@@ -463,6 +469,8 @@ impl Default for ColumnFacts {
                 optional: false,
             },
             extra: Vec::new(),
+            has_route: true,
+            has_type: true,
         }
     }
 }
@@ -690,6 +698,8 @@ impl OutboxColumns {
                     )
                 })
                 .collect(),
+            has_route: self.route.is_some(),
+            has_type: self.event_type.is_some(),
         }
     }
 

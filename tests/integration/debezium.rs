@@ -391,3 +391,277 @@ async fn outboxd_takes_over_a_stopped_debeziums_slot_with_no_gap() {
 async fn outboxd_takes_over_a_killed_debeziums_slot_with_no_gap() {
     take_over("dbz_takeover_kill", false).await;
 }
+
+/// Debezium's documented default outbox table.
+const DEBEZIUM_TABLE: &str = "CREATE TABLE outbox (
+    id uuid NOT NULL PRIMARY KEY,
+    aggregatetype varchar(255) NOT NULL,
+    aggregateid varchar(255) NOT NULL,
+    type varchar(255) NOT NULL,
+    payload jsonb)";
+
+/// Kafka Connect's sample worker converters: JsonConverter, with schemas.
+const JSON_WORKER: [&str; 2] = [
+    "key.converter=org.apache.kafka.connect.json.JsonConverter",
+    "value.converter=org.apache.kafka.connect.json.JsonConverter",
+];
+
+/// A Debezium connector on the default table with the Event Router at
+/// its defaults: only its type is set.
+fn default_connector(db: &TestDb, slot: &str, publication: &str) -> String {
+    format!(
+        "name=outbox-connector
+connector.class=io.debezium.connector.postgresql.PostgresConnector
+tasks.max=1
+database.hostname=127.0.0.1
+database.port={port}
+database.user=postgres
+database.password=unused
+database.dbname={dbname}
+topic.prefix=dbserver1
+plugin.name=pgoutput
+slot.name={slot}
+publication.name={publication}
+publication.autocreate.mode=disabled
+table.include.list=public.outbox
+snapshot.mode=no_data
+transforms=outbox
+transforms.outbox.type=io.debezium.transforms.outbox.EventRouter
+",
+        port = server().port,
+        dbname = db.name
+    )
+}
+
+/// `outboxd import debezium` on the connector and its worker, then what a
+/// test changes: the slot (for a side-by-side run), the password line
+/// (the test server trusts), a status interval and a listener.
+fn imported(connector: &str, slot: Option<&str>) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let c = dir.path().join("connector.properties");
+    std::fs::write(&c, connector).unwrap();
+    let w = dir.path().join("worker.properties");
+    std::fs::write(
+        &w,
+        format!(
+            "bootstrap.servers={}\n{}\n",
+            broker().brokers,
+            JSON_WORKER.join("\n")
+        ),
+    )
+    .unwrap();
+    let out = std::process::Command::new(crate::relay::bin())
+        .args(["import", "debezium"])
+        .arg(&c)
+        .arg("--worker")
+        .arg(&w)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let mut text = String::from_utf8(out.stdout).unwrap();
+    if let Some(slot) = slot {
+        let line = text
+            .lines()
+            .find(|l| l.starts_with("slot = "))
+            .expect("a slot line")
+            .to_owned();
+        text = text.replace(&line, &format!("slot = \"{slot}\""));
+    }
+    let password = text
+        .lines()
+        .find(|l| l.starts_with("password = "))
+        .expect("a password line")
+        .to_owned();
+    text.replace(&password, "status_interval = \"100ms\"") + "\n[http]\nlisten = \"127.0.0.1:0\"\n"
+}
+
+/// Debezium on its own default table and its default Event Router, under
+/// Kafka Connect's default converters (JsonConverter with schemas), and
+/// outboxd under `outboxd import debezium`'s configuration of it, on the
+/// same rows: per partition, in offset order, the same keys, value bytes
+/// and `id` headers. Documented differences: Debezium's
+/// `__debezium.context.*` headers and its processing-time timestamps.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_imported_configuration_writes_what_debeziums_default_one_wrote() {
+    let db = TestDb::empty("dbz_default").await;
+    let client = db.client().await;
+    client.batch_execute(DEBEZIUM_TABLE).await.unwrap();
+    publication_and_slots(&client, "dbz_default", &["dbz_default_d", "dbz_default_o"]).await;
+    let types = ["Order", "Payment", "ShipmentNotice"];
+    let payloads = payloads();
+    let mut written = 0;
+    for t in 0..12usize {
+        let rows = 1 + t % 3;
+        for r in 0..rows {
+            let n = written + r;
+            let payload = (n % 9 != 8).then(|| payloads[n % payloads.len()].clone());
+            client
+                .execute(
+                    "INSERT INTO outbox VALUES (gen_random_uuid(), $1, $2, $3, $4::text::jsonb)",
+                    &[
+                        &types[n % 3],
+                        &format!("agg-{}", n % 5),
+                        &format!("event-{}", n % 2),
+                        &payload,
+                    ],
+                )
+                .await
+                .unwrap();
+        }
+        written += rows;
+    }
+    let topics: Vec<String> = types.iter().map(|t| format!("outbox.event.{t}")).collect();
+    tokio::task::spawn_blocking({
+        let topics = topics.clone();
+        move || create_topics(&broker().brokers, &topics)
+    })
+    .await
+    .unwrap();
+    let connector = default_connector(&db, "dbz_default_d", "dbz_default");
+    let read = |want: usize| {
+        let topics = topics.clone();
+        async move {
+            tokio::task::spawn_blocking(move || {
+                let names: Vec<&str> = topics.iter().map(String::as_str).collect();
+                consume(&broker().brokers, &names, want, Duration::from_secs(90))
+            })
+            .await
+            .unwrap()
+        }
+    };
+    // Debezium first, on its slot; then outboxd, on its own slot made at
+    // the same position, to the same topics.
+    let debezium = Debezium::start_connector(&broker().brokers, &connector, &JSON_WORKER);
+    let from_debezium = read(written).await;
+    assert_eq!(
+        from_debezium.len(),
+        written,
+        "Debezium's records\n{}",
+        debezium.log()
+    );
+    debezium.stop();
+    let text = imported(&connector, Some("dbz_default_o"));
+    let (handle, stop) = spawn_relay_with_slot(&client, "dbz_default_o", &text).await;
+    let both = read(2 * written).await;
+    stop_relay(handle, stop).await;
+    assert_eq!(both.len(), 2 * written, "outboxd's records too");
+    let mut by_partition: HashMap<(String, i32), Vec<&Consumed>> = HashMap::new();
+    for r in &both {
+        by_partition
+            .entry((r.topic.clone(), r.partition))
+            .or_default()
+            .push(r);
+    }
+    for (place, records) in &by_partition {
+        let (theirs, ours) = records.split_at(records.len() / 2);
+        assert_eq!(
+            theirs.len(),
+            ours.len(),
+            "{place:?}: the same partition for each key"
+        );
+        for (i, (d, o)) in theirs.iter().zip(ours).enumerate() {
+            assert!(
+                d.header("__debezium.context.connectorLogicalName").is_some(),
+                "{place:?} {i}: Debezium's first"
+            );
+            assert_eq!(d.key_bytes, o.key_bytes, "{place:?} record {i}: key");
+            assert!(
+                d.value == o.value && d.null_value == o.null_value,
+                "{place:?} record {i}: value bytes differ:\nDebezium {:.300}\noutboxd  {:.300}",
+                String::from_utf8_lossy(&d.value),
+                String::from_utf8_lossy(&o.value)
+            );
+            assert_eq!(d.header("id"), o.header("id"), "{place:?} record {i}: id");
+            let ours: Vec<&str> = o.headers.iter().map(|(k, _)| k.as_str()).collect();
+            assert_eq!(
+                ours,
+                ["id"],
+                "outboxd sets the id header only, as the Event Router"
+            );
+        }
+    }
+    // The shape both wrote, for the record.
+    let sample = &both[0];
+    let key: serde_json::Value = serde_json::from_slice(&sample.key_bytes).unwrap();
+    assert_eq!(key["schema"], json!({"type": "string", "optional": false}));
+}
+
+/// A slot takeover from Debezium's default connector under the imported
+/// configuration: writers keep writing; nothing is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_imported_configuration_takes_over_debeziums_default_connector() {
+    let db = TestDb::empty("dbz_default_takeover").await;
+    let client = db.client().await;
+    client.batch_execute(DEBEZIUM_TABLE).await.unwrap();
+    let slot = "dbz_default_takeover";
+    publication_and_slots(&client, slot, &[slot]).await;
+    let topic = "outbox.event.Takeover".to_owned();
+    tokio::task::spawn_blocking({
+        let topic = topic.clone();
+        move || create_topics(&broker().brokers, &[topic])
+    })
+    .await
+    .unwrap();
+    let connector = default_connector(&db, slot, slot);
+    let debezium = Debezium::start_connector(&broker().brokers, &connector, &JSON_WORKER);
+    let (stop_writers, writers_stop) = tokio::sync::watch::channel(false);
+    let mut writers = Vec::new();
+    for w in 0..2usize {
+        let client = db.client().await;
+        let mut stop = writers_stop.clone();
+        writers.push(tokio::spawn(async move {
+            let mut ids = Vec::new();
+            let mut t = 0usize;
+            while !*stop.borrow_and_update() {
+                let id = Uuid::now_v7();
+                client
+                    .execute(
+                        "INSERT INTO outbox VALUES ($1, 'Takeover', $2, 'Written', jsonb_build_object('n', $3::int))",
+                        &[&id, &format!("w{w}-{}", t % 4), &(t as i32)],
+                    )
+                    .await
+                    .unwrap();
+                ids.push(id);
+                t += 1;
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            ids
+        }));
+    }
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    debezium.stop();
+    let handed_over = confirmed_flush(&client, slot).await.expect("Debezium's slot");
+    let text = imported(&connector, None);
+    let (handle, stop) = spawn_relay_with_slot(&client, slot, &text).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stop_writers.send(true).unwrap();
+    let mut ids = Vec::new();
+    for w in writers {
+        ids.extend(w.await.unwrap());
+    }
+    let end = current_lsn(&client).await;
+    wait_for(
+        "outboxd to confirm the last write",
+        Duration::from_secs(60),
+        || async { confirmed_flush(&client, slot).await.filter(|c| *c >= end) },
+    )
+    .await;
+    stop_relay(handle, stop).await;
+    let records = tokio::task::spawn_blocking(move || {
+        crate::harness::broker::consume_to_end(&broker().brokers, &[&topic], Duration::from_secs(30))
+    })
+    .await
+    .unwrap();
+    let seen: HashSet<&str> = records.iter().filter_map(|r| r.header("id")).collect();
+    for id in &ids {
+        assert!(
+            seen.contains(id.to_string().as_str()),
+            "event {id} was lost in the takeover (handed over at {handed_over})"
+        );
+    }
+    eprintln!(
+        "takeover from Debezium's default connector: {} events, {} records",
+        ids.len(),
+        records.len()
+    );
+}

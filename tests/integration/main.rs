@@ -11,6 +11,7 @@ mod debezium;
 mod docs;
 mod every_version;
 mod exactly_once;
+mod existing_tables;
 mod fuzz;
 mod hardening;
 mod harness;

@@ -144,7 +144,7 @@ fn outboxd(config: &Path, args: &[&str]) -> std::process::Output {
         .unwrap()
 }
 
-async fn raise_max_message_bytes(brokers: &str, topic: &str) {
+pub(crate) async fn raise_max_message_bytes(brokers: &str, topic: &str) {
     let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
         .set("bootstrap.servers", brokers)
         .create()

@@ -503,6 +503,8 @@ pub struct Consumed {
     pub key: String,
     pub key_bytes: Vec<u8>,
     pub value: Vec<u8>,
+    /// The value is null (a tombstone), not merely empty.
+    pub null_value: bool,
     pub headers: Vec<(String, Vec<u8>)>,
     pub timestamp_ms: Option<i64>,
 }
@@ -677,6 +679,7 @@ fn read(
                     .unwrap_or_default(),
                 key_bytes: m.key().unwrap_or_default().to_vec(),
                 value: m.payload().unwrap_or_default().to_vec(),
+                null_value: m.payload().is_none(),
                 headers: m
                     .headers()
                     .map(|h| {

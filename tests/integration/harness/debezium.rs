@@ -36,6 +36,8 @@ pub struct Source<'a> {
 pub struct Debezium {
     dir: tempfile::TempDir,
     brokers: String,
+    /// Worker properties laid over the script's (`key=value`).
+    worker: Vec<String>,
     /// The JVM's process id (the benchmark samples its RSS and CPU).
     #[allow(dead_code)]
     pub pid: u32,
@@ -86,6 +88,34 @@ impl Debezium {
         let mut debezium = Debezium {
             dir,
             brokers: brokers.to_owned(),
+            worker: Vec::new(),
+            pid: 0,
+        };
+        debezium.launch();
+        debezium
+    }
+
+    /// Starts Connect with `connector` (a .properties text, used as it
+    /// is) and `worker` settings over the script's worker (converters).
+    #[allow(dead_code)]
+    pub fn start_connector(brokers: &str, connector: &str, worker: &[&str]) -> Debezium {
+        let dir = tempfile::Builder::new()
+            .prefix("outboxd-debezium-")
+            .tempdir()
+            .expect("temp dir");
+        std::fs::write(dir.path().join("connector.properties"), connector)
+            .expect("write the connector's properties");
+        let connect = dir.path().join("connect");
+        super::spawn_watchdog(&format!(
+            "{} stop {} --kill; rm -rf {}",
+            debezium_script().display(),
+            connect.display(),
+            dir.path().display()
+        ));
+        let mut debezium = Debezium {
+            dir,
+            brokers: brokers.to_owned(),
+            worker: worker.iter().map(|w| (*w).to_owned()).collect(),
             pid: 0,
         };
         debezium.launch();
@@ -105,6 +135,7 @@ impl Debezium {
             .arg(self.connect_dir())
             .args(["--brokers", &self.brokers, "--connector"])
             .arg(self.dir.path().join("connector.properties"))
+            .args(self.worker.iter().flat_map(|w| ["--worker-set", w.as_str()]))
             .output()
             .expect("run scripts/debezium.sh start");
         assert!(
