@@ -44,6 +44,7 @@ sources:
   - name: billing
     required: false
     postgres: {url: "postgres://outboxd:${PGPASSWORD}@billing-db/billing", slot: outboxd_billing, publication: outboxd_billing}
+    columns: {key: aggregateid, route: aggregatetype, additional: [{column: type, placement: header, name: eventType}, {column: part, placement: partition}]}
     routing: {topic: "billing.{aggregate_type}", on_poison: park, park: {max_sequences: 50}}
     kafka: {delivery: exactly-once}
 YAML

@@ -421,19 +421,9 @@ async fn replay(args: ReplayArgs) -> ExitCode {
         }
     });
     match replay.run(stop).await {
-        Ok(Outcome::DryRun {
-            counts,
-            by_commit_time,
-        }) => {
+        Ok(Outcome::DryRun { counts, order }) => {
             let total: i64 = counts.iter().map(|c| c.rows).sum();
-            println!(
-                "dry run: {total} rows would be replayed, ordered by {}",
-                if by_commit_time {
-                    "commit time"
-                } else {
-                    "created_at"
-                }
-            );
+            println!("dry run: {total} rows would be replayed, ordered by {order}");
             for c in counts {
                 println!(
                     "  {:<24} {:>10}  {} .. {}",

@@ -385,12 +385,42 @@ async fn columns_check(client: &tokio_postgres::Client, v: &Validated) -> (Check
         Err(e) => return (line("columns", false, e.to_string()), None),
     };
     match OutboxColumns::from_catalog(&v.table.to_string(), &catalog, &v.columns) {
-        Ok(resolved) => (
-            line("columns", true, describe_columns(&resolved, v)),
-            Some(resolved),
-        ),
+        Ok(resolved) => {
+            let mut l = line("columns", true, describe_columns(&resolved, v));
+            if let Some(zone) = local_time_zone(client, &resolved).await {
+                l.warning = true;
+                l.detail.push_str(&format!(
+                    "; the timestamp column is a timestamp without time zone, which outboxd reads as UTC, but this database's sessions default to TimeZone {zone:?}: a writer's now() is stored as local time (and polling mode would wait for it). Set the writers' TimeZone to UTC (ALTER DATABASE … SET TimeZone = 'UTC'), or use timestamptz"
+                ));
+            }
+            (l, Some(resolved))
+        }
         Err(e) => (line("columns", false, e.to_string()), None),
     }
+}
+
+/// The session time zone a writer gets by default, when the timestamp
+/// column has no zone and that time zone is not UTC.
+async fn local_time_zone(client: &tokio_postgres::Client, resolved: &OutboxColumns) -> Option<String> {
+    if resolved.timestamp_kind() != Some(crate::source::outbox::Kind::Timestamp) {
+        return None;
+    }
+    let zone: String = client
+        .query_one("SELECT current_setting('TimeZone')", &[])
+        .await
+        .ok()?
+        .get(0);
+    let utc = [
+        "UTC",
+        "Etc/UTC",
+        "GMT",
+        "Etc/GMT",
+        "UCT",
+        "Zulu",
+        "Universal",
+        "Etc/Universal",
+    ];
+    (!utc.iter().any(|u| u.eq_ignore_ascii_case(&zone))).then_some(zone)
 }
 
 /// `id=id key=aggregateid route=aggregatetype type=- payload=payload …`.

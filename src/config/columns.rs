@@ -70,12 +70,14 @@ impl fmt::Display for ColumnName {
     }
 }
 
-/// A role's setting: left at its default, a column named, or `false`.
+/// A role's setting: left at its default, a column named (or several: the
+/// first the table has is read, so that a rename can be rolled out with
+/// both names), or `false`.
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
 pub enum ColumnSetting {
     #[default]
     Default,
-    Named(ColumnName),
+    Named(Vec<ColumnName>),
     Absent,
 }
 
@@ -86,15 +88,27 @@ impl<'de> Deserialize<'de> for ColumnSetting {
         enum Raw {
             Bool(bool),
             Text(String),
+            List(Vec<String>),
         }
+        let names = |list: Vec<String>| {
+            if list.is_empty() {
+                return Err(serde::de::Error::custom(
+                    "name at least one column, or write false when the table has none",
+                ));
+            }
+            list.iter()
+                .map(|t| ColumnName::new(t))
+                .collect::<Result<Vec<_>, _>>()
+                .map(ColumnSetting::Named)
+                .map_err(serde::de::Error::custom)
+        };
         match Raw::deserialize(d)? {
             Raw::Bool(false) => Ok(ColumnSetting::Absent),
             Raw::Bool(true) => Err(serde::de::Error::custom(
                 "name the column, or write false when the table has none",
             )),
-            Raw::Text(t) => ColumnName::new(&t)
-                .map(ColumnSetting::Named)
-                .map_err(serde::de::Error::custom),
+            Raw::Text(t) => names(vec![t]),
+            Raw::List(list) => names(list),
         }
     }
 }
@@ -238,6 +252,9 @@ impl Role {
 pub struct RoleColumn {
     /// `None`: the table has none (`false`).
     pub name: Option<ColumnName>,
+    /// Further names it may have (a rename in progress): the first of
+    /// `name` and these that the table has is read.
+    pub aliases: Vec<ColumnName>,
     /// Named in the file: it must exist. A default may be missing when the
     /// role is optional.
     pub explicit: bool,
@@ -288,11 +305,13 @@ impl ColumnMap {
             Ok(match s {
                 ColumnSetting::Default => RoleColumn {
                     name: Some(ColumnName(r.default_column().to_owned())),
+                    aliases: Vec::new(),
                     explicit: false,
                     needed: r.required(),
                 },
-                ColumnSetting::Named(n) => RoleColumn {
-                    name: Some(n.clone()),
+                ColumnSetting::Named(names) => RoleColumn {
+                    name: names.first().cloned(),
+                    aliases: names.iter().skip(1).cloned().collect(),
                     explicit: true,
                     needed: r.required(),
                 },
@@ -304,6 +323,7 @@ impl ColumnMap {
                 }
                 ColumnSetting::Absent => RoleColumn {
                     name: None,
+                    aliases: Vec::new(),
                     explicit: true,
                     needed: false,
                 },
@@ -393,9 +413,13 @@ impl ColumnMap {
 
     /// The role a column plays, when it plays one.
     pub fn role_of(&self, column: &str) -> Option<Role> {
-        Role::ALL
-            .into_iter()
-            .find(|&r| self.column(r).is_some_and(|c| c.as_str() == column))
+        Role::ALL.into_iter().find(|&r| {
+            let role = self.role(r);
+            role.name
+                .iter()
+                .chain(&role.aliases)
+                .any(|c| c.as_str() == column)
+        })
     }
 
     /// The index in a row's additional values of `column`, added when it
@@ -429,12 +453,8 @@ impl ColumnMap {
     /// table is not said to lack them) and the additional ones.
     pub fn read_columns(&self) -> Vec<&ColumnName> {
         let mut out: Vec<&ColumnName> = Vec::new();
-        for c in self
-            .roles
-            .iter()
-            .filter_map(|r| r.name.as_ref())
-            .chain(&self.extra)
-        {
+        let roles = self.roles.iter().flat_map(|r| r.name.iter().chain(&r.aliases));
+        for c in roles.chain(&self.extra) {
             if !out.contains(&c) {
                 out.push(c);
             }

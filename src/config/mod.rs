@@ -86,6 +86,23 @@ fn invalid(path: &str, reason: impl Into<String>) -> ConfigError {
     }
 }
 
+/// The members a value of `format` writes itself, which an envelope
+/// placement may not be named.
+fn envelope_members(format: ValueFormat) -> &'static [&'static str] {
+    match format {
+        ValueFormat::ConnectJson => &["payload"],
+        _ => &[
+            "eventId",
+            "type",
+            "occurredAt",
+            "aggregateType",
+            "aggregateId",
+            "data",
+            "dataBase64",
+        ],
+    }
+}
+
 /// A fixed topic name (not a template) that Kafka accepts.
 fn topic_allowed(topic: &str, path: &str) -> Result<(), ConfigError> {
     match routing::topic_name_problem(topic) {
@@ -564,6 +581,18 @@ impl Config {
                         "an envelope placement needs routing.value = \"envelope\" or \"connect-json\"; place the column as a header",
                     ))
                 }
+                // A member of the value's own would be written twice, and
+                // most readers keep the last: the payload would be lost.
+                Placement::Envelope if envelope_members(self.routing.value).contains(&p.name.as_str()) => {
+                    return Err(invalid(
+                        &format!("{key}.name"),
+                        format!(
+                            "{:?} is a member of the value itself ({}); name the placement otherwise",
+                            p.name,
+                            envelope_members(self.routing.value).join(", ")
+                        ),
+                    ))
+                }
                 _ => {}
             }
         }
@@ -1012,6 +1041,14 @@ mod tests {
             (
                 "[columns]\nadditional = [{ column = \"t\", placement = \"envelope\" }]\n[routing]\nvalue = \"payload\"\n",
                 "columns.additional[0].placement",
+            ),
+            (
+                "[columns]\nadditional = [{ column = \"t\", placement = \"envelope\", name = \"data\" }]\n",
+                "columns.additional[0].name",
+            ),
+            (
+                "[columns]\nadditional = [{ column = \"t\", placement = \"envelope\", name = \"payload\" }]\n[routing]\nvalue = \"connect-json\"\n",
+                "columns.additional[0].name",
             ),
             ("[columns]\nid = false\n", "columns.id"),
             ("[routing]\ntext_payload = \"yaml\"\n", "routing.text_payload"),

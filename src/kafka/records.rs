@@ -252,18 +252,27 @@ impl KafkaRecord {
 /// the broker's clock (`log.message.timestamp.after.max.ms`).
 pub const MAX_AHEAD_OF_COMMIT_MS: i64 = 5 * 60 * 1000;
 
+/// How far before its transaction's commit the timestamp column may lie
+/// and still be the record's timestamp. An earlier one is no insert time
+/// (a business date, seconds where milliseconds were meant): Kafka's
+/// time-based retention would delete such a record at the next segment
+/// roll, long before consumers read it.
+pub const MAX_BEHIND_COMMIT_MS: i64 = 24 * 60 * 60 * 1000;
+
 /// The Kafka record timestamp (CreateTime) for a row committed at
-/// `commit_ms`: its timestamp when it lies after the Unix epoch and at
-/// most [`MAX_AHEAD_OF_COMMIT_MS`] after the commit; otherwise the commit
-/// time. Kafka takes neither negative timestamps nor far-future ones (and
-/// to librdkafka a timestamp of 0 means "now"), and a timestamp out there
-/// (a date before 1970, year 20000, `infinity`) is still an event that
+/// `commit_ms`: its timestamp when it lies within
+/// [`MAX_BEHIND_COMMIT_MS`] before and [`MAX_AHEAD_OF_COMMIT_MS`] after the
+/// commit; otherwise the commit time. Kafka takes neither negative
+/// timestamps nor far-future ones (and to librdkafka a timestamp of 0 means
+/// "now"), deletes far-past ones by retention, and a timestamp out there (a
+/// date before 1970, year 20000, `infinity`) is still an event that
 /// happened when it committed.
 pub fn kafka_timestamp(created_at: &CreatedAt, commit_ms: i64) -> i64 {
     match created_at {
         CreatedAt::At(t) => {
             let ms = t.timestamp_millis();
-            if (1..=commit_ms.saturating_add(MAX_AHEAD_OF_COMMIT_MS)).contains(&ms) {
+            let earliest = commit_ms.saturating_sub(MAX_BEHIND_COMMIT_MS).max(1);
+            if (earliest..=commit_ms.saturating_add(MAX_AHEAD_OF_COMMIT_MS)).contains(&ms) {
                 ms
             } else {
                 commit_ms
@@ -1021,7 +1030,25 @@ mod tests {
             "0 is \"now\" to librdkafka"
         );
         let first = CreatedAt::At(chrono::DateTime::from_timestamp_millis(1).unwrap());
-        assert_eq!(kafka_timestamp(&first, commit), 1);
+        assert_eq!(kafka_timestamp(&first, commit), commit, "far behind the commit");
+        assert_eq!(
+            kafka_timestamp(&first, 1000),
+            1,
+            "within a day of an early commit"
+        );
+        // A day behind is kept; further back (a business date, seconds for
+        // milliseconds) Kafka's retention would delete it: the commit time.
+        let behind = commit - MAX_BEHIND_COMMIT_MS;
+        let t = CreatedAt::At(chrono::DateTime::from_timestamp_millis(behind).unwrap());
+        assert_eq!(kafka_timestamp(&t, commit), behind);
+        let t = CreatedAt::At(chrono::DateTime::from_timestamp_millis(behind - 1).unwrap());
+        assert_eq!(kafka_timestamp(&t, commit), commit);
+        let seconds = CreatedAt::read(&(commit / 1000).to_string(), crate::source::outbox::Kind::Int(64));
+        assert_eq!(
+            kafka_timestamp(&seconds, commit),
+            commit,
+            "epoch seconds in a milliseconds column"
+        );
     }
 
     #[test]
@@ -1297,15 +1324,17 @@ mod tests {
         let rec = build_record(&r, &default_topic(), &value, COMMIT_MS).unwrap();
         let names: Vec<&str> = rec.headers.iter().map(|(k, _)| k.as_str()).collect();
         assert_eq!(names, ["id"]);
-        // No type column: no type header, even with standard headers.
+        // An empty type of a type column is a header all the same; a table
+        // without a type column has none, even with standard headers.
         r.event_type.clear();
-        let rec = build_record(
-            &r,
-            &default_topic(),
-            &RecordValue::of(ValueFormat::Payload),
-            COMMIT_MS,
-        )
-        .unwrap();
+        let standard = RecordValue::of(ValueFormat::Payload);
+        let rec = build_record(&r, &default_topic(), &standard, COMMIT_MS).unwrap();
+        assert!(rec.headers.iter().any(|(k, v)| k == "type" && v.is_empty()));
+        r.facts = Some(std::sync::Arc::new(crate::source::outbox::ColumnFacts {
+            has_type: false,
+            ..Default::default()
+        }));
+        let rec = build_record(&r, &default_topic(), &standard, COMMIT_MS).unwrap();
         assert!(rec.headers.iter().all(|(k, _)| k != "type"));
     }
 }

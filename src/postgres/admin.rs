@@ -75,6 +75,8 @@ pub async fn table_exists(client: &Client, table: &TableName) -> Result<bool, Ad
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CatalogColumn {
     pub name: String,
+    /// The declared type's oid (a domain's own).
+    pub type_oid: u32,
     /// The type's oid, a domain's base type's (through every level).
     pub base_type_oid: u32,
     /// The base type's `typtype` (`b` base, `e` enum, `c` composite, …).
@@ -89,7 +91,10 @@ pub struct CatalogColumn {
 
 /// The columns of `table`, in their order (dropped ones left out); empty
 /// when the table does not exist.
-pub async fn table_columns(client: &Client, table: &TableName) -> Result<Vec<CatalogColumn>, AdminError> {
+pub async fn table_columns(
+    client: &impl tokio_postgres::GenericClient,
+    table: &TableName,
+) -> Result<Vec<CatalogColumn>, AdminError> {
     let rows = client
         .query(
             "WITH RECURSIVE cols AS (
@@ -108,7 +113,7 @@ pub async fn table_columns(client: &Client, table: &TableName) -> Result<Vec<Cat
                  SELECT base.attnum, t.typbasetype, base.depth + 1
                    FROM base JOIN pg_catalog.pg_type t ON t.oid = base.oid
                   WHERE t.typtype = 'd' AND base.depth < 16)
-             SELECT cols.name, b.oid, t.typtype, cols.type_name, cols.attnotnull, cols.dflt
+             SELECT cols.name, b.oid, t.typtype, cols.type_name, cols.attnotnull, cols.dflt, cols.typid
                FROM cols
                JOIN LATERAL (SELECT oid FROM base WHERE base.attnum = cols.attnum ORDER BY depth DESC LIMIT 1) b ON true
                JOIN pg_catalog.pg_type t ON t.oid = b.oid
@@ -125,6 +130,7 @@ pub async fn table_columns(client: &Client, table: &TableName) -> Result<Vec<Cat
             type_name: r.get(3),
             not_null: r.get(4),
             default: r.get(5),
+            type_oid: r.get(6),
         })
         .collect())
 }

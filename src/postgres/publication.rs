@@ -61,8 +61,15 @@ pub struct Verified {
     pub table_oid: u32,
     /// Everything that decides delivery, as text. Two equal fingerprints
     /// mean that no catalog row deciding delivery was written in between:
-    /// it holds the rows' `xmin`s, which every change renews.
+    /// it holds the rows' `xmin`s, which every change renews. The columns
+    /// outboxd reads are not in it: renaming one, or changing `[columns]`,
+    /// changes no delivery (a column list's coverage is checked on every
+    /// reading instead).
     pub fingerprint: String,
+    /// The fingerprint as versions before `[columns]` wrote it (with the
+    /// default columns' numbers), to compare a slot register record of
+    /// theirs with.
+    pub legacy_fingerprint: String,
     /// The `xmin`s of the catalog rows that decide delivery (the
     /// publication, the table's membership, the schema's membership): if
     /// each precedes the slot's `catalog_xmin`, the publication was as it
@@ -79,12 +86,16 @@ pub struct Verified {
 
 /// Marks fingerprints of this layout; one of another layout (an older
 /// outboxd's) is not compared, only the catalog's age can prove then.
-const FINGERPRINT_SCHEME: &str = "2:";
+const FINGERPRINT_SCHEME: &str = "3:";
+
+/// The layout before `[columns]`: the outbox columns' numbers were part
+/// of it. Still compared, through [`Verified::legacy_fingerprint`].
+const LEGACY_SCHEME: &str = "2:";
 
 /// Whether a recorded fingerprint can be compared with the ones this
 /// version makes.
 pub fn comparable(fingerprint: &str) -> bool {
-    fingerprint.starts_with(FINGERPRINT_SCHEME)
+    fingerprint.starts_with(FINGERPRINT_SCHEME) || fingerprint.starts_with(LEGACY_SCHEME)
 }
 
 pub use crate::config::postgres::Messages;
@@ -288,7 +299,15 @@ impl Reading {
     fn fingerprint(&self) -> String {
         let mut r = self.clone();
         r.emit = EmitSetup::default();
+        r.columns = Vec::new();
         format!("{FINGERPRINT_SCHEME}{r:?}")
+    }
+
+    /// [`Reading::fingerprint`] as versions before `[columns]` made it.
+    fn legacy_fingerprint(&self) -> String {
+        let mut r = self.clone();
+        r.emit = EmitSetup::default();
+        format!("{LEGACY_SCHEME}{r:?}")
     }
 
     fn xmins(&self) -> Vec<u32> {
@@ -640,6 +659,7 @@ pub async fn inspect(client: &Client, subject: &Subject) -> Result<Verified, Adm
     Ok(Verified {
         table_oid: oid,
         fingerprint: reading.fingerprint(),
+        legacy_fingerprint: reading.legacy_fingerprint(),
         xmins: reading.xmins(),
         messages_fingerprint: message_prefix
             .as_deref()
@@ -752,6 +772,7 @@ pub fn spawn_guard(
                 let unchanged = reading.as_ref().is_some_and(|r| {
                     let reads_less = baseline.message_prefix.is_some() && subject.receiving.decide(&r.emit).is_none();
                     r.fingerprint() == baseline.fingerprint
+                        && problem(r, &subject, baseline.table_oid).is_none()
                         && emit_same(r)
                         && (reads_less || emit_problem(&r.emit, &subject.receiving).is_none())
                 });
@@ -993,6 +1014,7 @@ mod tests {
         let v = Verified {
             table_oid: 7,
             fingerprint: String::new(),
+            legacy_fingerprint: String::new(),
             xmins: vec![741, 742],
             message_prefix: None,
             messages_fingerprint: None,
@@ -1101,10 +1123,6 @@ mod tests {
                 ..good()
             },
             Reading {
-                columns: vec![("id".into(), 9)],
-                ..good()
-            },
-            Reading {
                 membership_xmin: Some("750".into()),
                 ..good()
             },
@@ -1120,6 +1138,15 @@ mod tests {
             assert_ne!(changed.fingerprint(), base);
         }
         assert_eq!(good().fingerprint(), base);
+        // The columns outboxd reads (a rename, a changed [columns]) decide
+        // no delivery; the layout before [columns] held them.
+        let renamed = Reading {
+            columns: vec![("id".into(), 9)],
+            ..good()
+        };
+        assert_eq!(renamed.fingerprint(), base);
+        assert_ne!(renamed.legacy_fingerprint(), good().legacy_fingerprint());
+        assert!(comparable(&base) && comparable(&good().legacy_fingerprint()) && !comparable("1:x"));
         // What the database may emit is checked on every reading, not
         // compared: installing outbox_emit is no change of the publication.
         let emitting = Reading {

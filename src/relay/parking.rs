@@ -168,7 +168,10 @@ impl Relay {
                 let columns: serde_json::Value = serde_json::from_str(columns_json).unwrap_or_default();
                 let text = |name: &str| columns.get(name).and_then(|v| v.as_str()).map(str::to_owned);
                 let map = &self.validated.columns;
-                let role = |r: Role| map.column(r).and_then(|c| text(c.as_str()));
+                let role = |r: Role| {
+                    let rc = map.role(r);
+                    rc.name.iter().chain(&rc.aliases).find_map(|c| text(c.as_str()))
+                };
                 let route = match role(Role::Route) {
                     Some(t) if !t.is_empty() => t,
                     _ if map.role(Role::Route).needed => return None,

@@ -67,7 +67,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use tokio::sync::watch;
-use tokio_postgres::Client;
+use tokio_postgres::{Client, GenericClient};
 
 use crate::config::columns::Role;
 use crate::config::{Config, Validated};
@@ -195,7 +195,7 @@ pub struct PollingRelay {
     election: LeaderElection,
     watermark: Watermark,
     /// After Kafka refused a batch: send one row at a time, waiting for
-    /// each, up to and including this row.
+    /// each, up to and including this row (its handle: `tableoid:ctid`).
     isolate_until: Option<String>,
     /// The Schema Registry of the registry formats.
     registry: Option<crate::schema::Registry>,
@@ -207,11 +207,14 @@ pub struct PollingRelay {
 /// A round's statements over the column map.
 #[derive(Debug, Clone)]
 struct Statements {
-    /// The rows of a round, oldest first (`$1` rows, older than `$2`).
+    /// The rows of a round, oldest first (`$1` rows, older than `$2`),
+    /// each followed by its handle: `tableoid:ctid`.
     select: String,
     /// Reads its result rows.
     columns: OutboxColumns,
-    /// Marks rows published (`$1`: their ids' text).
+    /// Marks rows published: `$1` a table (a partition's) oid, `$2` the
+    /// ctids of its rows. Rows are marked by where they are, which the
+    /// round's row locks keep still: an id column need not be unique.
     mark: String,
     /// The age of the oldest unpublished row, in seconds.
     oldest: String,
@@ -220,7 +223,7 @@ struct Statements {
 impl Statements {
     /// Resolves the column map against the table; the table must give
     /// the order polling publishes in.
-    async fn of(client: &Client, v: &Validated, published: &str) -> Result<Self, PollingError> {
+    async fn of(client: &impl GenericClient, v: &Validated, published: &str) -> Result<Self, PollingError> {
         let catalog = crate::source::outbox::read_table(client, &v.table).await?;
         let resolved = OutboxColumns::from_catalog(&v.table.to_string(), &catalog, &v.columns)?;
         let timestamp = resolved
@@ -230,12 +233,6 @@ impl Statements {
                 column: "created_at (columns.timestamp)",
             })?
             .to_owned();
-        admin::polling_table_problem(client, &v.table, &timestamp, published).await?;
-        let id = resolved.role_column(Role::Id).unwrap_or("id").to_owned();
-        let id_type = catalog
-            .iter()
-            .find(|c| c.name == id)
-            .map_or_else(|| "text".to_owned(), |c| c.type_name.clone());
         let quote = |n: &str| format!("\"{}\"", n.replace('"', "\"\""));
         let table = v.table.quoted().to_string();
         let (list, columns) = resolved.select();
@@ -254,16 +251,15 @@ impl Statements {
             // o.<timestamp>, not the text output column of the same name:
             // only the table column uses the partial index.
             select: format!(
-                "SELECT {list} FROM {table} o WHERE o.{published} IS NULL AND o.{ts} < $2::timestamptz \
+                "SELECT {list}, o.tableoid::oid::text || ':' || o.ctid::text
+                   FROM {table} o WHERE o.{published} IS NULL AND o.{ts} < $2::timestamptz \
                   ORDER BY o.{ts}, o.ctid LIMIT $1 FOR UPDATE",
                 ts = quote(&timestamp),
                 published = quote(published)
             ),
             columns,
-            // The ids as the column's own type, so that its index serves.
             mark: format!(
-                "UPDATE {table} SET {published} = now() WHERE {id} = ANY($1::text[]::{id_type}[])",
-                id = quote(&id),
+                "UPDATE {table} SET {published} = now() WHERE tableoid = $1::text::oid AND ctid = ANY($2::text[]::tid[])",
                 published = quote(published)
             ),
         })
@@ -284,9 +280,11 @@ struct Round {
     published: usize,
 }
 
-/// A row enqueued in a round: its id and row, and what was enqueued.
+/// A row enqueued in a round: the row, where it is in the table, and
+/// what was enqueued.
 struct Pending {
     row: OutboxRow,
+    handle: String,
     enqueued: Enqueued,
 }
 
@@ -400,9 +398,7 @@ impl PollingRelay {
                 match self.connect().await {
                     // The column map must fit the table, and the table
                     // give the order polling publishes in.
-                    Ok(c) => match Statements::of(&c, &self.validated, &self.config.polling.published_column)
-                        .await
-                    {
+                    Ok(c) => match self.check_table(&c).await {
                         Ok(statements) => {
                             self.statements = Some(statements);
                             client = Some(c);
@@ -453,6 +449,20 @@ impl PollingRelay {
                 Err(e) => return Err(e),
             }
         }
+    }
+
+    /// The table's shape, once per connection: the column map fits it,
+    /// and it gives the order polling publishes in.
+    async fn check_table(&self, client: &Client) -> Result<Statements, PollingError> {
+        let published = &self.config.polling.published_column;
+        let statements = Statements::of(client, &self.validated, published).await?;
+        let timestamp = statements
+            .columns
+            .role_column(Role::Timestamp)
+            .unwrap_or_default()
+            .to_owned();
+        admin::polling_table_problem(client, &self.validated.table, &timestamp, published).await?;
+        Ok(statements)
     }
 
     /// The polling connection: a round's transaction that the leader
@@ -532,11 +542,16 @@ impl PollingRelay {
                 published: 0,
             });
         };
-        let Some(statements) = self.statements.clone() else {
-            return Err(PollingError::Admin(AdminError::NoTable {
-                table: self.validated.table.to_string(),
-            }));
-        };
+        // The table as it is now: its columns cannot change until the
+        // round ends (ALTER TABLE waits for this lock), so no row is read
+        // as a type it no longer has.
+        tx.batch_execute(&format!(
+            "LOCK TABLE {} IN ACCESS SHARE MODE",
+            self.validated.table.quoted()
+        ))
+        .await?;
+        let statements = Statements::of(&tx, &self.validated, &self.config.polling.published_column).await?;
+        let handle_at = statements.columns.width();
         let rows = tx
             .query(
                 &statements.select,
@@ -555,6 +570,7 @@ impl PollingRelay {
                     break;
                 }
             };
+            let handle: String = r.get(handle_at);
             // One at a time up to the row Kafka refused in a batch, so that
             // a refusal now is the row's own.
             let alone = self.isolate_until.is_some();
@@ -571,7 +587,11 @@ impl PollingRelay {
                     break;
                 }
             };
-            pending.push(Pending { row, enqueued });
+            pending.push(Pending {
+                row,
+                handle,
+                enqueued,
+            });
             if alone {
                 if let Err(e) = self.settle(&mut pending, &mut published, true).await {
                     failure = Some(e);
@@ -598,14 +618,15 @@ impl PollingRelay {
                 self.count_purged(&report);
                 prefix &= matches!(report, Report::Stored { .. });
                 if prefix {
-                    published.push(p.row.id);
+                    published.push(p.handle);
                     continue;
                 }
-                name_the_failure(&mut failure, &mut self.isolate_until, p.row.id, report);
+                name_the_failure(&mut failure, &mut self.isolate_until, p.row.id, p.handle, report);
             }
         }
-        if !published.is_empty() {
-            tx.execute(&statements.mark, &[&published]).await?;
+        for (table, ctids) in by_table(&published) {
+            tx.execute(&statements.mark, &[&table.to_string(), &ctids])
+                .await?;
         }
         tx.commit().await?;
         if self.isolate_until.is_some() && failure.is_none() {
@@ -674,7 +695,12 @@ impl PollingRelay {
         alone: bool,
     ) -> Result<(), PollingError> {
         let mut failure = None;
-        for Pending { row, enqueued } in pending.drain(..) {
+        for Pending {
+            row,
+            handle,
+            enqueued,
+        } in pending.drain(..)
+        {
             let dead = match &enqueued {
                 Enqueued::DeadLetter(_, reason) => Some(*reason),
                 Enqueued::Record(_) => None,
@@ -682,12 +708,18 @@ impl PollingRelay {
             let report = enqueued.into_future().await;
             self.count_purged(&report);
             if failure.is_some() {
-                name_the_failure(&mut failure, &mut self.isolate_until, row.id.clone(), report);
+                name_the_failure(
+                    &mut failure,
+                    &mut self.isolate_until,
+                    row.id.clone(),
+                    handle,
+                    report,
+                );
                 continue;
             }
             let (source, msg) = match report {
                 Report::Stored { .. } => {
-                    published.push(row.id.clone());
+                    published.push(handle);
                     continue;
                 }
                 Report::Failed(source, msg) => (source, msg),
@@ -704,7 +736,7 @@ impl PollingRelay {
                         set_aside(&mut self.sink, &self.config.routing, &row, reason, error.clone()).await?;
                     self.metrics.dead_letters.with_label_values(&[reason]).inc();
                     if let Err(e) = self
-                        .stored_or_stub(dl, &row, reason, error, published, false)
+                        .stored_or_stub(dl, &row, &handle, reason, error, published, false)
                         .await
                     {
                         failure = Some(e);
@@ -724,14 +756,14 @@ impl PollingRelay {
                     )
                     .await?;
                     if let Err(e) = self
-                        .stored_or_stub(stub, &row, reason, source.to_string(), published, true)
+                        .stored_or_stub(stub, &row, &handle, reason, source.to_string(), published, true)
                         .await
                     {
                         failure = Some(e);
                     }
                 }
                 (Refusal::Record { .. }, _) => {
-                    self.isolate_until = Some(row.id.clone());
+                    self.isolate_until = Some(handle);
                     failure = Some(PollingError::BatchRefused {
                         id: row.id.clone(),
                         source,
@@ -755,6 +787,7 @@ impl PollingRelay {
         &mut self,
         sent: Enqueued,
         row: &OutboxRow,
+        handle: &str,
         reason: &'static str,
         error: String,
         published: &mut Vec<String>,
@@ -764,7 +797,7 @@ impl PollingRelay {
         loop {
             match sent.into_future().await {
                 Report::Stored { .. } => {
-                    published.push(row.id.clone());
+                    published.push(handle.to_owned());
                     return Ok(());
                 }
                 Report::Failed(e, _) if Refusal::of(&e) != Refusal::Transient => {
@@ -802,6 +835,7 @@ fn name_the_failure(
     failure: &mut Option<PollingError>,
     isolate_until: &mut Option<String>,
     id: String,
+    handle: String,
     later: Report,
 ) {
     if !failure.as_ref().is_some_and(PollingError::is_purge) || !later.is_failure() {
@@ -809,11 +843,28 @@ fn name_the_failure(
     }
     *failure = match later {
         Report::Failed(source, _) if matches!(Refusal::of(&source), Refusal::Record { .. }) => {
-            *isolate_until = Some(id.clone());
+            *isolate_until = Some(handle);
             Some(PollingError::BatchRefused { id, source })
         }
         other => other.into_result().err().map(PollingError::Kafka),
     };
+}
+
+/// Row handles (`tableoid:ctid`) grouped by table: a partitioned outbox's
+/// rows are marked partition by partition.
+fn by_table(handles: &[String]) -> Vec<(u32, Vec<String>)> {
+    let mut out: Vec<(u32, Vec<String>)> = Vec::new();
+    for h in handles {
+        let Some((table, ctid)) = h.split_once(':') else {
+            continue;
+        };
+        let Ok(table) = table.parse::<u32>() else { continue };
+        match out.iter_mut().find(|(t, _)| *t == table) {
+            Some((_, ctids)) => ctids.push(ctid.to_owned()),
+            None => out.push((table, vec![ctid.to_owned()])),
+        }
+    }
+    out
 }
 
 #[cfg(test)]

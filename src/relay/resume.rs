@@ -206,7 +206,9 @@ pub(crate) fn publication_proof(
         .and_then(|r| r.publication.as_deref())
         .filter(|f| publication::comparable(f));
     match registered {
-        Some(f) if f == verified.fingerprint => PublicationProof::SameAsRegistered,
+        Some(f) if f == verified.fingerprint || f == verified.legacy_fingerprint => {
+            PublicationProof::SameAsRegistered
+        }
         Some(_) => PublicationProof::Unproven(Unproven::OtherFingerprint),
         None if publication::unchanged_since_slot(verified, catalog_xmin) => PublicationProof::OlderThanSlot,
         None => PublicationProof::Unproven(Unproven::NoFingerprint),
@@ -285,7 +287,8 @@ mod tests {
     fn the_publication_is_proven_by_the_register_first_then_by_age() {
         let v = Verified {
             table_oid: 7,
-            fingerprint: "2:fp".into(),
+            fingerprint: "3:fp".into(),
+            legacy_fingerprint: "2:fp".into(),
             xmins: vec![741],
             message_prefix: None,
             messages_fingerprint: None,
@@ -328,7 +331,8 @@ mod tests {
     fn a_change_of_who_may_write_messages_is_unproven() {
         let reading = |m: Option<&str>| Verified {
             table_oid: 7,
-            fingerprint: "2:fp".into(),
+            fingerprint: "3:fp".into(),
+            legacy_fingerprint: "2:fp".into(),
             xmins: vec![741],
             message_prefix: m.map(|_| "outbox".into()),
             messages_fingerprint: m.map(str::to_owned),

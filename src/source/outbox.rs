@@ -117,14 +117,15 @@ impl Payload {
         self.as_bytes().is_empty()
     }
 
-    /// NULL, or text of nothing but whitespace: what
-    /// `routing.tombstone_on_empty_payload` makes a tombstone (Debezium's
-    /// `route.tombstone.on.empty.payload`: `toString().trim().isEmpty()`,
-    /// which bytes never are).
+    /// NULL, or text of nothing but characters up to U+0020 (spaces and
+    /// control characters): what `routing.tombstone_on_empty_payload`
+    /// makes a tombstone, as Debezium's `route.tombstone.on.empty.payload`
+    /// decides with Java's `toString().trim().isEmpty()` (which trims
+    /// exactly those, and which bytes never are).
     pub fn is_blank(&self) -> bool {
         match self {
             Payload::Null => true,
-            Payload::Text(s) => s.trim().is_empty(),
+            Payload::Text(s) => s.chars().all(|c| c <= '\u{20}'),
             Payload::Bytes(_) | Payload::Json(_) => false,
         }
     }
@@ -309,9 +310,14 @@ impl Kind {
     fn fits(self, role: Role) -> Result<(), &'static str> {
         let ok = match role {
             Role::Id | Role::Key | Role::Route | Role::Type => {
-                matches!(self, Kind::Text | Kind::Uuid | Kind::Int(_))
+                matches!(self, Kind::Text | Kind::Uuid | Kind::Int(_) | Kind::Other)
             }
-            Role::Payload => matches!(self, Kind::Json | Kind::Jsonb | Kind::Text | Kind::Bytea),
+            // A type outboxd does not know (a domain or type created since
+            // the session read the catalog) is read as text.
+            Role::Payload => matches!(
+                self,
+                Kind::Json | Kind::Jsonb | Kind::Text | Kind::Bytea | Kind::Other
+            ),
             Role::Headers => matches!(self, Kind::Json | Kind::Jsonb | Kind::Text),
             Role::Timestamp => matches!(self, Kind::Timestamptz | Kind::Timestamp | Kind::Int(64)),
         };
@@ -334,6 +340,8 @@ impl Kind {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TableColumn {
     pub name: String,
+    /// The declared type's oid (a domain's own, not its base type's).
+    pub type_oid: u32,
     pub kind: Kind,
     /// `format_type`'s name, for messages.
     pub type_name: String,
@@ -346,6 +354,7 @@ impl From<CatalogColumn> for TableColumn {
     fn from(c: CatalogColumn) -> Self {
         TableColumn {
             kind: Kind::of_catalog(c.base_type_oid, c.typtype, &c.type_name),
+            type_oid: c.type_oid,
             name: c.name,
             type_name: c.type_name,
             not_null: c.not_null,
@@ -356,7 +365,7 @@ impl From<CatalogColumn> for TableColumn {
 
 /// The outbox table's columns, read from the catalog.
 pub async fn read_table(
-    client: &tokio_postgres::Client,
+    client: &impl tokio_postgres::GenericClient,
     table: &crate::config::ident::TableName,
 ) -> Result<Vec<TableColumn>, crate::postgres::error::AdminError> {
     let columns = crate::postgres::admin::table_columns(client, table).await?;
@@ -554,10 +563,15 @@ impl OutboxColumns {
         };
         let role = |r: Role| -> Result<Option<Slot>, MappingError> {
             let rc = map.role(r);
-            let Some(name) = &rc.name else { return Ok(None) };
-            let Some(pos) = find(name.as_str()) else {
+            let Some(first) = &rc.name else { return Ok(None) };
+            // The first of its names the table has (a rename rolled out
+            // with both names reads whichever the rows have).
+            let found = std::iter::once(first)
+                .chain(&rc.aliases)
+                .find_map(|n| find(n.as_str()).map(|pos| (n, pos)));
+            let Some((name, pos)) = found else {
                 if rc.explicit || rc.needed {
-                    return Err(missing(name, r.setting().to_owned()));
+                    return Err(missing(first, r.setting().to_owned()));
                 }
                 return Ok(None);
             };
@@ -618,9 +632,17 @@ impl OutboxColumns {
                 optional: !columns[pos].not_null,
             }));
         }
+        // The names found (of a role's several, the one the table has).
         let mut role_names: [Option<String>; 7] = Default::default();
         for r in Role::ALL {
-            role_names[r as usize] = map.column(r).map(|c| c.to_string());
+            let rc = map.role(r);
+            role_names[r as usize] = rc
+                .name
+                .iter()
+                .chain(&rc.aliases)
+                .find(|n| find(n.as_str()).is_some())
+                .or(rc.name.as_ref())
+                .map(|c| c.to_string());
         }
         let mut resolved = OutboxColumns {
             names: columns.iter().map(|c| c.name.clone()).collect(),
@@ -653,9 +675,17 @@ impl OutboxColumns {
             .columns
             .iter()
             .map(|c| {
-                let known = catalog.iter().find(|t| t.name == c.name);
+                // The catalog read at start describes a column only while
+                // its type is still the one the relation names: a column
+                // whose type changed since is read as text (no JSON is
+                // ever built from text without checking it).
+                let known = catalog
+                    .iter()
+                    .find(|t| t.name == c.name)
+                    .filter(|t| t.type_oid == c.type_oid);
                 TableColumn {
                     name: c.name.clone(),
+                    type_oid: c.type_oid,
                     kind: Kind::of_oid(c.type_oid)
                         .or_else(|| known.map(|t| t.kind))
                         .unwrap_or(Kind::Other),
@@ -894,12 +924,12 @@ impl OutboxColumns {
             id: id.to_owned(),
             aggregate_type: self.route.map(text).transpose()?.unwrap_or_default().to_owned(),
             aggregate_id: nullable(self.key)?.unwrap_or_default().to_owned(),
-            event_type: self
-                .event_type
-                .map(text)
-                .transpose()?
-                .unwrap_or_default()
-                .to_owned(),
+            // The type is optional: a NULL one is empty (no CloudEvent is
+            // made of it: a bad row there).
+            event_type: match self.event_type {
+                Some(s) => nullable(s)?.unwrap_or_default().to_owned(),
+                None => String::new(),
+            },
             payload,
             headers,
             created_at,
@@ -1436,6 +1466,7 @@ mod tests {
         let domain = rel(70_000, TSTZ, TEXT);
         let catalog = vec![TableColumn {
             name: "payload".into(),
+            type_oid: 70_000,
             kind: Kind::Jsonb,
             type_name: "payload_json".into(),
             not_null: true,
@@ -1493,6 +1524,10 @@ mod tests {
             assert!(blank.is_blank(), "{blank:?}");
         }
         assert!(!Payload::Json("\"\"".into()).is_blank());
+        // Java's trim(): up to U+0020, not Unicode's white space.
+        assert!(text("\u{1}\u{20}").is_blank());
+        assert!(!text("\u{3000}").is_blank() && !text("\u{a0}").is_blank());
+        assert!(!Payload::Bytes(Vec::new()).is_blank(), "bytes never are");
         // Whatever the text, what is embedded is valid JSON.
         for s in ["", "\"", "{", "[1,", "\u{0}", "a\"b", "NaN", "1e400", "{}"] {
             let j = json(&text(s), TextPayload::Auto);

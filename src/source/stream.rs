@@ -97,6 +97,10 @@ pub struct OutboxStream {
     /// kinds of columns whose type a `Relation` does not tell (domains,
     /// enums).
     catalog: Vec<TableColumn>,
+    /// What the table's columns are, for events emitted as messages: a
+    /// message's key is written as the key column's would be (the same
+    /// bytes, so the same partition, under `key_format = "connect-json"`).
+    facts: Option<std::sync::Arc<crate::source::outbox::ColumnFacts>>,
     /// The server's WAL end, from the latest XLogData or keepalive.
     server_wal_end: Lsn,
     /// The prefix of logical decoding messages that are outbox events
@@ -115,6 +119,17 @@ impl OutboxStream {
         columns: ColumnMap,
         catalog: Vec<TableColumn>,
     ) -> Self {
+        // A message always has a type and an aggregate type, whatever the
+        // table has.
+        let facts = OutboxColumns::from_catalog(&table.to_string(), &catalog, &columns)
+            .ok()
+            .map(|c| {
+                std::sync::Arc::new(crate::source::outbox::ColumnFacts {
+                    has_route: true,
+                    has_type: true,
+                    ..c.facts()
+                })
+            });
         OutboxStream {
             stream,
             decoder: PgOutputDecoder::new(),
@@ -123,6 +138,7 @@ impl OutboxStream {
             relations: HashMap::new(),
             columns,
             catalog,
+            facts,
             server_wal_end: Lsn::ZERO,
             message_prefix: None,
             commit_time: PgTimestamp(0),
@@ -192,7 +208,10 @@ impl OutboxStream {
                 if m.flags & 1 == 1 && self.message_prefix.as_deref() == Some(m.prefix.as_str()) =>
             {
                 match crate::source::emitted::read(&m.content, self.commit_datetime()) {
-                    crate::source::emitted::Read::Event(row) => Some(StreamEvent::Insert { row, lsn }),
+                    crate::source::emitted::Read::Event(mut row) => {
+                        row.facts.clone_from(&self.facts);
+                        Some(StreamEvent::Insert { row, lsn })
+                    }
                     crate::source::emitted::Read::Unreadable(row) => {
                         Some(StreamEvent::Unreadable { row, lsn })
                     }

@@ -344,35 +344,35 @@ async fn unreadable_rows_of_a_custom_schema_are_dead_lettered_with_their_columns
             "INSERT INTO events_out (id, aggregate_type, aggregate_id, type, payload, headers) VALUES
                ('{good}', 'Order', 'a-1', 't', '{{\"n\": 1}}', NULL),
                ('order-42', 'Order', 'a-1', 't', '{{\"n\": 2}}', '{{}}'),
+               ('', 'Order', 'a-1', 't', '{{\"n\": 4}}', '{{}}'),
                ('{null_payload}', 'Order', 'a-1', 't', NULL, '{{}}'),
                ('{after}', 'Order', 'a-1', 't', '{{\"n\": 3}}', '{{\"k\": \"v\"}}')"
         ))
         .await
         .unwrap();
-    let published = read(&["custom.order"], 2).await;
+    let published = read(&["custom.order"], 4).await;
     let ids: Vec<&str> = published.iter().map(|r| r.header("id").unwrap()).collect();
     assert_eq!(
         ids,
-        [good.as_str(), after.as_str()],
-        "the readable rows, in order"
+        [good.as_str(), "order-42", null_payload.as_str(), after.as_str()],
+        "the readable rows, in order: a text id is an id, a NULL payload a null value"
     );
     assert_eq!(published[0].headers.len(), 4, "NULL headers: no user headers");
-    assert_eq!(published[1].header("k"), Some("v"));
-    let dlq = by_id(&read(&["custom.dead-letter"], 2).await);
-    let text_id = &dlq["order-42"];
-    assert_eq!(text_id.header("dlq.reason"), Some("unreadable"));
+    let v: serde_json::Value = serde_json::from_slice(&published[2].value).unwrap();
+    assert_eq!(v["data"], serde_json::Value::Null, "the envelope's data is null");
+    assert_eq!(published[3].header("k"), Some("v"));
+    let dlq = read(&["custom.dead-letter"], 1).await;
+    assert_eq!(dlq.len(), 1);
+    let empty_id = &dlq[0];
+    assert_eq!(empty_id.header("dlq.reason"), Some("unreadable"));
     assert!(
-        text_id.header("dlq.error").unwrap().contains("\"id\""),
+        empty_id.header("dlq.error").unwrap().contains("\"id\""),
         "names the column"
     );
-    let v: serde_json::Value = serde_json::from_slice(&text_id.value).unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&empty_id.value).unwrap();
     assert_eq!(v["columns"]["aggregate_id"], "a-1");
-    assert_eq!(v["columns"]["payload"], "{\"n\": 2}");
-    assert_eq!(text_id.key, "a-1", "keyed like the event would be");
-    let np = &dlq[null_payload.as_str()];
-    assert_eq!(np.header("dlq.reason"), Some("unreadable"));
-    let v: serde_json::Value = serde_json::from_slice(&np.value).unwrap();
-    assert!(v["columns"]["payload"].is_null());
+    assert_eq!(v["columns"]["payload"], "{\"n\": 4}");
+    assert_eq!(empty_id.key, "a-1", "keyed like the event would be");
     assert!(!handle.is_finished());
     stop_relay(handle, stop).await;
 }

@@ -52,11 +52,11 @@ required = {{ $src.required | toJson }}
 {{- with $src.mode }}
 mode = {{ . | toJson }}
 {{- end }}
-{{- range $section := list "postgres" "routing" "polling" "kafka" }}
+{{- range $section := list "postgres" "columns" "routing" "polling" "kafka" }}
 {{- with index $src $section }}
 [sources.{{ $section }}]
 {{- range $k, $v := . }}
-{{- if not (kindIs "map" $v) }}
+{{- if not (or (kindIs "map" $v) (and (kindIs "slice" $v) (gt (len $v) 0) (kindIs "map" (first $v)))) }}
 {{ $k }} = {{ $v | toJson }}
 {{- end }}
 {{- end }}
@@ -65,6 +65,16 @@ mode = {{ . | toJson }}
 [sources.{{ $section }}.{{ $k }}]
 {{- range $k2, $v2 := $v }}
 {{ $k2 }} = {{ $v2 | toJson }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- range $k, $v := . }}
+{{- if and (kindIs "slice" $v) (gt (len $v) 0) (kindIs "map" (first $v)) }}
+{{- range $item := $v }}
+[[sources.{{ $section }}.{{ $k }}]]
+{{- range $k2, $v2 := $item }}
+{{ $k2 }} = {{ $v2 | toJson }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- end }}

@@ -113,7 +113,8 @@ impl Options<'_> {
         self.get(key).unwrap_or(default).to_owned()
     }
 
-    /// A converter setting: the connector's, else the worker's.
+    /// A converter (`key.converter` or `value.converter`): the
+    /// connector's, else the worker's; and where it came from.
     fn converter(&self, key: &str) -> (Option<String>, &'static str) {
         if let Some(v) = self.get(key) {
             return (Some(v.to_owned()), "connector");
@@ -121,6 +122,16 @@ impl Options<'_> {
         match self.worker.and_then(|w| w.get(key)) {
             Some(v) => (Some(v.clone()), "worker"),
             None => (None, "default"),
+        }
+    }
+
+    /// A converter's own setting (`value.converter.schemas.enable`), read
+    /// where the converter is configured: Connect configures a converter
+    /// the connector sets from the connector's keys alone.
+    fn converter_setting(&self, key: &str, from: &str) -> Option<String> {
+        match from {
+            "connector" => self.get(key).map(str::to_owned),
+            _ => self.worker.and_then(|w| w.get(key)).cloned(),
         }
     }
 
@@ -479,15 +490,25 @@ pub fn debezium(
             "stopping the connector drops its slot, and with it everything not yet confirmed: set it to false before the switch",
         );
     }
-    t.string("publication", &o.or("publication.name", "dbz_publication"), None);
     let autocreate = o.or("publication.autocreate.mode", "all_tables");
-    t.raw(
-        "create_publication",
-        false,
-        Some(&format!(
-            "Debezium's publication (publication.autocreate.mode = {autocreate}); outboxd proves it publishes the table's INSERTs"
-        )),
-    );
+    if plugin == "pgoutput" {
+        t.string("publication", &o.or("publication.name", "dbz_publication"), None);
+        t.raw(
+            "create_publication",
+            false,
+            Some(&format!(
+                "Debezium's publication (publication.autocreate.mode = {autocreate}); outboxd proves it publishes the table's INSERTs"
+            )),
+        );
+    } else {
+        // A decoderbufs deployment has no publication.
+        t.string(
+            "publication",
+            "outboxd",
+            Some("made by outboxd for the table (a decoderbufs slot reads none)"),
+        );
+        t.raw("create_publication", true, None);
+    }
 
     // [columns]
     t.section("columns");
@@ -647,13 +668,11 @@ pub fn debezium(
     }
     let (value_class, value_from) = o.converter("value.converter");
     let value_schemas = o
-        .converter("value.converter.schemas.enable")
-        .0
+        .converter_setting("value.converter.schemas.enable", value_from)
         .is_none_or(|v| v.trim().eq_ignore_ascii_case("true"));
     let (key_class, key_from) = o.converter("key.converter");
     let key_schemas = o
-        .converter("key.converter.schemas.enable")
-        .0
+        .converter_setting("key.converter.schemas.enable", key_from)
         .is_none_or(|v| v.trim().eq_ignore_ascii_case("true"));
     const JSON: &str = "org.apache.kafka.connect.json.JsonConverter";
     if value_from == "default" || key_from == "default" {

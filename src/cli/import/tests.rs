@@ -182,9 +182,37 @@ fn a_decoderbufs_slot_is_not_taken_over() {
         config.postgres.slot, "outboxd",
         "plugin.name defaults to decoderbufs"
     );
+    assert!(
+        config.postgres.create_publication && config.postgres.publication == "outboxd",
+        "a decoderbufs deployment has no publication"
+    );
     assert_eq!(config.routing.value, ValueFormat::Payload);
     assert!(imported.notes.iter().any(|n| n.option == "plugin.name"));
     assert!(imported.notes.iter().any(|n| n.option == "table.include.list"));
+}
+
+/// Connect configures a converter the connector sets from the
+/// connector's keys alone: the worker's `schemas.enable` is not its.
+#[test]
+fn a_connector_converter_takes_its_settings_from_the_connector() {
+    let (_, mut connector) = read_config("c.json", DEFAULT_JSON).unwrap();
+    connector.insert(
+        "value.converter".into(),
+        "org.apache.kafka.connect.json.JsonConverter".into(),
+    );
+    let worker = properties::parse(
+        "value.converter=org.apache.kafka.connect.json.JsonConverter\nvalue.converter.schemas.enable=false\nkey.converter=org.apache.kafka.connect.json.JsonConverter\nkey.converter.schemas.enable=false\n",
+    )
+    .unwrap();
+    let (config, _) = load(&debezium(None, &connector, Some(&worker)).unwrap().toml);
+    assert!(
+        config.routing.connect_schemas,
+        "the connector's converter: schemas on"
+    );
+    assert!(
+        !config.routing.connect_key_schemas,
+        "the worker's converter: its setting"
+    );
 }
 
 #[test]

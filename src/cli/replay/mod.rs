@@ -45,7 +45,7 @@ use crate::kafka::sink::{KafkaSink, KafkaSinkError, Refusal, Report};
 use crate::postgres::admin::{self, AdminError};
 use crate::shell::shell_word;
 use pace::{Progress, Throttle};
-use select::{Count, Key, Query, ReplayRow, Selection};
+use select::{Count, Key, Order, Query, ReplayRow, Selection};
 
 use state::{Counts, State, StateError, StateFile};
 
@@ -84,6 +84,10 @@ pub enum ReplayError {
     RegistrySetup(String),
     #[error("Kafka did not acknowledge the record of outbox row {id}: {source}; the replay stopped there")]
     Delivery { id: String, source: KafkaSinkError },
+    #[error("rows of the selection share the id {0:?}: a replay reads rows by their id (columns.id), so it replays only a table whose ids are unique; nothing was published")]
+    DuplicateId(String),
+    #[error("--since and --until compare with commit times or the timestamp column, and this table has no timestamp column (columns.timestamp) while track_commit_timestamp is off: select by --aggregate-type, --aggregate-id or --id, or --all")]
+    NoTimeToSelectBy,
 }
 
 impl From<EnqueueError> for ReplayError {
@@ -99,10 +103,7 @@ impl From<EnqueueError> for ReplayError {
 #[derive(Debug)]
 pub enum Outcome {
     /// `--dry-run`: what would be replayed.
-    DryRun {
-        counts: Vec<Count>,
-        by_commit_time: bool,
-    },
+    DryRun { counts: Vec<Count>, order: Order },
     /// Every selected row is accounted for.
     Finished(Summary),
     /// Stopped by a signal, with the state saved.
@@ -119,7 +120,7 @@ pub struct Summary {
     /// Counts of this run alone.
     pub this_run: Counts,
     pub elapsed: Duration,
-    pub by_commit_time: bool,
+    pub order: Order,
     pub last: Option<Key>,
 }
 
@@ -130,12 +131,7 @@ impl std::fmt::Display for Summary {
         writeln!(
             f,
             "selected     {} rows, ordered by {}",
-            self.selected,
-            if self.by_commit_time {
-                "commit time (track_commit_timestamp), then created_at and id"
-            } else {
-                "created_at, then id"
-            }
+            self.selected, self.order
         )?;
         writeln!(
             f,
@@ -209,7 +205,7 @@ impl Replay {
         if !o.resume && !o.all && !o.selection.is_narrowed() {
             return Err(ReplayError::NothingSelected);
         }
-        let client = admin::connect(&self.validated.pg).await?;
+        let mut client = admin::connect(&self.validated.pg).await?;
         let query = Query::prepare(
             &client,
             &self.validated.table,
@@ -217,6 +213,10 @@ impl Replay {
             self.config.mode == Mode::Cdc,
         )
         .await?;
+        let by_time = o.selection.since.is_some() || o.selection.until.is_some();
+        if by_time && !query.order().places_rows_in_time() {
+            return Err(ReplayError::NoTimeToSelectBy);
+        }
         let file = StateFile::new(&o.state);
         let started_at = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
         let fresh = State::new(o.selection.clone(), started_at);
@@ -231,10 +231,11 @@ impl Replay {
                 .await?;
             return Ok(Outcome::DryRun {
                 counts,
-                by_commit_time: query.by_commit_time(),
+                order: query.order(),
             });
         }
         let mut ids = query.ids(&client, &state.selection, state.last.as_ref()).await?;
+        unique(&ids)?;
         let selected = ids.len() as u64;
         let mut sink = KafkaSink::new(&self.config.kafka, self.config.kafka.admin_timeout.0)?;
         sink.check_brokers().await?;
@@ -269,7 +270,7 @@ impl Replay {
         'runs: loop {
             let mut refused_batch = None;
             for chunk in ids.chunks(o.batch.max(1)) {
-                let mut rows = query.rows(&client, chunk).await?;
+                let mut rows = query.rows(&mut client, chunk).await?;
                 // In replay order: each row and what was enqueued for it,
                 // or `None` for a row deleted since it was listed.
                 let mut pending: Vec<Option<(ReplayRow, Enqueued)>> = Vec::with_capacity(chunk.len());
@@ -336,6 +337,7 @@ impl Replay {
                     tracing::warn!(%id, "Kafka refused a batch; sending the rows from there one at a time, to set aside only the row Kafka refuses");
                     isolate_until = Some(id);
                     ids = query.ids(&client, &state.selection, state.last.as_ref()).await?;
+                    unique(&ids)?;
                 }
                 _ => break 'runs,
             }
@@ -358,7 +360,7 @@ impl Replay {
             counts: state.counts,
             this_run,
             elapsed: run_start.elapsed(),
-            by_commit_time: query.by_commit_time(),
+            order: query.order(),
             last: state.last,
         };
         Ok(if interrupted {
@@ -468,6 +470,16 @@ impl Replay {
         rec.headers
             .push((header::REPLAYED.to_owned(), started_at.as_bytes().to_vec()));
         Ok(rec)
+    }
+}
+
+/// Refuses a selection in which two rows share an id: rows are read by
+/// id, and one of them would be replayed twice and the other never.
+fn unique(ids: &[String]) -> Result<(), ReplayError> {
+    let mut seen = std::collections::HashSet::with_capacity(ids.len());
+    match ids.iter().find(|id| !seen.insert(id.as_str())) {
+        Some(id) => Err(ReplayError::DuplicateId(id.clone())),
+        None => Ok(()),
     }
 }
 

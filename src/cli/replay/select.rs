@@ -17,7 +17,9 @@
 //! order of the writes). In polling mode rows are updated once published,
 //! so `xmin` is no longer the inserting transaction's and `created_at`
 //! alone is used. A table without a timestamp column, replayed without
-//! commit times, is replayed in `id` order.
+//! commit times, is replayed in `id` order, which keeps each aggregate's
+//! order only where ids grow with time (a sequence, UUIDv7); `--since`
+//! and `--until` are refused there (nothing to compare them with).
 //!
 //! # Time ranges
 //!
@@ -135,9 +137,50 @@ pub struct Query {
     id_type: String,
     route: Option<String>,
     key: String,
-    /// Reads result rows; a query's own columns follow its width.
-    list: String,
-    columns: OutboxColumns,
+    /// The column map, resolved again for each batch of rows.
+    map: ColumnMap,
+    table_name: TableName,
+    /// How rows are ordered, for the operator.
+    order: Order,
+}
+
+/// How a replay orders rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Order {
+    /// Commit time (`track_commit_timestamp`), then the timestamp column,
+    /// then id.
+    CommitTime,
+    /// The timestamp column, then id.
+    Timestamp,
+    /// The id alone: no timestamp column, no commit times.
+    Id,
+}
+
+impl Order {
+    /// With commit times (or not), on a table with a timestamp column (or
+    /// not).
+    pub fn of(commit_times: bool, timestamp: bool) -> Order {
+        match (commit_times, timestamp) {
+            (true, _) => Order::CommitTime,
+            (false, true) => Order::Timestamp,
+            (false, false) => Order::Id,
+        }
+    }
+
+    /// Whether `--since` and `--until` have something to compare with.
+    pub fn places_rows_in_time(self) -> bool {
+        self != Order::Id
+    }
+}
+
+impl std::fmt::Display for Order {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Order::CommitTime => "commit time (track_commit_timestamp), then created_at and id",
+            Order::Timestamp => "created_at, then id",
+            Order::Id => "id alone (the table has no timestamp column and track_commit_timestamp is off): each aggregate keeps its order only if ids grow with time (a sequence, UUIDv7)",
+        })
+    }
 }
 
 const COMMIT_TIME: &str = "pg_xact_commit_timestamp(o.xmin)";
@@ -167,17 +210,21 @@ impl Query {
         let commit = by_commit_time && tracked == "on";
         let created_at = match (resolved.role_column(Role::Timestamp), resolved.timestamp_kind()) {
             (Some(c), Some(Kind::Timestamp)) => format!("({} AT TIME ZONE 'UTC')", quote(c)),
-            (Some(c), Some(Kind::Int(_))) => format!("to_timestamp({} / 1000.0)", quote(c)),
+            // Milliseconds beyond PostgreSQL's range read as none.
+            (Some(c), Some(Kind::Int(_))) => format!(
+                "CASE WHEN {c} BETWEEN -210866803200000 AND 9224318015999999 THEN to_timestamp({c} / 1000.0) END",
+                c = quote(c)
+            ),
             (Some(c), _) => quote(c),
             (None, _) => "NULL::timestamptz".to_owned(),
         };
+        let order = Order::of(commit, resolved.role_column(Role::Timestamp).is_some());
         let created_at = format!("coalesce({created_at}, '-infinity'::timestamptz)");
         let id_name = resolved.role_column(Role::Id).unwrap_or("id").to_owned();
         let id_type = catalog
             .iter()
             .find(|c| c.name == id_name)
             .map_or_else(|| "text".to_owned(), |c| c.type_name.clone());
-        let (list, columns) = resolved.select();
         Ok(Query {
             table: table.quoted().to_string(),
             order_time: if commit {
@@ -191,9 +238,15 @@ impl Query {
             id_type,
             route: resolved.role_column(Role::Route).map(quote),
             key: quote(resolved.role_column(Role::Key).unwrap_or("aggregate_id")),
-            list,
-            columns,
+            map: map.clone(),
+            table_name: table.clone(),
+            order,
         })
+    }
+
+    /// How rows are ordered.
+    pub fn order(&self) -> Order {
+        self.order
     }
 
     /// Whether rows are ordered by commit time (else by `created_at`).
@@ -314,16 +367,26 @@ impl Query {
             .collect())
     }
 
-    /// The rows with these ids that still exist, by id.
+    /// The rows with these ids that still exist, by id. The column map is
+    /// resolved again under a lock that keeps the table's columns as they
+    /// are until the rows are read, so no value is read as a type its
+    /// column no longer has.
     pub async fn rows(
         &self,
-        client: &Client,
+        client: &mut Client,
         ids: &[String],
     ) -> Result<HashMap<String, ReplayRow>, AdminError> {
+        let tx = client.transaction().await?;
+        tx.batch_execute(&format!("LOCK TABLE {} IN ACCESS SHARE MODE", self.table))
+            .await?;
+        let catalog = crate::source::outbox::read_table(&tx, &self.table_name).await?;
+        let resolved = OutboxColumns::from_catalog(&self.table_name.to_string(), &catalog, &self.map)
+            .map_err(|e| AdminError::Row(e.to_string()))?;
+        let (list, columns) = resolved.select();
         let sql = format!(
             "SELECT {}, ({t})::text, (extract(epoch FROM {ct}) * 1000)::float8, ({c})::text
                FROM {} o WHERE {} = ANY($1::text[]::{}[])",
-            self.list,
+            list,
             self.table,
             self.id,
             self.id_type,
@@ -331,12 +394,12 @@ impl Query {
             ct = self.commit_time,
             c = self.created_at,
         );
-        let rows = client.query(&sql, &[&ids]).await?;
-        let at = self.columns.width();
+        let rows = tx.query(&sql, &[&ids]).await?;
+        tx.commit().await?;
+        let at = columns.width();
         rows.iter()
             .map(|r| {
-                let row = self
-                    .columns
+                let row = columns
                     .from_result(r)
                     .map_err(|e| AdminError::Row(e.to_string()))?;
                 let replay = ReplayRow {
@@ -351,5 +414,19 @@ impl Query {
                 Ok((replay.row.id.clone(), replay))
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn without_a_timestamp_or_commit_times_rows_have_no_place_in_time() {
+        assert_eq!(Order::of(true, false), Order::CommitTime);
+        assert_eq!(Order::of(false, true), Order::Timestamp);
+        assert_eq!(Order::of(false, false), Order::Id);
+        assert!(!Order::Id.places_rows_in_time() && Order::Timestamp.places_rows_in_time());
+        assert!(Order::Id.to_string().contains("ids grow with time"));
     }
 }
