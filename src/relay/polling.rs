@@ -736,7 +736,7 @@ impl PollingRelay {
                         set_aside(&mut self.sink, &self.config.routing, &row, reason, error.clone()).await?;
                     self.metrics.dead_letters.with_label_values(&[reason]).inc();
                     if let Err(e) = self
-                        .stored_or_stub(dl, &row, &handle, reason, error, published, false)
+                        .stored_or_stub(dl, (&row, &handle), reason, error, published, false)
                         .await
                     {
                         failure = Some(e);
@@ -756,7 +756,7 @@ impl PollingRelay {
                     )
                     .await?;
                     if let Err(e) = self
-                        .stored_or_stub(stub, &row, &handle, reason, source.to_string(), published, true)
+                        .stored_or_stub(stub, (&row, &handle), reason, source.to_string(), published, true)
                         .await
                     {
                         failure = Some(e);
@@ -786,8 +786,7 @@ impl PollingRelay {
     async fn stored_or_stub(
         &mut self,
         sent: Enqueued,
-        row: &OutboxRow,
-        handle: &str,
+        (row, handle): (&OutboxRow, &str),
         reason: &'static str,
         error: String,
         published: &mut Vec<String>,

@@ -235,7 +235,7 @@ impl Replay {
             });
         }
         let mut ids = query.ids(&client, &state.selection, state.last.as_ref()).await?;
-        unique(&ids)?;
+        unique(&ids).map_err(|e| *e)?;
         let selected = ids.len() as u64;
         let mut sink = KafkaSink::new(&self.config.kafka, self.config.kafka.admin_timeout.0)?;
         sink.check_brokers().await?;
@@ -337,7 +337,7 @@ impl Replay {
                     tracing::warn!(%id, "Kafka refused a batch; sending the rows from there one at a time, to set aside only the row Kafka refuses");
                     isolate_until = Some(id);
                     ids = query.ids(&client, &state.selection, state.last.as_ref()).await?;
-                    unique(&ids)?;
+                    unique(&ids).map_err(|e| *e)?;
                 }
                 _ => break 'runs,
             }
@@ -475,10 +475,10 @@ impl Replay {
 
 /// Refuses a selection in which two rows share an id: rows are read by
 /// id, and one of them would be replayed twice and the other never.
-fn unique(ids: &[String]) -> Result<(), ReplayError> {
+fn unique(ids: &[String]) -> Result<(), Box<ReplayError>> {
     let mut seen = std::collections::HashSet::with_capacity(ids.len());
     match ids.iter().find(|id| !seen.insert(id.as_str())) {
-        Some(id) => Err(ReplayError::DuplicateId(id.clone())),
+        Some(id) => Err(Box::new(ReplayError::DuplicateId(id.clone()))),
         None => Ok(()),
     }
 }
