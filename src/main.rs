@@ -788,6 +788,20 @@ async fn retention(
         Ok(c) => c,
         Err(code) => return code,
     };
+    // Retention deletes by migration 0001's columns; a table of another
+    // shape keeps its own clean-up.
+    {
+        use outboxd::config::columns::Role;
+        let named = |r: Role, want: &str| validated.columns.column(r).is_some_and(|c| c.as_str() == want);
+        let published = config.polling.published_column == "published_at";
+        if !(named(Role::Id, "id") && named(Role::Timestamp, "created_at") && published) {
+            eprintln!(
+                "outboxd: retention deletes by the columns id, created_at and published_at of migrations/0001_outbox.sql, and [columns] names others for {}: nothing was deleted. Delete old rows with a job of your own, after the slot has confirmed past them",
+                validated.table
+            );
+            return ExitCode::FAILURE;
+        }
+    }
     // With the slot lost, the table is the only copy of the gap: keep it
     // until `outboxd replay` has re-published it.
     if config.mode == outboxd::config::Mode::Cdc && !force {

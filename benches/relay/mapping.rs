@@ -36,9 +36,116 @@ additional = [
 "#;
 
 /// Rounds of each (alternating).
-const ROUNDS: usize = 2;
+const ROUNDS: usize = 3;
+
+/// outboxd's own work per row, both shapes, in this process: a pgoutput
+/// tuple read through the resolved columns and built into a record, in
+/// alternating chunks so that the machine's noise falls on both alike.
+/// Returns nanoseconds per row (default, mapped).
+fn per_row_cost(rows: usize) -> (f64, f64) {
+    use bytes::Bytes;
+    use outboxd::config::routing::{RecordValue, TopicTemplate};
+    use outboxd::config::{columns::ColumnMap, columns::ColumnsConfig, ValueFormat};
+    use outboxd::kafka::records::build_record;
+    use outboxd::postgres::pgoutput::{Relation, RelationColumn, TupleValue};
+    use outboxd::source::outbox::OutboxColumns;
+    let relation = |cols: &[(&str, u32)]| Relation {
+        xid: None,
+        id: 1,
+        namespace: "public".into(),
+        name: "t".into(),
+        replica_identity: b'd',
+        columns: cols
+            .iter()
+            .map(|(n, oid)| RelationColumn {
+                flags: 0,
+                name: (*n).into(),
+                type_oid: *oid,
+                type_modifier: -1,
+            })
+            .collect(),
+    };
+    let text = |s: &str| TupleValue::Text(Bytes::copy_from_slice(s.as_bytes()));
+    let payload = format!(
+        r#"{{"note": "{}", "lines": [{{"qty": 2, "sku": "SKU-1", "price": 1250}}], "orderId": 1234567, "customerId": "c4ca4238a0b923820dcc509a6f75849b"}}"#,
+        "n".repeat(150)
+    );
+    let headers = r#"{"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "correlationId": "c4ca4238a0b923820dcc509a6f75849b"}"#;
+    let common = vec![
+        text("0190a5a4-8c1e-7000-8000-000000000001"),
+        text("Order"),
+        text("order-1234"),
+        text("ordering.order-placed.v1"),
+        text(&payload),
+        text(headers),
+        text("2026-12-05 10:00:00.123456+00"),
+    ];
+    let default_rel = relation(&[
+        ("id", 2950),
+        ("aggregate_type", 25),
+        ("aggregate_id", 25),
+        ("type", 25),
+        ("payload", 3802),
+        ("headers", 3802),
+        ("created_at", 1184),
+    ]);
+    let mapped_rel = relation(&[
+        ("event_id", 2950),
+        ("entity", 25),
+        ("entity_id", 25),
+        ("event_name", 25),
+        ("body", 3802),
+        ("meta", 3802),
+        ("occurred", 1184),
+        ("tenant", 25),
+        ("region", 25),
+    ]);
+    let mut mapped_tuple = common.clone();
+    mapped_tuple.push(text("tenant-3"));
+    mapped_tuple.push(text("eu-west-1"));
+    let shape = |columns: &str, rel: &Relation| {
+        let c: ColumnsConfig = toml::from_str(columns).unwrap();
+        let mut map = ColumnMap::new(&c).unwrap();
+        let topic = TopicTemplate::parse("{aggregate_type}.events", true, &mut map, None).unwrap();
+        let mut value = RecordValue::of(ValueFormat::Envelope);
+        value.placements = map.placements.clone();
+        (
+            OutboxColumns::from_relation(rel, &map, &[]).unwrap(),
+            topic,
+            value,
+        )
+    };
+    let mapped_columns = COLUMNS.trim_start().trim_start_matches("[columns]");
+    let default = shape("", &default_rel);
+    let mapped = shape(mapped_columns, &mapped_rel);
+    let commit = chrono::Utc::now();
+    let run = |(cols, topic, value): &(OutboxColumns, TopicTemplate, RecordValue),
+               tuple: &Vec<TupleValue>,
+               n: usize| {
+        let start = std::time::Instant::now();
+        for _ in 0..n {
+            let row = cols.row(tuple, commit).unwrap();
+            let rec = build_record(&row, topic, value, commit.timestamp_millis()).unwrap();
+            std::hint::black_box(rec);
+        }
+        start.elapsed().as_nanos() as f64
+    };
+    let (mut d, mut m) = (0.0, 0.0);
+    let chunk = 10_000;
+    for _ in 0..rows / chunk {
+        d += run(&default, &common, chunk);
+        m += run(&mapped, &mapped_tuple, chunk);
+    }
+    let done = (rows / chunk * chunk) as f64;
+    (d / done, m / done)
+}
 
 pub async fn run(client: &mut tokio_postgres::Client, s: &Setting, n: usize) -> Value {
+    let (default_ns, mapped_ns) = per_row_cost(2_000_000);
+    println!(
+        "| per row, in this process (read + build the record) | default {default_ns:.0} ns | mapped {mapped_ns:.0} ns | mapped ÷ default {:.3} |",
+        mapped_ns / default_ns
+    );
     client
         .batch_execute(&format!(
             "CREATE TABLE IF NOT EXISTS {TABLE} (
@@ -66,7 +173,9 @@ pub async fn run(client: &mut tokio_postgres::Client, s: &Setting, n: usize) -> 
         .collect();
     let topics: Vec<String> = runs.iter().map(|(_, slot)| slot.replace('_', "-")).collect();
     {
-        let (brokers, topics) = (s.brokers.clone(), topics.clone());
+        let mut topics = topics.clone();
+        topics.push("warm-up-mapping".into());
+        let brokers = s.brokers.clone();
         tokio::task::spawn_blocking(move || {
             harness::broker::create_topics_with(
                 &brokers,
@@ -79,6 +188,11 @@ pub async fn run(client: &mut tokio_postgres::Client, s: &Setting, n: usize) -> 
     }
     for (_, slot) in &runs {
         create_slot(client, slot).await;
+    }
+    // A broker's first loads are slower: warm it as the main run does.
+    for _ in 0..3 {
+        let round = super::ceiling::run(&s.brokers, "warm-up-mapping", n.min(200_000), &s.outboxd_kafka);
+        eprintln!("bench: warm-up: {:.0} events/s", round.rate());
     }
     eprintln!("bench: writing {n} rows into outbox and {n} into {TABLE}");
     let default_end = super::write_rows(client, n, Shape::STANDARD).await;
@@ -145,7 +259,8 @@ pub async fn run(client: &mut tokio_postgres::Client, s: &Setting, n: usize) -> 
         median(&mapped_cpu)
     );
     println!("| mapped ÷ default | {:.3} | | |", mr / dr);
-    json!({"events": n, "rounds": rounds, "default_events_per_s": default_rates, "mapped_events_per_s": mapped_rates,
+    json!({"events": n, "per_row_ns": {"default": default_ns, "mapped": mapped_ns, "ratio": mapped_ns / default_ns},
+           "rounds": rounds, "default_events_per_s": default_rates, "mapped_events_per_s": mapped_rates,
            "default_median": dr, "mapped_median": mr, "ratio": mr / dr,
            "default_cpu_s_per_100k": default_cpu, "mapped_cpu_s_per_100k": mapped_cpu})
 }
