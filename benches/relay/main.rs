@@ -34,6 +34,9 @@
 //! g. With `--scaling`, the cost as work grows (`scaling`).
 //! h. With `--sources`, three sources in one process beside one
 //!    (`sources`); `--only-sources` runs that table alone.
+//! j. `--only-topics`: one backlog over 50 aggregate types drained by
+//!    `pg_recvlogical`, outboxd to one topic, outboxd to 50 topics and
+//!    Debezium to 50 topics (`topics`).
 //! i. `--only-mapping`: the drain of a table read through `[columns]`
 //!    (renamed columns, two header placements) beside the default table's,
 //!    alternating, on backlogs of the same rows (`mapping`).
@@ -54,6 +57,7 @@ mod measure;
 mod relays;
 mod scaling;
 mod sources;
+mod topics;
 mod watch;
 
 use std::collections::HashMap;
@@ -93,6 +97,8 @@ struct Args {
     /// Only the drain through a column map beside the default one
     /// (`mapping`).
     only_mapping: bool,
+    /// Only one backlog over 50 topics beside one topic (`topics`).
+    only_topics: bool,
     outboxd_kafka: Vec<String>,
     exactly_once_settings: Vec<String>,
 }
@@ -112,6 +118,7 @@ fn args() -> Args {
         sources: false,
         only_sources: false,
         only_mapping: false,
+        only_topics: false,
         outboxd_kafka: Vec::new(),
         exactly_once_settings: Vec::new(),
     };
@@ -137,6 +144,7 @@ fn args() -> Args {
             "--sources" => a.sources = true,
             "--only-sources" => a.only_sources = true,
             "--only-mapping" => a.only_mapping = true,
+            "--only-topics" => a.only_topics = true,
             "--exactly-once-setting" => {
                 a.exactly_once_settings.push(
                     argv.get(i + 1)
@@ -649,6 +657,11 @@ async fn startup(
 
 /// `pg_recvlogical` over the backlog's WAL from `slot`, stopping at `end`.
 fn recvlogical(pg: &PgServer, slot: &str, end: Lsn) -> f64 {
+    recvlogical_on(pg, slot, end, "bench_pub")
+}
+
+/// [`recvlogical`] through `publication`.
+fn recvlogical_on(pg: &PgServer, slot: &str, end: Lsn, publication: &str) -> f64 {
     let t = Instant::now();
     let status = Command::new(pg.bin_dir.join("pg_recvlogical"))
         .args([
@@ -668,7 +681,7 @@ fn recvlogical(pg: &PgServer, slot: &str, end: Lsn) -> f64 {
             "-o",
             "proto_version=1",
             "-o",
-            "publication_names=bench_pub",
+            &format!("publication_names={publication}"),
         ])
         .args(["-E", &end.to_string(), "-f", "/dev/null", "--no-loop"])
         .status()
@@ -773,6 +786,18 @@ async fn main() {
         exactly_once_settings: a.exactly_once_settings.clone(),
         registry_url: a.avro.then(|| harness::registry::registry().url.clone()),
     };
+    if a.only_topics {
+        let out_dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench");
+        std::fs::create_dir_all(&out_dir).unwrap();
+        let results = json!({"topics": topics::run(&mut client, &pg, &s, n, a.debezium).await});
+        std::fs::write(
+            out_dir.join("topics.json"),
+            serde_json::to_string_pretty(&results).unwrap(),
+        )
+        .unwrap();
+        broker.kill();
+        return;
+    }
     if a.only_mapping {
         let out_dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench");
         std::fs::create_dir_all(&out_dir).unwrap();

@@ -1,7 +1,8 @@
 //! Cost as work grows (`--scaling`): outboxd alone drains backlogs of
 //! 200k, 1M and 5M standard events (rate and peak RSS should stay flat),
 //! 200k events with 100-byte, 1 KB and 10 KB payloads, and 200k standard
-//! events over 50 aggregate types (50 topics, made beforehand). Each case
+//! events over 50 and 200 aggregate types (50 and 200 topics, made
+//! beforehand). Each case
 //! gets a fresh table, a slot made just before its backlog, and the same
 //! drain measure as the main run.
 
@@ -31,6 +32,7 @@ const CASES: &[Case] = &[
     case(200_000, Some(1_000), 1),
     case(200_000, Some(10_000), 1),
     case(200_000, None, 50),
+    case(200_000, None, 200),
 ];
 
 /// Runs every case; one JSON object each, and a markdown table on stdout.

@@ -1,0 +1,132 @@
+//! Many topics (`--only-topics`, or `--topics` beside the main run): one
+//! backlog of `n` rows with ~100-byte payloads over 50 aggregate types,
+//! 100 rows per transaction, drained side by side by `pg_recvlogical`
+//! (PostgreSQL's decoding limit), by outboxd writing every event to one
+//! topic (a fixed `routing.topic`), by outboxd writing each aggregate type
+//! to its own topic (50 topics × 3 partitions), and by Debezium on the same
+//! 50 topics (its Java producer packs every partition of a broker into one
+//! request: the reference for what packing gives). Each relay has a slot
+//! of its own made before the backlog. Reported: drain rate, CPU per 100k
+//! events and peak RSS of each.
+
+use serde_json::{json, Value};
+
+use super::harness::postgres::PgServer;
+use super::relays::{Kind, Setting};
+use super::{create_slot, drain_into, drop_slot, harness, recvlogical_on, write_rows, Shape};
+
+/// Aggregate types, each a topic.
+pub const TYPES: usize = 50;
+
+pub async fn run(
+    client: &mut tokio_postgres::Client,
+    pg: &PgServer,
+    s: &Setting,
+    n: usize,
+    debezium: bool,
+) -> Value {
+    client
+        .batch_execute("CREATE PUBLICATION bench_pub FOR TABLE outbox WITH (publish = 'insert')")
+        .await
+        .unwrap();
+    let many: Vec<String> = (0..TYPES).map(|t| format!("tp50-t{t}")).collect();
+    let theirs: Vec<String> = (0..TYPES).map(|t| format!("tp50dbz-T{t}")).collect();
+    let one = vec!["tp1-all".to_owned()];
+    {
+        let mut topics = many.clone();
+        topics.extend(theirs.clone());
+        topics.extend(one.clone());
+        topics.push("warm-up-topics".into());
+        let brokers = s.brokers.clone();
+        tokio::task::spawn_blocking(move || {
+            harness::broker::create_topics_with(
+                &brokers,
+                &topics,
+                &[("message.timestamp.type", "LogAppendTime")],
+            )
+        })
+        .await
+        .unwrap();
+    }
+    for _ in 0..3 {
+        let round = super::ceiling::run(&s.brokers, "warm-up-topics", n.min(200_000), &s.outboxd_kafka);
+        eprintln!("bench: warm-up: {:.0} events/s", round.rate());
+    }
+    let slots = ["tp_recv", "tp_one", "tp_many", "tp_debezium"];
+    for slot in slots {
+        create_slot(client, slot).await;
+    }
+    let shape = Shape {
+        payload: Some(100),
+        types: TYPES,
+    };
+    eprintln!("bench: writing {n} rows over {TYPES} aggregate types");
+    let target = write_rows(client, n, shape).await;
+    let end: outboxd::Lsn = {
+        let s: String = client
+            .query_one("SELECT pg_current_wal_lsn()::text", &[])
+            .await
+            .unwrap()
+            .get(0);
+        s.parse().unwrap()
+    };
+    eprintln!("bench: pg_recvlogical");
+    let recv_secs = recvlogical_on(pg, "tp_recv", end, "bench_pub");
+    drop_slot(client, "tp_recv").await;
+    let recv_rate = n as f64 / recv_secs;
+    let mut rows = Vec::new();
+    let mut out = json!({"events": n, "types": TYPES, "partitions_each": super::PARTITIONS,
+                         "pg_recvlogical": {"seconds": recv_secs, "events_per_second": recv_rate}});
+    let mut runs: Vec<(&str, Kind, &str, String, Vec<String>)> = vec![
+        (
+            "outboxd, 1 topic",
+            Kind::Outboxd,
+            "tp_one",
+            "tp1-all".to_owned(),
+            one.clone(),
+        ),
+        (
+            "outboxd, 50 topics",
+            Kind::Outboxd,
+            "tp_many",
+            "tp50-{aggregate_type}".to_owned(),
+            many.clone(),
+        ),
+    ];
+    if debezium {
+        runs.push((
+            "Debezium, 50 topics",
+            Kind::Debezium,
+            "tp_debezium",
+            "tp50dbz-${routedByValue}".to_owned(),
+            theirs.clone(),
+        ));
+    } else {
+        drop_slot(client, "tp_debezium").await;
+    }
+    for (label, kind, slot, route, topics) in runs {
+        let d = drain_into(client, s, kind, slot, &route, &topics, target, n).await;
+        drop_slot(client, slot).await;
+        eprintln!("bench: {label}: {:.0} events/s", d.rate(n));
+        rows.push((label, d.rate(n), d.cpu_per_100k(n), d.rss_mib));
+        out[label] = d.json(n);
+    }
+    println!("| {n} events, ~100-byte payloads, {TYPES} aggregate types | drain | ÷ pg_recvlogical | CPU per 100k events | peak RSS |");
+    println!("|---|---|---|---|---|");
+    println!("| pg_recvlogical | {recv_rate:.0} events/s | 1 | | |");
+    for (label, rate, cpu, rss) in &rows {
+        println!(
+            "| {label} | {rate:.0} events/s | {:.2} | {cpu:.2} core-s | {rss:.1} MiB |",
+            rate / recv_rate
+        );
+    }
+    if let (Some(one), Some(many)) = (rows.first(), rows.get(1)) {
+        println!("| 50 topics ÷ 1 topic (outboxd) | {:.2} | | | |", many.1 / one.1);
+        out["many_to_one"] = json!(many.1 / one.1);
+        if let Some(dbz) = rows.get(2) {
+            println!("| outboxd ÷ Debezium, 50 topics | {:.2} | | | |", many.1 / dbz.1);
+            out["outboxd_to_debezium_50_topics"] = json!(many.1 / dbz.1);
+        }
+    }
+    out
+}
