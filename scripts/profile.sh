@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Profiles outboxd draining a backlog against the real broker (Apache Kafka,
 # scripts/lib/services.sh). Usage: scripts/profile.sh [ROWS] [callgrind|perf]
-# (default 20000 rows, callgrind).
+# (default 20000 rows, callgrind). PROFILE_TYPES=N spreads the rows over N
+# aggregate types, each its own topic of 3 partitions (default 1).
 # * callgrind counts instructions: repeatable on a busy machine, but it
 #   runs outboxd about 50 times slower, so the broker's answers shape other
 #   batches than in a real drain.
@@ -30,20 +31,34 @@ start_services
 "${PSQL[@]}" -f migrations/0001_outbox.sql
 "${PSQL[@]}" -c "CREATE PUBLICATION outboxd FOR TABLE outbox WITH (publish = 'insert')" \
   -c "SELECT pg_create_logical_replication_slot('outboxd', 'pgoutput')" >/dev/null
-for ((t = 0; t < rows / 100; t++)); do
-  echo "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload, headers)
-        SELECT gen_random_uuid(), 'Order', 'order-' || ($t * 100 + g) % 5000, 'ordering.order-placed.v1',
-               jsonb_build_object('orderId', $t * 100 + g, 'note', repeat('n', 200)),
-               jsonb_build_object('correlationId', md5(g::text))
-          FROM generate_series(1, 100) g;"
-done | "${PSQL[@]}" >/dev/null
-end=$("${PSQL[@]}" -At -c "SELECT pg_current_wal_lsn()")
+types=${PROFILE_TYPES:-1}
+aggregate_type="CASE WHEN $types = 1 THEN 'Order' ELSE 'T' || (g % $types) END"
+"${PSQL[@]}" -c "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload)
+  SELECT gen_random_uuid(), $aggregate_type, 'warm-up', 'warm-up', '{}' FROM generate_series(1, $types) g"
+warm_end=$("${PSQL[@]}" -At -c "SELECT pg_current_wal_lsn()")
 services_config $'[log]\nlevel = "warn"'
+sed -i 's/^topic_replication_factor = 1$/&\ntopic_partitions = 3/' "$WORK/outboxd.toml"
 # PROFILE_KAFKA: extra lines for the [kafka] table, e.g. 'max_inflight = 5000'.
 if [ -n "${PROFILE_KAFKA:-}" ]; then
   printf '%s\n' "$PROFILE_KAFKA" >"$WORK/kafka-extra.toml"
   sed -i "/^\[kafka\]$/r $WORK/kafka-extra.toml" "$WORK/outboxd.toml"
 fi
+# The topics are made, and the broker warmed, by a run over one row per
+# topic that is not measured.
+"$bin" run --config "$WORK/outboxd.toml" 2>"$WORK/warm-up.log" &
+pid=$!
+until [ "$("${PSQL[@]}" -At -c "SELECT confirmed_flush_lsn >= '$warm_end' FROM pg_replication_slots WHERE slot_name = 'outboxd'")" = t ]; do
+  sleep 0.2
+done
+kill -TERM "$pid"; wait "$pid" || true; pid=
+for ((t = 0; t < rows / 100; t++)); do
+  echo "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload, headers)
+        SELECT gen_random_uuid(), $aggregate_type, 'order-' || ($t * 100 + g) % 5000, 'ordering.order-placed.v1',
+               jsonb_build_object('orderId', $t * 100 + g, 'note', repeat('n', 200)),
+               jsonb_build_object('correlationId', md5(g::text))
+          FROM generate_series(1, 100) g;"
+done | "${PSQL[@]}" >/dev/null
+end=$("${PSQL[@]}" -At -c "SELECT pg_current_wal_lsn()")
 mkdir -p target/profile
 out=target/profile
 start=$(date +%s.%N)
@@ -66,6 +81,7 @@ done
 took=$(echo "$(date +%s.%N) - $start" | bc)
 if [ "$tool" = perf ]; then
   cpu=$(awk '{print ($14 + $15) / 100}' "/proc/$pid/stat")
+  rss=$(awk '/^VmHWM/ {print $2 / 1024}' "/proc/$pid/status")
   kill -INT "$stat"; wait "$stat" 2>/dev/null || true
   kill -TERM "$pid"; wait "$rec" || true; pid=
 else
@@ -92,6 +108,7 @@ case "$tool" in
     callgrind_annotate --inclusive=no $out/callgrind.out >$out/annotate.txt 2>/dev/null
     head -n 40 $out/annotate.txt ;;
   perf)
+    echo "outboxd peak RSS: ${rss} MiB"
     echo "outboxd CPU: ${cpu}s ($(echo "$cpu * 100000 / $rows" | bc -l | cut -c1-5) core-s per 100k events)"
     perf report -i $out/perf.data --no-children --sort dso,symbol --stdio 2>/dev/null | grep -v '^$' >$out/report.txt || true
     perf report -i $out/perf.data --no-children --sort comm --stdio 2>/dev/null | grep -v '^#' | grep -v '^$' >$out/threads.txt || true

@@ -137,10 +137,10 @@ pub async fn child(spec: &str) {
     let start = Instant::now();
     let mut next = pool.iter().cycle().take(events);
     let mut pending = next.next();
+    let (max_inflight, max_inflight_bytes) = kafka.inflight_budget(sink.partitions_in_use());
     while pending.is_some() || !in_flight.is_empty() {
         // outboxd's intake rule: read while under both bounds.
-        while let Some(rec) =
-            pending.filter(|_| in_flight.len() < kafka.max_inflight && bytes < kafka.max_inflight_bytes)
+        while let Some(rec) = pending.filter(|_| in_flight.len() < max_inflight && bytes < max_inflight_bytes)
         {
             match sink.send_reported(rec).expect("the ceiling's send") {
                 SendOutcome::Sent(ticket) => {

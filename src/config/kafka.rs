@@ -28,12 +28,15 @@ pub struct KafkaConfig {
     #[serde(default)]
     pub topic_config: BTreeMap<String, String>,
     /// Most events sent but not yet acknowledged; reading pauses above it.
-    #[serde(default = "default_max_inflight")]
-    pub max_inflight: usize,
+    /// Unset, it grows with the partitions a session writes to (see
+    /// [`KafkaConfig::inflight_budget`]).
+    #[serde(default)]
+    pub max_inflight: Option<usize>,
     /// Most bytes (keys, values and headers) sent but not yet
-    /// acknowledged; reading pauses above it too.
-    #[serde(default = "default_max_inflight_bytes")]
-    pub max_inflight_bytes: usize,
+    /// acknowledged; reading pauses above it too. Unset, it grows with the
+    /// partitions like `max_inflight`.
+    #[serde(default)]
+    pub max_inflight_bytes: Option<usize>,
     /// Timeout of metadata and admin requests.
     #[serde(default = "default_admin_timeout")]
     pub admin_timeout: HumanDuration,
@@ -189,19 +192,68 @@ fn default_replication_factor() -> i32 {
     -1
 }
 
-/// Records past what Kafka acknowledges per round trip only wait in
-/// librdkafka's queue, where they cost CPU (BENCHMARKS.md, "Where the CPU
-/// went against Apache Kafka"): 5,000 records keep a local broker's drain
-/// rate. The byte bound is for large rows: 4 MiB drained 10 KB rows as
-/// fast as 16 MiB at half the memory, and 1 MiB 40% slower; over 150
-/// partitions, 16 MiB drained 25% faster than 4 MiB (BENCHMARKS.md, "Cost
-/// as work grows").
-fn default_max_inflight() -> usize {
-    5_000
+/// The in-flight bounds a session holds to, unless `kafka.max_inflight` or
+/// `kafka.max_inflight_bytes` set them.
+///
+/// librdkafka sends one partition's batch per ProduceRequest, and a
+/// partition has one request in flight at a time (its idempotence window
+/// counts messages), so a batch holds what the partition gathered while
+/// its previous request was out: a share of what the relay has in flight.
+/// One budget for every partition made batches shrink as partitions grew
+/// (5,000 records over 150 partitions: 37 records per stored batch, six
+/// times the requests of one topic, and 0.4× its drain; BENCHMARKS.md,
+/// "Many topics"). So the budget has a floor, for one topic, and grows by
+/// a share per partition the session has written to, up to a ceiling that
+/// bounds memory. The floor is what one topic drains fastest with:
+/// records past what Kafka acknowledges per round trip only wait in
+/// librdkafka's queue, where a ready batch whose partition may not send
+/// makes its broker thread spin (BENCHMARKS.md, "Where the CPU went
+/// against Apache Kafka"); 4 MiB is for large rows (10 KB rows drained as
+/// fast as with 16 MiB at half the memory, BENCHMARKS.md, "Cost as work
+/// grows").
+pub mod budget {
+    /// Records in flight with one topic.
+    pub const FLOOR_RECORDS: usize = 5_000;
+    /// Bytes in flight with one topic.
+    pub const FLOOR_BYTES: usize = 4 << 20;
+    /// Records per partition written to.
+    pub const PER_PARTITION_RECORDS: usize = 100;
+    /// Bytes per partition written to.
+    pub const PER_PARTITION_BYTES: usize = 40 << 10;
+    /// The most records in flight, with any number of partitions.
+    pub const CEILING_RECORDS: usize = 20_000;
+    /// The most bytes in flight, with any number of partitions.
+    pub const CEILING_BYTES: usize = 16 << 20;
 }
 
-fn default_max_inflight_bytes() -> usize {
-    4 << 20
+impl KafkaConfig {
+    /// The most records and bytes a session keeps in flight while it
+    /// writes to `partitions` partitions (see [`budget`]).
+    pub fn inflight_budget(&self, partitions: usize) -> (usize, usize) {
+        let grown =
+            |floor: usize, each: usize, ceiling: usize| partitions.saturating_mul(each).clamp(floor, ceiling);
+        (
+            self.max_inflight.unwrap_or_else(|| {
+                grown(
+                    budget::FLOOR_RECORDS,
+                    budget::PER_PARTITION_RECORDS,
+                    budget::CEILING_RECORDS,
+                )
+            }),
+            self.max_inflight_bytes.unwrap_or_else(|| {
+                grown(
+                    budget::FLOOR_BYTES,
+                    budget::PER_PARTITION_BYTES,
+                    budget::CEILING_BYTES,
+                )
+            }),
+        )
+    }
+
+    /// The most records a session may keep in flight.
+    pub fn max_inflight_ceiling(&self) -> usize {
+        self.max_inflight.unwrap_or(budget::CEILING_RECORDS)
+    }
 }
 
 fn default_admin_timeout() -> HumanDuration {

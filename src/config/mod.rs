@@ -399,10 +399,10 @@ impl Config {
         if self.polling.batch_size == 0 {
             return Err(invalid("polling.batch_size", "must be at least 1"));
         }
-        if self.kafka.max_inflight == 0 {
+        if self.kafka.max_inflight == Some(0) {
             return Err(invalid("kafka.max_inflight", "must be at least 1"));
         }
-        if self.kafka.max_inflight_bytes == 0 {
+        if self.kafka.max_inflight_bytes == Some(0) {
             return Err(invalid("kafka.max_inflight_bytes", "must be at least 1"));
         }
         if self.kafka.topic_partitions < 1 {
@@ -925,8 +925,11 @@ mod tests {
         assert_eq!(c.postgres.table, "public.outbox");
         assert_eq!(v.slot.as_str(), "outboxd");
         assert_eq!(c.routing.value, ValueFormat::Envelope);
-        assert_eq!(c.kafka.max_inflight, 5_000);
-        assert_eq!(c.kafka.max_inflight_bytes, 4 << 20);
+        assert_eq!(c.kafka.max_inflight, None);
+        assert_eq!(c.kafka.max_inflight_bytes, None);
+        assert_eq!(c.kafka.inflight_budget(3), (5_000, 4 << 20));
+        assert_eq!(c.kafka.inflight_budget(150), (15_000, 6_144_000));
+        assert_eq!(c.kafka.inflight_budget(10_000), (20_000, 16 << 20));
         assert_eq!(c.shutdown.drain_timeout.0, Duration::from_secs(30));
         assert_eq!(v.listen.port(), 9187);
     }

@@ -220,7 +220,7 @@ pub fn client_config(cfg: &KafkaConfig) -> ClientConfig {
         .set("linger.ms", "5")
         .set(
             "queue.buffering.max.messages",
-            (cfg.max_inflight * 2).max(100_000).to_string(),
+            (cfg.max_inflight_ceiling() * 2).max(100_000).to_string(),
         )
         .set("message.timeout.ms", "120000");
     for (k, v) in &cfg.options {
@@ -408,8 +408,12 @@ pub struct KafkaSink {
     producer: Lane,
     admin: std::sync::Arc<AdminClient<DefaultClientContext>>,
     probe: BrokerProbe,
-    /// Topics proven served in this session (every partition answered).
-    known_topics: HashSet<String>,
+    /// Topics proven served in this session (every partition answered),
+    /// with their partitions.
+    known_topics: HashMap<String, usize>,
+    /// The partitions of the event topics this session has written to
+    /// (see [`KafkaSink::partitions_in_use`]).
+    partitions_in_use: usize,
     /// Topics the session's warm-up found in the metadata: they need no
     /// creation, but still the readiness check before their first record.
     existing_topics: HashSet<String>,
@@ -523,7 +527,8 @@ impl KafkaSink {
             },
             producer,
             admin,
-            known_topics: HashSet::new(),
+            known_topics: HashMap::new(),
+            partitions_in_use: 0,
             existing_topics: HashSet::new(),
             topic_limits: std::sync::Arc::default(),
             uncompressed: cfg
@@ -645,6 +650,19 @@ impl KafkaSink {
         Ok(())
     }
 
+    /// Whether `topic` is known to exist and be served in this session: a
+    /// record for it needs no [`KafkaSink::ensure_topic`].
+    pub fn knows_topic(&self, topic: &str) -> bool {
+        self.known_topics.contains_key(topic)
+    }
+
+    /// The partitions of the event topics (and the dead-letter topic) this
+    /// session has written to: what its in-flight budget grows with
+    /// ([`crate::config::KafkaConfig::inflight_budget`]).
+    pub fn partitions_in_use(&self) -> usize {
+        self.partitions_in_use
+    }
+
     /// Records and events librdkafka still holds (`rd_kafka_outq_len`).
     pub fn in_flight(&self) -> i32 {
         self.producer.in_flight_count()
@@ -710,36 +728,39 @@ impl KafkaSink {
     }
 
     /// Whether every partition of `topic` has a leader that serves it (it
-    /// answers ListOffsets). Asked through the producer's own client, so
-    /// that the producer's metadata is current before its first record.
-    async fn topic_ready(&self, topic: &str) -> bool {
+    /// answers ListOffsets): `Some` with its number of partitions. Asked
+    /// through the producer's own client, so that the producer's metadata
+    /// is current before its first record.
+    async fn topic_ready(&self, topic: &str) -> Option<usize> {
         let producer = self.producer.handle();
         let (topic, timeout) = (topic.to_owned(), self.timeout);
         tokio::task::spawn_blocking(move || {
             let client = producer.client();
-            let Ok(md) = client.fetch_metadata(Some(&topic), timeout) else {
-                return false;
-            };
-            let Some(t) = md.topics().iter().find(|t| t.name() == topic) else {
-                return false;
-            };
+            let md = client.fetch_metadata(Some(&topic), timeout).ok()?;
+            let t = md.topics().iter().find(|t| t.name() == topic)?;
             let served = |p: &rdkafka::metadata::MetadataPartition| {
                 p.leader() >= 0
                     && p.error().is_none()
                     && client.fetch_watermarks(&topic, p.id(), timeout).is_ok()
             };
-            t.error().is_none() && !t.partitions().is_empty() && t.partitions().iter().all(served)
+            let ready =
+                t.error().is_none() && !t.partitions().is_empty() && t.partitions().iter().all(served);
+            ready.then(|| t.partitions().len())
         })
         .await
-        .unwrap_or(false)
+        .ok()
+        .flatten()
     }
 
     /// Makes sure `topic` exists, creating it when allowed, and that every
     /// partition is served, and learns its `max.message.bytes` (see
     /// [`KafkaSink::send`]). Cached per session.
     pub async fn ensure_topic(&mut self, topic: &str) -> Result<(), KafkaSinkError> {
-        let known = self.known_topics.contains(topic);
+        let known = self.known_topics.contains_key(topic);
         self.ensure_topic_with(topic, self.partitions, &[]).await?;
+        if !known {
+            self.partitions_in_use += self.known_topics.get(topic).copied().unwrap_or(1);
+        }
         let unreadable = self.topic_limits.lock().map_or(true, |l| l.unreadable);
         if !known && self.uncompressed && !unreadable {
             let lookup = tokio::spawn(learn_limit(
@@ -811,7 +832,7 @@ impl KafkaSink {
         overrides: &[(&str, &str)],
     ) -> Result<(), KafkaSinkError> {
         self.absorb_warm_up().await;
-        if self.known_topics.contains(topic) {
+        if self.known_topics.contains_key(topic) {
             return Ok(());
         }
         let started = tokio::time::Instant::now();
@@ -866,15 +887,18 @@ impl KafkaSink {
         // later are found by librdkafka's metadata refresh; their first
         // records are covered by the offset check.
         let deadline = tokio::time::Instant::now() + self.timeout;
-        while !self.topic_ready(topic).await {
+        let partitions = loop {
+            if let Some(partitions) = self.topic_ready(topic).await {
+                break partitions;
+            }
             if tokio::time::Instant::now() > deadline {
                 return Err(KafkaSinkError::TopicNotVisible {
                     topic: topic.to_owned(),
                 });
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        self.known_topics.insert(topic.to_owned());
+        };
+        self.known_topics.insert(topic.to_owned(), partitions);
         tracing::debug!(topic, took = ?started.elapsed(), "topic ready");
         Ok(())
     }
@@ -918,6 +942,7 @@ impl KafkaSink {
     /// allowed, creates) them again: a broker may have lost them.
     pub fn forget_topics(&mut self) {
         self.known_topics.clear();
+        self.partitions_in_use = 0;
         self.existing_topics.clear();
         if let Ok(mut limits) = self.topic_limits.lock() {
             *limits = TopicLimits::default();

@@ -31,10 +31,6 @@ impl Relay {
         let mut status = tokio::time::interval(s.status_every);
         status.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut lease = self.election.lease();
-        let (max_inflight, max_inflight_bytes) = (
-            self.config.kafka.max_inflight,
-            self.config.kafka.max_inflight_bytes,
-        );
         if *shutdown.borrow_and_update() {
             return Ok(());
         }
@@ -60,6 +56,10 @@ impl Relay {
                     }
                 }
             }
+            // The bounds grow with the partitions written to (see
+            // `crate::config::kafka::budget`).
+            let (max_inflight, max_inflight_bytes) =
+                self.config.kafka.inflight_budget(self.sink.partitions_in_use());
             let (held_rows, held_bytes) = s.durability.held();
             let intake = s.pending_failure.is_none()
                 && leading
@@ -400,6 +400,10 @@ impl Relay {
         (received, flushed, every): (Lsn, Lsn, Duration),
         topic: &str,
     ) -> Result<Result<(), KafkaSinkError>, PgError> {
+        // Every record asks; only a topic new to the session waits.
+        if self.sink.knows_topic(topic) {
+            return Ok(Ok(()));
+        }
         stream
             .keep_alive_while(received, flushed, every, self.sink.ensure_topic(topic))
             .await

@@ -890,16 +890,30 @@ pub(crate) async fn torture_writers(
     txns: usize,
     per_txn: usize,
 ) -> Vec<JoinHandle<Vec<Event>>> {
+    torture_writers_over(db, writers, txns, per_txn, &["Order"]).await
+}
+
+/// As [`torture_writers`], each aggregate of one of `types` (the 25
+/// aggregates of each writer spread over them).
+pub(crate) async fn torture_writers_over(
+    db: &TestDb,
+    writers: usize,
+    txns: usize,
+    per_txn: usize,
+    types: &[&str],
+) -> Vec<JoinHandle<Vec<Event>>> {
+    let types: Vec<String> = types.iter().map(|t| (*t).to_owned()).collect();
     let mut handles = Vec::new();
     for w in 0..writers {
         let client = db.client().await;
+        let types = types.clone();
         handles.push(tokio::spawn(async move {
             let mut all = Vec::new();
             for t in 0..txns {
                 let batch: Vec<Event> = (0..per_txn)
                     .map(|r| Event {
                         id: Uuid::now_v7(),
-                        aggregate_type: "Order".to_owned(),
+                        aggregate_type: types[(w * 25 + (t * per_txn + r) % 25) % types.len()].clone(),
                         aggregate_id: format!("w{w}-agg-{}", (t * per_txn + r) % 25),
                         event_type: "torture.v1".to_owned(),
                         payload: json!({"w": w, "t": t, "r": r}),
