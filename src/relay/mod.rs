@@ -34,7 +34,9 @@
 //!    `kafka.max_inflight` events and `kafka.max_inflight_bytes` bytes are
 //!    unacknowledged (backpressure: memory stays bounded with any backlog,
 //!    and librdkafka is not fed more than the broker acknowledges per
-//!    round trip, where the surplus only costs CPU):
+//!    round trip, where the surplus only costs CPU; unset, both grow with
+//!    the partitions the session writes to, see
+//!    [`crate::config::kafka::budget`]):
 //!    * Begin opens a transaction in the tracker;
 //!    * each outbox Insert becomes a record and is enqueued at once
 //!      (`send_reported`, no waiting); a full librdkafka queue waits for an
