@@ -906,9 +906,9 @@ fn import_debezium(file: &std::path::Path, worker: Option<&std::path::Path>) -> 
 /// otherwise. glibc gives each thread that allocates an arena of its own
 /// (up to eight per core); outboxd's records are allocated on the runtime's
 /// workers and freed on librdkafka's threads, and what each arena keeps
-/// after such frees adds up: draining to 150 partitions peaked at 45 MiB
-/// with the default arenas and 36 MiB with one, at the same CPU per event
-/// (BENCHMARKS.md, "Many topics").
+/// after such frees adds up: draining to 150 partitions peaked at 44–47
+/// MiB with eight arenas and 37 MiB with one, for 3–10% more CPU per event
+/// in two paired rounds (BENCHMARKS.md, "Many topics").
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[allow(unsafe_code)]
 fn one_malloc_arena() {

@@ -7,7 +7,8 @@
 //! 50 topics (its Java producer packs every partition of a broker into one
 //! request: the reference for what packing gives). Each relay has a slot
 //! of its own made before the backlog. Reported: drain rate, CPU per 100k
-//! events and peak RSS of each.
+//! events and peak RSS of each. With `OUTBOXD_BENCH_REFERENCE`, an earlier
+//! build drains both shapes too, each right after this build's.
 
 use serde_json::{json, Value};
 
@@ -52,8 +53,14 @@ pub async fn run(
         let round = super::ceiling::run(&s.brokers, "warm-up-topics", n.min(200_000), &s.outboxd_kafka);
         eprintln!("bench: warm-up: {:.0} events/s", round.rate());
     }
-    let slots = ["tp_recv", "tp_one", "tp_many", "tp_debezium"];
-    for slot in slots {
+    // With OUTBOXD_BENCH_REFERENCE, an earlier build drains the same rows
+    // too, each of its runs right after this build's.
+    let reference = super::relays::reference_binary().is_some();
+    let mut slots = vec!["tp_recv", "tp_one", "tp_many", "tp_debezium"];
+    if reference {
+        slots.extend(["tp_ref_one", "tp_ref_many"]);
+    }
+    for slot in &slots {
         create_slot(client, slot).await;
     }
     let shape = Shape {
@@ -77,22 +84,38 @@ pub async fn run(
     let mut rows = Vec::new();
     let mut out = json!({"events": n, "types": TYPES, "partitions_each": super::PARTITIONS,
                          "pg_recvlogical": {"seconds": recv_secs, "events_per_second": recv_rate}});
-    let mut runs: Vec<(&str, Kind, &str, String, Vec<String>)> = vec![
-        (
-            "outboxd, 1 topic",
-            Kind::Outboxd,
-            "tp_one",
+    let mut runs: Vec<(&str, Kind, &str, String, Vec<String>)> = vec![(
+        "outboxd, 1 topic",
+        Kind::Outboxd,
+        "tp_one",
+        "tp1-all".to_owned(),
+        one.clone(),
+    )];
+    if reference {
+        runs.push((
+            "reference, 1 topic",
+            Kind::Reference,
+            "tp_ref_one",
             "tp1-all".to_owned(),
             one.clone(),
-        ),
-        (
-            "outboxd, 50 topics",
-            Kind::Outboxd,
-            "tp_many",
+        ));
+    }
+    runs.push((
+        "outboxd, 50 topics",
+        Kind::Outboxd,
+        "tp_many",
+        "tp50-{aggregate_type}".to_owned(),
+        many.clone(),
+    ));
+    if reference {
+        runs.push((
+            "reference, 50 topics",
+            Kind::Reference,
+            "tp_ref_many",
             "tp50-{aggregate_type}".to_owned(),
             many.clone(),
-        ),
-    ];
+        ));
+    }
     if debezium {
         runs.push((
             "Debezium, 50 topics",
@@ -120,13 +143,19 @@ pub async fn run(
             rate / recv_rate
         );
     }
-    if let (Some(one), Some(many)) = (rows.first(), rows.get(1)) {
-        println!("| 50 topics ÷ 1 topic (outboxd) | {:.2} | | | |", many.1 / one.1);
-        out["many_to_one"] = json!(many.1 / one.1);
-        if let Some(dbz) = rows.get(2) {
-            println!("| outboxd ÷ Debezium, 50 topics | {:.2} | | | |", many.1 / dbz.1);
-            out["outboxd_to_debezium_50_topics"] = json!(many.1 / dbz.1);
+    let rate = |label: &str| rows.iter().find(|r| r.0 == label).map(|r| r.1);
+    for (who, key) in [("outboxd", "many_to_one"), ("reference", "reference_many_to_one")] {
+        if let (Some(one), Some(many)) = (
+            rate(&format!("{who}, 1 topic")),
+            rate(&format!("{who}, 50 topics")),
+        ) {
+            println!("| 50 topics ÷ 1 topic ({who}) | {:.2} | | | |", many / one);
+            out[key] = json!(many / one);
         }
+    }
+    if let (Some(many), Some(dbz)) = (rate("outboxd, 50 topics"), rate("Debezium, 50 topics")) {
+        println!("| outboxd ÷ Debezium, 50 topics | {:.2} | | | |", many / dbz);
+        out["outboxd_to_debezium_50_topics"] = json!(many / dbz);
     }
     out
 }
