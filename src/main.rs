@@ -902,30 +902,7 @@ fn import_debezium(file: &std::path::Path, worker: Option<&std::path::Path>) -> 
     }
 }
 
-/// One malloc arena for the whole process, unless `MALLOC_ARENA_MAX` says
-/// otherwise. glibc gives each thread that allocates an arena of its own
-/// (up to eight per core); outboxd's records are allocated on the runtime's
-/// workers and freed on librdkafka's threads, and what each arena keeps
-/// after such frees adds up: draining to 150 partitions peaked at 44–47
-/// MiB with eight arenas and 37 MiB with one, for 3–10% more CPU per event
-/// in two paired rounds (BENCHMARKS.md, "Many topics").
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
-#[allow(unsafe_code)]
-fn one_malloc_arena() {
-    if std::env::var_os("MALLOC_ARENA_MAX").is_none() {
-        // SAFETY: mallopt only sets a glibc tunable; it is called before
-        // any other thread exists.
-        unsafe {
-            libc::mallopt(libc::M_ARENA_MAX, 1);
-        }
-    }
-}
-
-#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn one_malloc_arena() {}
-
 fn main() -> ExitCode {
-    one_malloc_arena();
     let cli = Cli::parse();
     let _ = SOURCE.set(cli.source.clone());
     let runtime = match tokio::runtime::Builder::new_multi_thread()
