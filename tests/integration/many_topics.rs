@@ -101,8 +101,8 @@ async fn write_while_killing(
 /// aggregate's events in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifty_topics_under_sigkill_lose_nothing_and_keep_each_aggregates_order() {
-    let total = env_usize("OUTBOXD_MANY_TOPICS_EVENTS", 20_000);
-    let kills = env_usize("OUTBOXD_MANY_TOPICS_KILLS", 5);
+    let total = env_usize("OUTBOXD_MANY_TOPICS_EVENTS", 10_000);
+    let kills = env_usize("OUTBOXD_MANY_TOPICS_KILLS", 4);
     let db = TestDb::new("many_topics").await;
     let client = db.client().await;
     let dir = tempfile::tempdir().unwrap();
@@ -161,8 +161,8 @@ async fn fifty_topics_under_sigkill_lose_nothing_and_keep_each_aggregates_order(
 /// event once, each aggregate's in order, and the slot confirms it all.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifty_topics_under_sigkill_exactly_once() {
-    let total = env_usize("OUTBOXD_MANY_TOPICS_EVENTS", 20_000);
-    let kills = env_usize("OUTBOXD_MANY_TOPICS_KILLS", 5);
+    let total = env_usize("OUTBOXD_MANY_TOPICS_EVENTS", 10_000);
+    let kills = env_usize("OUTBOXD_MANY_TOPICS_KILLS", 4);
     let db = TestDb::new("many_topics_eo").await;
     let client = db.client().await;
     let brokers = broker().brokers.clone();
