@@ -9,14 +9,12 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use uuid::Uuid;
-
 use crate::exactly_once::{assert_exactly_once, eo_config};
 use crate::harness::broker::{broker, consume, consume_to_end};
 use crate::harness::{wait_for, TestDb};
 use crate::relay::{
-    config_text, confirmed_flush, current_lsn, env_usize, expected_order, first_occurrence_order, seed,
-    torture_writers_over, write_config, Daemon, Event,
+    assert_at_least_once, config_text, confirmed_flush, current_lsn, env_usize, seed, torture_writers_over,
+    write_config, Daemon, Event,
 };
 
 const TYPES: usize = 50;
@@ -29,6 +27,26 @@ fn types() -> Vec<String> {
 
 fn topics(prefix: &str) -> Vec<String> {
     types().iter().map(|t| format!("{prefix}.{t}")).collect()
+}
+
+/// Starts outboxd on `cfg`, writes while killing it (see
+/// [`write_while_killing`]), and stops it with SIGTERM once the slot
+/// confirmed everything.
+async fn run_killed(db: &TestDb, cfg: &std::path::Path, dir: &std::path::Path, slot: &str) -> Vec<Event> {
+    let total = env_usize("OUTBOXD_MANY_TOPICS_EVENTS", 10_000);
+    let kills = env_usize("OUTBOXD_MANY_TOPICS_KILLS", 4);
+    let client = db.client().await;
+    let log = dir.join("outboxd.log");
+    let level = "warn,outboxd::relay=info";
+    let mut daemon = Daemon::start_logging(cfg, &log, level);
+    wait_for("the slot", Duration::from_secs(30), || async {
+        confirmed_flush(&client, slot).await
+    })
+    .await;
+    let events = write_while_killing(db, (&mut daemon, &log, level), slot, total, kills).await;
+    let status = daemon.sigterm();
+    assert!(status.success(), "SIGTERM exits 0: {status}");
+    events
 }
 
 /// Writes about `total` events over the 50 types in `kills` waves, and
@@ -101,10 +119,7 @@ async fn write_while_killing(
 /// aggregate's events in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifty_topics_under_sigkill_lose_nothing_and_keep_each_aggregates_order() {
-    let total = env_usize("OUTBOXD_MANY_TOPICS_EVENTS", 10_000);
-    let kills = env_usize("OUTBOXD_MANY_TOPICS_KILLS", 4);
     let db = TestDb::new("many_topics").await;
-    let client = db.client().await;
     let dir = tempfile::tempdir().unwrap();
     let (slot, prefix) = ("many_topics", "many");
     let cfg = write_config(
@@ -118,16 +133,7 @@ async fn fifty_topics_under_sigkill_lose_nothing_and_keep_each_aggregates_order(
             "",
         ),
     );
-    let log = dir.path().join("outboxd.log");
-    let level = "warn,outboxd::relay=info";
-    let mut daemon = Daemon::start_logging(&cfg, &log, level);
-    wait_for("the slot", Duration::from_secs(30), || async {
-        confirmed_flush(&client, slot).await
-    })
-    .await;
-    let events = write_while_killing(&db, (&mut daemon, &log, level), slot, total, kills).await;
-    let status = daemon.sigterm();
-    assert!(status.success(), "SIGTERM exits 0: {status}");
+    let events = run_killed(&db, &cfg, dir.path(), slot).await;
     // The slot confirmed every event, so Kafka acknowledged each: all are
     // below the high watermarks.
     let (brokers, topics) = (broker().brokers.clone(), topics(prefix));
@@ -138,17 +144,7 @@ async fn fifty_topics_under_sigkill_lose_nothing_and_keep_each_aggregates_order(
     .await
     .unwrap();
 
-    let written: HashSet<Uuid> = events.iter().map(|e| e.id).collect();
-    let got: HashSet<Uuid> = records
-        .iter()
-        .map(|r| r.header("id").unwrap().parse().unwrap())
-        .collect();
-    assert_eq!(got, written, "every event at least once, nothing foreign");
-    assert_eq!(
-        first_occurrence_order(&records),
-        expected_order(&events),
-        "per-aggregate order of first occurrences"
-    );
+    let written = assert_at_least_once(&records, &events);
     let per_topic: HashSet<&str> = records.iter().map(|r| r.topic.as_str()).collect();
     assert_eq!(per_topic.len(), TYPES, "each aggregate type on its own topic");
     eprintln!(
@@ -161,10 +157,7 @@ async fn fifty_topics_under_sigkill_lose_nothing_and_keep_each_aggregates_order(
 /// event once, each aggregate's in order, and the slot confirms it all.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifty_topics_under_sigkill_exactly_once() {
-    let total = env_usize("OUTBOXD_MANY_TOPICS_EVENTS", 10_000);
-    let kills = env_usize("OUTBOXD_MANY_TOPICS_KILLS", 4);
     let db = TestDb::new("many_topics_eo").await;
-    let client = db.client().await;
     let brokers = broker().brokers.clone();
     let dir = tempfile::tempdir().unwrap();
     let (slot, prefix) = ("many_topics_eo", "many-eo");
@@ -173,16 +166,7 @@ async fn fifty_topics_under_sigkill_exactly_once() {
         "eo.toml",
         &eo_config(&db.superuser_url(), slot, &brokers, prefix, ""),
     );
-    let log = dir.path().join("outboxd.log");
-    let level = "warn,outboxd::relay=info";
-    let mut daemon = Daemon::start_logging(&cfg, &log, level);
-    wait_for("the slot", Duration::from_secs(30), || async {
-        confirmed_flush(&client, slot).await
-    })
-    .await;
-    let events = write_while_killing(&db, (&mut daemon, &log, level), slot, total, kills).await;
-    let status = daemon.sigterm();
-    assert!(status.success(), "SIGTERM exits 0: {status}");
+    let events = run_killed(&db, &cfg, dir.path(), slot).await;
     // Every Kafka transaction is committed once the slot confirmed it; the
     // read runs to its timeout (it wants one record more than written), so
     // it sees any duplicate too.

@@ -218,6 +218,24 @@ pub(crate) fn first_occurrence_order(records: &[Consumed]) -> HashMap<String, Ve
     order
 }
 
+/// Asserts that `records` hold every one of `events` at least once and
+/// nothing else, the first copies of each aggregate's in the order written;
+/// returns the ids written.
+pub(crate) fn assert_at_least_once(records: &[Consumed], events: &[Event]) -> HashSet<Uuid> {
+    let written: HashSet<Uuid> = events.iter().map(|e| e.id).collect();
+    let got: HashSet<Uuid> = records
+        .iter()
+        .map(|r| r.header("id").unwrap().parse().unwrap())
+        .collect();
+    assert_eq!(got, written, "every event at least once, nothing foreign");
+    assert_eq!(
+        first_occurrence_order(records),
+        expected_order(events),
+        "per-aggregate order of first occurrences"
+    );
+    written
+}
+
 pub(crate) fn expected_order(events: &[Event]) -> HashMap<String, Vec<Uuid>> {
     let mut order: HashMap<String, Vec<Uuid>> = HashMap::new();
     for e in events {
@@ -1014,17 +1032,7 @@ async fn torture_sigkill_during_the_stream_loses_nothing_and_keeps_order() {
     let status = daemon.sigterm();
     assert!(status.success(), "SIGTERM exits 0: {status}");
 
-    let written: HashSet<Uuid> = events.iter().map(|e| e.id).collect();
-    let got: HashSet<Uuid> = records
-        .iter()
-        .map(|r| r.header("id").unwrap().parse().unwrap())
-        .collect();
-    assert_eq!(got, written, "every event at least once, nothing foreign");
-    assert_eq!(
-        first_occurrence_order(&records),
-        expected_order(&events),
-        "per-aggregate order of first occurrences"
-    );
+    let written = assert_at_least_once(&records, &events);
     // The documented bound per crash: what was in flight, the transaction
     // being read, and one second (two guard rounds, generously) of events.
     let duplicates = records.len() - written.len();
