@@ -66,10 +66,19 @@ pub struct Verified {
     /// changes no delivery (a column list's coverage is checked on every
     /// reading instead).
     pub fingerprint: String,
+    /// The fingerprint without the schema dependency, as versions before
+    /// it wrote theirs (equal to `fingerprint` unless the table is
+    /// published through its schema).
+    pub unsuffixed_fingerprint: String,
     /// The fingerprint as versions before `[columns]` wrote it (with the
     /// default columns' numbers), to compare a slot register record of
     /// theirs with.
     pub legacy_fingerprint: String,
+    /// When the table is published through its schema, the `xmin` of its
+    /// dependency on that schema: a fingerprint without it (an older
+    /// version's) proves the publication only if this precedes the slot's
+    /// `catalog_xmin`, that is, the table was not moved out and back since.
+    pub namespace_xmin: Option<u32>,
     /// The `xmin`s of the catalog rows that decide delivery (the
     /// publication, the table's membership, the schema's membership): if
     /// each precedes the slot's `catalog_xmin`, the publication was as it
@@ -184,6 +193,15 @@ struct Reading {
     /// What the database is set up to emit (not part of the fingerprint:
     /// checked on every reading instead).
     emit: EmitSetup,
+    /// The `xmin` of the table's dependency row on its schema
+    /// (`pg_depend`), which `ALTER TABLE … SET SCHEMA` rewrites and nothing
+    /// else does (`ADD COLUMN`, a rename or `VACUUM FULL` rewrite only
+    /// `pg_class`). It decides delivery only when the table is published
+    /// through its schema (`FOR TABLES IN SCHEMA`): a table moved out of
+    /// the schema and back has the same name, oid and publication rows,
+    /// and PostgreSQL decoded none of its rows while it was away.
+    /// Must stay the last field (see [`Reading::fingerprint`]).
+    namespace_dep_xmin: Option<String>,
 }
 
 /// The table-less outbox in this database: who may write logical decoding
@@ -296,18 +314,38 @@ pub async fn messages(client: &Client, subject: &Subject) -> Result<Option<Strin
 }
 
 impl Reading {
+    /// Everything that decides delivery (see [`Verified::fingerprint`]):
+    /// [`Reading::unsuffixed`], and the schema dependency's `xmin` when the
+    /// table is published through its schema.
     fn fingerprint(&self) -> String {
+        match self.schema_dependency() {
+            Some(xmin) => format!("{};nsdep={xmin}", self.unsuffixed()),
+            None => self.unsuffixed(),
+        }
+    }
+
+    /// The fingerprint as versions before the schema dependency made it
+    /// (byte for byte: a register record of theirs compares equal).
+    fn unsuffixed(&self) -> String {
         let mut r = self.clone();
         r.emit = EmitSetup::default();
         r.columns = Vec::new();
-        format!("{FINGERPRINT_SCHEME}{r:?}")
+        without_namespace_dep(format!("{FINGERPRINT_SCHEME}{r:?}"))
     }
 
-    /// [`Reading::fingerprint`] as versions before `[columns]` made it.
+    /// [`Reading::unsuffixed`] as versions before `[columns]` made it.
     fn legacy_fingerprint(&self) -> String {
         let mut r = self.clone();
         r.emit = EmitSetup::default();
-        format!("{LEGACY_SCHEME}{r:?}")
+        without_namespace_dep(format!("{LEGACY_SCHEME}{r:?}"))
+    }
+
+    /// The schema dependency's `xmin`, when only the table's schema
+    /// publishes it (not a `FOR TABLE` membership, not `FOR ALL TABLES`).
+    fn schema_dependency(&self) -> Option<&str> {
+        let through_schema =
+            self.schema_membership.is_some() && self.membership.is_none() && !self.all_tables;
+        self.namespace_dep_xmin.as_deref().filter(|_| through_schema)
     }
 
     fn xmins(&self) -> Vec<u32> {
@@ -318,8 +356,19 @@ impl Reading {
         ]
         .into_iter()
         .flatten()
+        .map(String::as_str)
+        .chain(self.schema_dependency())
         .filter_map(|x| x.parse().ok())
         .collect()
+    }
+}
+
+/// A reading's `Debug` text without its last field, the schema
+/// dependency, which fingerprints carry as a suffix instead.
+fn without_namespace_dep(debug: String) -> String {
+    match debug.rfind(", namespace_dep_xmin: ") {
+        Some(at) => format!("{} }}", &debug[..at]),
+        None => debug,
     }
 }
 
@@ -449,7 +498,10 @@ async fn read(
                                    ', ' ORDER BY n.nspname, c.relname)
                    FROM tree JOIN pg_catalog.pg_class c ON c.oid = tree.oid
                    JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
-                  WHERE (c.oid = $2 OR c.relispartition) AND (c.relpersistence <> 'p' OR c.relkind = 'f'))
+                  WHERE (c.oid = $2 OR c.relispartition) AND (c.relpersistence <> 'p' OR c.relkind = 'f')),
+                (SELECT d.xmin::text FROM pg_catalog.pg_depend d
+                  WHERE d.classid = 'pg_catalog.pg_class'::regclass AND d.objid = $2 AND d.objsubid = 0
+                    AND d.refclassid = 'pg_catalog.pg_namespace'::regclass AND d.deptype = 'n')
            FROM pg_catalog.pg_publication p
            LEFT JOIN pg_catalog.pg_publication_rel pr ON pr.prpubid = p.oid AND pr.prrelid = $2
           WHERE p.pubname = $1"
@@ -507,6 +559,7 @@ async fn read(
         schema_membership: r.get(11),
         columns,
         not_in_wal,
+        namespace_dep_xmin: r.get(25),
     }))
 }
 
@@ -659,7 +712,9 @@ pub async fn inspect(client: &Client, subject: &Subject) -> Result<Verified, Adm
     Ok(Verified {
         table_oid: oid,
         fingerprint: reading.fingerprint(),
+        unsuffixed_fingerprint: reading.unsuffixed(),
         legacy_fingerprint: reading.legacy_fingerprint(),
+        namespace_xmin: reading.schema_dependency().and_then(|x| x.parse().ok()),
         xmins: reading.xmins(),
         messages_fingerprint: message_prefix
             .as_deref()
@@ -1158,5 +1213,41 @@ mod tests {
         };
         assert_eq!(emitting.fingerprint(), base);
         assert_eq!(good().xmins(), vec![741, 742]);
+    }
+
+    #[test]
+    fn the_schema_dependency_counts_only_for_a_table_published_through_its_schema() {
+        let with = |r: Reading| Reading {
+            namespace_dep_xmin: Some("760".into()),
+            ..r
+        };
+        // A FOR TABLE member: the fingerprint is the one versions before
+        // the dependency wrote, byte for byte.
+        let member = with(good());
+        assert_eq!(member.fingerprint(), good().fingerprint());
+        assert!(!member.fingerprint().contains("namespace_dep") && member.fingerprint().ends_with(" } }"));
+        assert_eq!(member.xmins(), vec![741, 742]);
+        let all = with(Reading {
+            all_tables: true,
+            membership: None,
+            ..good()
+        });
+        assert_eq!(all.fingerprint(), all.unsuffixed());
+        // Published through its schema: a move out and back is a change.
+        let schema = |xmin: &str| Reading {
+            membership: None,
+            membership_xmin: None,
+            schema_membership: Some("16500".into()),
+            schema_membership_xmin: Some("745".into()),
+            namespace_dep_xmin: Some(xmin.into()),
+            ..good()
+        };
+        assert_eq!(
+            schema("760").fingerprint(),
+            format!("{};nsdep=760", schema("760").unsuffixed())
+        );
+        assert_ne!(schema("760").fingerprint(), schema("761").fingerprint());
+        assert_eq!(schema("760").unsuffixed(), schema("761").unsuffixed());
+        assert_eq!(schema("760").xmins(), vec![741, 745, 760]);
     }
 }

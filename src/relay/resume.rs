@@ -205,8 +205,18 @@ pub(crate) fn publication_proof(
     let registered = record
         .and_then(|r| r.publication.as_deref())
         .filter(|f| publication::comparable(f));
+    // A fingerprint without the schema dependency (an older version's)
+    // holds only if the table was not moved out of its schema and back
+    // since the slot's catalog_xmin.
+    let dependency_older = verified
+        .namespace_xmin
+        .is_none_or(|x| catalog_xmin.is_some_and(|horizon| publication::xid_precedes(x, horizon)));
     match registered {
-        Some(f) if f == verified.fingerprint || f == verified.legacy_fingerprint => {
+        Some(f) if f == verified.fingerprint => PublicationProof::SameAsRegistered,
+        Some(f)
+            if (f == verified.unsuffixed_fingerprint || f == verified.legacy_fingerprint)
+                && dependency_older =>
+        {
             PublicationProof::SameAsRegistered
         }
         Some(_) => PublicationProof::Unproven(Unproven::OtherFingerprint),
@@ -288,7 +298,9 @@ mod tests {
         let v = Verified {
             table_oid: 7,
             fingerprint: "3:fp".into(),
+            unsuffixed_fingerprint: "3:fp".into(),
             legacy_fingerprint: "2:fp".into(),
+            namespace_xmin: None,
             xmins: vec![741],
             message_prefix: None,
             messages_fingerprint: None,
@@ -328,11 +340,62 @@ mod tests {
     }
 
     #[test]
+    fn a_table_published_through_its_schema_is_proven_with_its_schema_dependency() {
+        let v = Verified {
+            table_oid: 7,
+            fingerprint: "3:fp;nsdep=760".into(),
+            unsuffixed_fingerprint: "3:fp".into(),
+            legacy_fingerprint: "2:fp".into(),
+            namespace_xmin: Some(760),
+            xmins: vec![741, 760],
+            message_prefix: None,
+            messages_fingerprint: None,
+        };
+        let record = |f: &str| SlotRecord::new("s", "db", "73", 1, Lsn(1)).with_publication(Some(f.into()));
+        // Recorded with the dependency: equal, or moved since.
+        assert_eq!(
+            publication_proof(&v, Some(700), Some(&record("3:fp;nsdep=760"))),
+            PublicationProof::SameAsRegistered
+        );
+        assert_eq!(
+            publication_proof(&v, Some(900), Some(&record("3:fp;nsdep=750"))),
+            PublicationProof::Unproven(Unproven::OtherFingerprint)
+        );
+        // Recorded by an older version, without it: proven only if the
+        // dependency precedes the slot's catalog_xmin (not moved since).
+        for old in ["3:fp", "2:fp"] {
+            assert_eq!(
+                publication_proof(&v, Some(800), Some(&record(old))),
+                PublicationProof::SameAsRegistered
+            );
+            assert_eq!(
+                publication_proof(&v, Some(755), Some(&record(old))),
+                PublicationProof::Unproven(Unproven::OtherFingerprint)
+            );
+            assert_eq!(
+                publication_proof(&v, None, Some(&record(old))),
+                PublicationProof::Unproven(Unproven::OtherFingerprint)
+            );
+        }
+        // Without a register record, its age counts with the others.
+        assert_eq!(
+            publication_proof(&v, Some(755), None),
+            PublicationProof::Unproven(Unproven::NoFingerprint)
+        );
+        assert_eq!(
+            publication_proof(&v, Some(800), None),
+            PublicationProof::OlderThanSlot
+        );
+    }
+
+    #[test]
     fn a_change_of_who_may_write_messages_is_unproven() {
         let reading = |m: Option<&str>| Verified {
             table_oid: 7,
             fingerprint: "3:fp".into(),
+            unsuffixed_fingerprint: "3:fp".into(),
             legacy_fingerprint: "2:fp".into(),
+            namespace_xmin: None,
             xmins: vec![741],
             message_prefix: m.map(|_| "outbox".into()),
             messages_fingerprint: m.map(str::to_owned),
