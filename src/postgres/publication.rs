@@ -911,6 +911,7 @@ mod tests {
                 emit_xmins: "900".into(),
             },
             not_in_wal: None,
+            namespace_dep_xmin: None,
         }
     }
 
@@ -1069,7 +1070,9 @@ mod tests {
         let v = Verified {
             table_oid: 7,
             fingerprint: String::new(),
+            unsuffixed_fingerprint: String::new(),
             legacy_fingerprint: String::new(),
+            namespace_xmin: None,
             xmins: vec![741, 742],
             message_prefix: None,
             messages_fingerprint: None,

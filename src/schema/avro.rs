@@ -9,7 +9,10 @@
 //! How JSON maps onto Avro (the payload is plain JSON, as writers store
 //! it, not Avro's JSON encoding):
 //! * `null`, booleans, strings: as themselves. `int` and `long` take
-//!   integers in range; `float` and `double` take any number.
+//!   integers in range; `float` and `double` take any fraction (as the
+//!   nearest one) and the integers they hold exactly. An integer beyond
+//!   64 bits fits no number type: a JSON reader has already rounded it
+//!   (see [`super::numbers`]).
 //! * a record takes an object: every field of the schema, in the schema's
 //!   order; a field the payload lacks takes its default, and without one
 //!   is a mismatch. A key the schema does not name is a mismatch too:
@@ -28,6 +31,8 @@ use std::collections::HashMap;
 use apache_avro::schema::{InnerDecimalSchema, UuidSchema};
 use apache_avro::Schema;
 use serde_json::Value;
+
+use super::numbers;
 
 /// A compiled schema.
 #[derive(Debug)]
@@ -294,10 +299,11 @@ impl AvroCodec {
         let mut path = Path {
             steps: Vec::new(),
             long_numbers: if self.has_decimal {
-                long_numbers(text)
+                numbers::long_numbers(text)
             } else {
                 Vec::new()
             },
+            huge: numbers::Huge::new(text),
         };
         self.write(self.root, value, &mut path, out, false)
     }
@@ -306,7 +312,7 @@ impl AvroCodec {
         &self,
         node: usize,
         v: &Value,
-        path: &mut Path,
+        path: &mut Path<'_>,
         out: &mut Vec<u8>,
         default: bool,
     ) -> Result<(), Misfit> {
@@ -315,6 +321,11 @@ impl AvroCodec {
             (Node::Boolean, Value::Bool(b)) => {
                 out.push(u8::from(*b));
                 Ok(())
+            }
+            (Node::Int | Node::Long | Node::Float | Node::Double, Value::Number(n))
+                if path.huge.holds_number(n) =>
+            {
+                Err(path.misfit(numbers::HUGE_REASON))
             }
             (Node::Int, Value::Number(n)) => {
                 let i = n.as_i64().and_then(|i| i32::try_from(i).ok());
@@ -333,6 +344,9 @@ impl AvroCodec {
                 let f = n
                     .as_f64()
                     .ok_or_else(|| path.misfit(format!("{n} is not a number")))?;
+                if !numbers::exact_in_f32(n) {
+                    return Err(path.misfit(numbers::inexact_reason(n, 32)));
+                }
                 let narrow = f as f32;
                 if !narrow.is_finite() {
                     return Err(path.misfit(format!("{n} is beyond a float (32 bits)")));
@@ -344,6 +358,9 @@ impl AvroCodec {
                 let f = n
                     .as_f64()
                     .ok_or_else(|| path.misfit(format!("{n} is not a number")))?;
+                if !numbers::exact_in_f64(n) {
+                    return Err(path.misfit(numbers::inexact_reason(n, 64)));
+                }
                 out.extend_from_slice(&f.to_le_bytes());
                 Ok(())
             }
@@ -530,7 +547,7 @@ impl AvroCodec {
         &self,
         branches: &[(String, usize)],
         v: &Value,
-        path: &mut Path,
+        path: &mut Path<'_>,
         out: &mut Vec<u8>,
         default: bool,
     ) -> Result<(), Misfit> {
@@ -785,10 +802,12 @@ fn branch_name(s: &Schema) -> String {
 
 /// A JSON path as Kafka users write it: `$.items[2].sku`, and what the
 /// payload's text said of its numbers.
-struct Path {
+struct Path<'a> {
     steps: Vec<Step>,
     /// The values of the payload's numbers that were rounded when read.
     long_numbers: Vec<f64>,
+    /// The payload's integers beyond 64 bits.
+    huge: numbers::Huge<'a>,
 }
 
 enum Step {
@@ -796,7 +815,7 @@ enum Step {
     Index(usize),
 }
 
-impl Path {
+impl Path<'_> {
     fn push_key(&mut self, k: &str) {
         self.steps.push(Step::Key(k.to_owned()));
     }
@@ -843,57 +862,6 @@ pub(crate) fn json_kind(v: &Value) -> &'static str {
         Value::Array(_) => "an array",
         Value::Object(_) => "an object",
     }
-}
-
-/// The numbers of `text` (JSON), outside strings, that were rounded when
-/// read, as the values they were read as: a fraction or exponent of more
-/// than 15 significant digits (trailing zeros of a fraction do not count),
-/// or an integer of more than 19.
-fn long_numbers(text: &str) -> Vec<f64> {
-    let b = text.as_bytes();
-    let (mut i, mut in_string) = (0, false);
-    let mut out = Vec::new();
-    while i < b.len() {
-        let c = b[i];
-        if in_string {
-            match c {
-                b'\\' => i += 1,
-                b'"' => in_string = false,
-                _ => {}
-            }
-            i += 1;
-            continue;
-        }
-        if c == b'"' {
-            in_string = true;
-            i += 1;
-            continue;
-        }
-        if c.is_ascii_digit() || c == b'-' {
-            let start = i;
-            i += 1;
-            while i < b.len() && (b[i].is_ascii_digit() || matches!(b[i], b'.' | b'e' | b'E' | b'+' | b'-')) {
-                i += 1;
-            }
-            let token = &text[start..i];
-            let mantissa = token.split(['e', 'E']).next().unwrap_or("");
-            let fraction = mantissa.contains('.');
-            let exponent = mantissa.len() < token.len();
-            let mut digits: String = mantissa.chars().filter(char::is_ascii_digit).collect();
-            if fraction {
-                digits = digits.trim_end_matches('0').to_owned();
-            }
-            let significant = digits.trim_start_matches('0').len();
-            if ((fraction || exponent) && significant > 15) || significant > 19 {
-                if let Ok(x) = token.parse::<f64>() {
-                    out.push(x);
-                }
-            }
-            continue;
-        }
-        i += 1;
-    }
-    out
 }
 
 /// Avro's variable-length zig-zag `long`.
@@ -1214,6 +1182,56 @@ mod tests {
             ),
             "schema order among exact branches"
         );
+        // An integer a double (or float) would round is no double; one
+        // beyond 64 bits was rounded on reading and fits no number type.
+        for (types, text, path, why) in [
+            (
+                r#""double""#,
+                r#"{"u": 9007199254740993}"#,
+                "$.u",
+                "cannot hold exactly",
+            ),
+            (
+                r#""double""#,
+                r#"{"u": 18446744073709551615}"#,
+                "$.u",
+                "cannot hold exactly",
+            ),
+            (r#""float""#, r#"{"u": 16777217}"#, "$.u", "cannot hold exactly"),
+            (
+                r#""double""#,
+                r#"{"u": 123456789012345678901234567890}"#,
+                "$.u",
+                "beyond 64 bits",
+            ),
+            (
+                r#"["long","double"]"#,
+                r#"{"u": -123456789012345678901234567890}"#,
+                "$.u",
+                "beyond 64 bits",
+            ),
+            (
+                r#"["null","float","double"]"#,
+                r#"{"u": 99999999999999999999}"#,
+                "$.u",
+                "beyond 64 bits",
+            ),
+        ] {
+            let s = format!(r#"{{"type":"record","name":"U","fields":[{{"name":"u","type":{types}}}]}}"#);
+            let c = AvroCodec::parse(&s).unwrap();
+            let m = c
+                .encode(&serde_json::from_str(text).unwrap(), text, &mut Vec::new())
+                .unwrap_err();
+            assert_eq!(m.path, path, "{types} {text}");
+            assert!(m.reason.contains(why), "{types} {text}: {m}");
+        }
+        // Written as floats, they are floats; exact integers stay.
+        let s = r#"{"type":"record","name":"U","fields":[{"name":"u","type":"double"},{"name":"v","type":"double"}]}"#;
+        let text = r#"{"u": 1.2345678901234568e29, "v": 9007199254740992}"#;
+        AvroCodec::parse(s)
+            .unwrap()
+            .encode(&serde_json::from_str(text).unwrap(), text, &mut Vec::new())
+            .unwrap();
         // A decimal written as a long JSON number was rounded on reading.
         let dec = r#"{"type":"bytes","logicalType":"decimal","precision":38,"scale":20}"#;
         let s = format!(r#"{{"type":"record","name":"D","fields":[{{"name":"d","type":{dec}}}]}}"#);
@@ -1228,16 +1246,6 @@ mod tests {
         let text = r#"{"d": 12.5}"#;
         c.encode(&serde_json::from_str(text).unwrap(), text, &mut Vec::new())
             .unwrap();
-        assert_eq!(long_numbers(r#"{"a": 0.10000000000000000555}"#), vec![0.1]);
-        assert!(long_numbers(
-            r#"{"a": "1234567890123456789", "b": 0.000001, "c": 9223372036854775807, "d": 1.0000000000000000}"#
-        )
-        .is_empty());
-        assert_eq!(long_numbers(r#"{"c": -123456789012345678901}"#).len(), 1);
-        assert_eq!(
-            long_numbers(r#"{"s": "x\"1.23456789012345678", "e": 1.2345678901234567e3}"#).len(),
-            1
-        );
         // Another field's long number does not touch a decimal's own.
         let text = r#"{"d": 12.5, "lat": 52.52000659999999}"#;
         let s2 = format!(

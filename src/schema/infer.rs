@@ -35,6 +35,7 @@ use serde::de::{Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::{json, Value};
 
 use super::avro::Misfit;
+use super::numbers::Huge;
 
 /// A JSON value that keeps its keys in the order written.
 #[derive(Debug, PartialEq)]
@@ -44,7 +45,8 @@ enum Ordered {
     Int(i64),
     /// An integer beyond `i64`.
     Huge(String),
-    Float,
+    /// A number read as a float (as read: a huge integer is rounded).
+    Float(f64),
     Str,
     Array(Vec<Ordered>),
     Object(Vec<(String, Ordered)>),
@@ -73,8 +75,8 @@ impl<'de> Deserialize<'de> for Ordered {
             fn visit_u64<E>(self, u: u64) -> Result<Ordered, E> {
                 Ok(i64::try_from(u).map_or_else(|_| Ordered::Huge(u.to_string()), Ordered::Int))
             }
-            fn visit_f64<E>(self, _: f64) -> Result<Ordered, E> {
-                Ok(Ordered::Float)
+            fn visit_f64<E>(self, x: f64) -> Result<Ordered, E> {
+                Ok(Ordered::Float(x))
             }
             fn visit_str<E>(self, _: &str) -> Result<Ordered, E> {
                 Ok(Ordered::Str)
@@ -146,7 +148,7 @@ pub fn record_name(event_type: &str) -> String {
     out
 }
 
-fn shape_of(v: &Ordered, path: &str) -> Result<Shape, Misfit> {
+fn shape_of(v: &Ordered, path: &str, huge: &mut Huge<'_>) -> Result<Shape, Misfit> {
     Ok(match v {
         Ordered::Null => Shape::Null,
         Ordered::Bool => Shape::Bool,
@@ -158,13 +160,14 @@ fn shape_of(v: &Ordered, path: &str) -> Result<Shape, Misfit> {
                 format!("{n} is beyond a 64-bit integer; no inferred Avro type holds it exactly"),
             ))
         }
-        Ordered::Float => Shape::Double,
+        Ordered::Float(x) if huge.holds(*x) => return Err(misfit(path, super::numbers::HUGE_REASON)),
+        Ordered::Float(_) => Shape::Double,
         Ordered::Str => Shape::Str,
         Ordered::Array(items) => {
             let mut merged: Option<Shape> = None;
             for (i, item) in items.iter().enumerate() {
                 let at = format!("{path}[{i}]");
-                let s = shape_of(item, &at)?;
+                let s = shape_of(item, &at, huge)?;
                 if s == Shape::Null {
                     continue;
                 }
@@ -182,7 +185,7 @@ fn shape_of(v: &Ordered, path: &str) -> Result<Shape, Misfit> {
                 if !avro_name(k) {
                     return Err(misfit(&at, format!("{k:?} is not an Avro field name (letters, digits and _, not starting with a digit)")));
                 }
-                out.push((k.clone(), shape_of(v, &at)?));
+                out.push((k.clone(), shape_of(v, &at, huge)?));
             }
             Shape::Record(out)
         }
@@ -286,7 +289,7 @@ pub fn derive(payload: &str, name: &str) -> Result<String, Misfit> {
             "an inferred schema is a record: the payload must be a JSON object",
         ));
     }
-    let shape = shape_of(&v, "$")?;
+    let shape = shape_of(&v, "$", &mut Huge::new(payload))?;
     Ok(avro(&shape, name).to_string())
 }
 
@@ -386,6 +389,18 @@ mod tests {
             derive(r#"{"first-name": "x"}"#, "E").unwrap_err().path,
             "$[\"first-name\"]"
         );
+        // Beyond 64 bits: read as the nearest double, so no type holds it.
+        let e = derive(r#"{"orderId":"o-2","huge":123456789012345678901234567890}"#, "E").unwrap_err();
+        assert_eq!(e.path, "$.huge");
+        assert!(e.reason.contains("beyond 64 bits"), "{e}");
+        assert_eq!(
+            derive(r#"{"a": [1.5, -99999999999999999999]}"#, "E")
+                .unwrap_err()
+                .path,
+            "$.a[1]"
+        );
+        // Written as a float, it is one.
+        assert!(derive(r#"{"big": 1.2345678901234568e29, "f": 1e30}"#, "E").is_ok());
         assert_eq!(derive(r#"[1]"#, "E").unwrap_err().path, "$");
         assert_eq!(derive(r#"{"a": 1e400}"#, "E").unwrap_err().path, "$");
         assert_eq!(

@@ -46,6 +46,7 @@ pub mod client;
 pub mod infer;
 pub mod json_schema;
 pub mod keys;
+pub mod numbers;
 pub mod protobuf;
 
 use std::collections::{BTreeMap, HashMap};
@@ -84,10 +85,16 @@ pub enum Codec {
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum SchemaError {
     /// The payload does not fit its schema: the row's own problem.
-    #[error("the payload does not fit schema id {id} of {subject}: {misfit}")]
+    #[error("the payload does not fit {}: {misfit}", match id {
+        Some(id) => format!("schema id {id} of {subject}"),
+        None => format!("a schema of {subject}"),
+    })]
     Mismatch {
         subject: String,
-        id: u32,
+        /// The registered schema it was checked against (`None`: no
+        /// schema was registered for it, as when no schema can be
+        /// inferred from it).
+        id: Option<u32>,
         misfit: Misfit,
     },
     /// The registry answered, and the answer stops the relay.
@@ -842,7 +849,7 @@ impl Registry {
     ) -> Result<(), SchemaError> {
         let expected = self.subject(&row.event_type, &record.topic);
         let label = expected.clone().unwrap_or_else(|| "a pinned id".into());
-        let mismatch = |id: u32, reason: String| SchemaError::Mismatch {
+        let mismatch = |id: Option<u32>, reason: String| SchemaError::Mismatch {
             subject: label.clone(),
             id,
             misfit: Misfit {
@@ -852,14 +859,14 @@ impl Registry {
         };
         let Some((id, body)) = framed(bytes) else {
             return Err(mismatch(
-                0,
+                None,
                 "the bytea payload is not in the Confluent wire format: an encoded payload starts with the magic byte 0 and a 4-byte schema id".into(),
             ));
         };
         let rule = self.routing.rule(&row.event_type, &record.topic);
         if let Some(pinned) = rule.and_then(|r| r.id).filter(|p| *p != id) {
             return Err(mismatch(
-                id,
+                Some(id),
                 format!("the payload was encoded with schema id {id}, but routing.schemas pins id {pinned}"),
             ));
         }
@@ -874,7 +881,7 @@ impl Registry {
                         let under: Vec<String> = subjects.iter().map(|(s, v)| format!("{s} v{v}")).collect();
                         let at = version.map(|v| format!(" at version {v}")).unwrap_or_default();
                         return Err(mismatch(
-                            id,
+                            Some(id),
                             format!(
                                 "schema id {id} is not registered under subject {subject:?}{at} (it is under: {})",
                                 if under.is_empty() { "no subject".into() } else { under.join(", ") }
@@ -887,7 +894,7 @@ impl Registry {
                         .check_encoded(body)
                         .map_err(|misfit| SchemaError::Mismatch {
                             subject: label.clone(),
-                            id,
+                            id: Some(id),
                             misfit,
                         })?;
                     // The message a rule names is the one to carry, as
@@ -896,7 +903,7 @@ impl Registry {
                     if let (Some(found), Some(wanted)) = (&message, wanted) {
                         if found.as_str() != wanted.trim_start_matches('.') {
                             return Err(mismatch(
-                                id,
+                                Some(id),
                                 format!("the body is a {found} message, but routing.schemas names {wanted}"),
                             ));
                         }
@@ -910,7 +917,7 @@ impl Registry {
                 self.show(&row.event_type, &record.topic, expected, None, id);
                 Ok(())
             }
-            Some(ById::Refused { reason, .. }) => Err(mismatch(id, reason.clone())),
+            Some(ById::Refused { reason, .. }) => Err(mismatch(Some(id), reason.clone())),
             None => Err(SchemaError::Unusable {
                 what: format!("id {id}"),
                 format: format_name(self.format),
@@ -1010,7 +1017,7 @@ impl Registry {
         }
         let mismatch = |misfit: Misfit| SchemaError::Mismatch {
             subject: subject.to_owned(),
-            id,
+            id: Some(id),
             misfit,
         };
         let mut out = Vec::with_capacity(payload.len() + 8);
@@ -1064,26 +1071,21 @@ impl Registry {
         payload: &str,
     ) -> Result<(), SchemaError> {
         let subject = self.subject(&row.event_type, &record.topic).unwrap_or_default();
-        let mismatch = |id: u32, misfit: Misfit| SchemaError::Mismatch {
+        let mismatch = |misfit: Misfit| SchemaError::Mismatch {
             subject: subject.clone(),
-            id,
+            id: None,
             misfit,
         };
-        let text = infer::derive(payload, &self.inferred_name(&row.event_type, &record.topic))
-            .map_err(|m| mismatch(0, m))?;
+        let text =
+            infer::derive(payload, &self.inferred_name(&row.event_type, &record.topic)).map_err(mismatch)?;
         match self.inferred.get(&subject).and_then(|m| m.get(&text)) {
             Some(Inferred::Registered { id, codec }) => {
                 self.write_value(record, payload, codec, *id, &subject)
             }
-            Some(Inferred::Refused(why, _)) => Err(mismatch(
-                0,
-                Misfit {
-                    path: "$".into(),
-                    reason: format!(
-                        "the registry refused the schema inferred from this payload's shape: {why}"
-                    ),
-                },
-            )),
+            Some(Inferred::Refused(why, _)) => Err(mismatch(Misfit {
+                path: "$".into(),
+                reason: format!("the registry refused the schema inferred from this payload's shape: {why}"),
+            })),
             None => Err(SchemaError::Unusable {
                 what: format!("inferred for {subject:?}"),
                 format: "avro",

@@ -8,10 +8,14 @@
 //! does by default: encoding would drop them.
 
 use prost::Message;
-use prost_reflect::{DescriptorPool, DeserializeOptions, DynamicMessage, MessageDescriptor};
+use prost_reflect::{
+    DescriptorPool, DeserializeOptions, DynamicMessage, FieldDescriptor, Kind, MessageDescriptor,
+};
 use protox::file::{ChainFileResolver, File, FileResolver, GoogleFileResolver};
+use serde_json::Value;
 
-use super::avro::{zigzag, Misfit};
+use super::avro::{push_key, zigzag, Misfit};
+use super::numbers::{self, Huge};
 
 /// The name the schema text is compiled under.
 const FILE: &str = "outboxd-registry-schema.proto";
@@ -26,9 +30,139 @@ pub struct ProtobufCodec {
     indexes: Vec<u8>,
     /// The message's full name (the record-name strategies' subject).
     pub name: String,
+    /// The message reaches a `double` or `float`: payloads are checked
+    /// for integers such a field would round (see [`super::numbers`]).
+    floating: bool,
 }
 
 struct OneFile(String);
+
+/// Whether `message` (or a message it holds) has a `double` or `float`
+/// field, or is a well-known type that holds one.
+fn reaches_floating(message: &MessageDescriptor, seen: &mut Vec<String>) -> bool {
+    if seen.iter().any(|s| s == message.full_name()) {
+        return false;
+    }
+    seen.push(message.full_name().to_owned());
+    message.fields().any(|f| match f.kind() {
+        Kind::Double | Kind::Float => true,
+        Kind::Message(m) => reaches_floating(&m, seen),
+        _ => false,
+    })
+}
+
+/// Refuses a number that a `double` or `float` of `message` would hold
+/// as another number: an integer beyond 64 bits (already rounded when
+/// read), or one the type cannot hold exactly.
+fn check_exact(
+    message: &MessageDescriptor,
+    v: &Value,
+    path: &mut String,
+    huge: &mut Huge<'_>,
+) -> Result<(), Misfit> {
+    match (message.full_name(), v) {
+        ("google.protobuf.DoubleValue" | "google.protobuf.Value", Value::Number(n)) => {
+            exact(n, 64, path, huge)
+        }
+        ("google.protobuf.FloatValue", Value::Number(n)) => exact(n, 32, path, huge),
+        ("google.protobuf.Value" | "google.protobuf.ListValue", Value::Array(items)) => {
+            let value = message.parent_pool().get_message_by_name("google.protobuf.Value");
+            for (i, item) in items.iter().enumerate() {
+                let len = path.len();
+                path.push_str(&format!("[{i}]"));
+                if let Some(value) = &value {
+                    check_exact(value, item, path, huge)?;
+                }
+                path.truncate(len);
+            }
+            Ok(())
+        }
+        ("google.protobuf.Value" | "google.protobuf.Struct", Value::Object(fields)) => {
+            let value = message.parent_pool().get_message_by_name("google.protobuf.Value");
+            for (k, item) in fields {
+                let len = path.len();
+                push_key(path, k);
+                if let Some(value) = &value {
+                    check_exact(value, item, path, huge)?;
+                }
+                path.truncate(len);
+            }
+            Ok(())
+        }
+        (_, Value::Object(fields)) => {
+            for (k, item) in fields {
+                let Some(field) = message
+                    .get_field_by_json_name(k)
+                    .or_else(|| message.get_field_by_name(k))
+                else {
+                    continue;
+                };
+                let len = path.len();
+                push_key(path, k);
+                check_field(&field, item, path, huge)?;
+                path.truncate(len);
+            }
+            Ok(())
+        }
+        _ => Ok(()),
+    }
+}
+
+fn check_field(
+    field: &FieldDescriptor,
+    v: &Value,
+    path: &mut String,
+    huge: &mut Huge<'_>,
+) -> Result<(), Misfit> {
+    match v {
+        Value::Array(items) if field.is_list() => {
+            for (i, item) in items.iter().enumerate() {
+                let len = path.len();
+                path.push_str(&format!("[{i}]"));
+                check_single(&field.kind(), item, path, huge)?;
+                path.truncate(len);
+            }
+            Ok(())
+        }
+        Value::Object(entries) if field.is_map() => {
+            let Kind::Message(entry) = field.kind() else {
+                return Ok(());
+            };
+            let kind = entry.map_entry_value_field().kind();
+            for (k, item) in entries {
+                let len = path.len();
+                push_key(path, k);
+                check_single(&kind, item, path, huge)?;
+                path.truncate(len);
+            }
+            Ok(())
+        }
+        _ => check_single(&field.kind(), v, path, huge),
+    }
+}
+
+fn check_single(kind: &Kind, v: &Value, path: &mut String, huge: &mut Huge<'_>) -> Result<(), Misfit> {
+    match (kind, v) {
+        (Kind::Double, Value::Number(n)) => exact(n, 64, path, huge),
+        (Kind::Float, Value::Number(n)) => exact(n, 32, path, huge),
+        (Kind::Message(m), v) => check_exact(m, v, path, huge),
+        _ => Ok(()),
+    }
+}
+
+fn exact(n: &serde_json::Number, bits: u8, path: &str, huge: &mut Huge<'_>) -> Result<(), Misfit> {
+    let reason = if huge.holds_number(n) {
+        numbers::HUGE_REASON.to_owned()
+    } else if (bits == 64 && !numbers::exact_in_f64(n)) || (bits == 32 && !numbers::exact_in_f32(n)) {
+        numbers::inexact_reason(n, bits)
+    } else {
+        return Ok(());
+    };
+    Err(Misfit {
+        path: path.to_owned(),
+        reason,
+    })
+}
 
 impl FileResolver for OneFile {
     fn open_file(&self, name: &str) -> Result<File, protox::Error> {
@@ -83,6 +217,7 @@ impl ProtobufCodec {
         Ok(ProtobufCodec {
             top,
             name: chosen.full_name().to_owned(),
+            floating: reaches_floating(&chosen, &mut Vec::new()),
             message: chosen,
             indexes,
         })
@@ -103,6 +238,16 @@ impl ProtobufCodec {
             path: dollar(&track.path().to_string()),
             reason: e.to_string(),
         })?;
+        if self.floating {
+            // Read once more as plain JSON, only for messages with a
+            // floating-point field: the message holds the rounded value.
+            let value: Value = serde_json::from_str(json).map_err(|e| Misfit {
+                path: "$".into(),
+                reason: e.to_string(),
+            })?;
+            let mut path = String::from("$");
+            check_exact(&self.message, &value, &mut path, &mut Huge::new(json))?;
+        }
         out.extend_from_slice(&self.indexes);
         msg.encode(out).map_err(|e| Misfit {
             path: "$".into(),
@@ -209,6 +354,56 @@ mod tests {
           enum Status { PLACED = 0; PAID = 1; }
         }
     "#;
+
+    #[test]
+    fn integers_a_floating_point_field_would_round_are_misfits() {
+        let c = ProtobufCodec::parse(
+            r#"
+            syntax = "proto3";
+            import "google/protobuf/struct.proto";
+            import "google/protobuf/wrappers.proto";
+            message M {
+              double d = 1;
+              float f = 2;
+              int64 i = 3;
+              repeated double ds = 4;
+              map<string, double> md = 5;
+              google.protobuf.Struct s = 6;
+              google.protobuf.DoubleValue w = 7;
+              N n = 8;
+            }
+            message N { double d = 1; }
+            "#,
+            Some("M"),
+        )
+        .unwrap();
+        let misfit = |json: &str| c.encode(json, &mut Vec::new()).map(|_| ()).unwrap_err();
+        let e = misfit(r#"{"d": 123456789012345678901234567890}"#);
+        assert_eq!(e.path, "$.d");
+        assert!(e.reason.contains("beyond 64 bits"), "{e}");
+        assert_eq!(misfit(r#"{"d": 9007199254740993}"#).path, "$.d");
+        assert_eq!(misfit(r#"{"f": 16777217}"#).path, "$.f");
+        assert_eq!(misfit(r#"{"ds": [1, 9007199254740993]}"#).path, "$.ds[1]");
+        assert_eq!(misfit(r#"{"md": {"k": 9007199254740993}}"#).path, "$.md.k");
+        assert_eq!(
+            misfit(r#"{"s": {"a": [1, -99999999999999999999]}}"#).path,
+            "$.s.a[1]"
+        );
+        assert_eq!(misfit(r#"{"w": 18446744073709551615}"#).path, "$.w");
+        assert_eq!(misfit(r#"{"n": {"d": 9007199254740993}}"#).path, "$.n.d");
+        // Fractions are the nearest double, exact integers and int64 are as
+        // written.
+        c.encode(
+            r#"{"d": 0.1, "f": 16777216, "i": 9007199254740993, "ds": [9007199254740992], "s": {"x": 2.5}}"#,
+            &mut Vec::new(),
+        )
+        .unwrap();
+        assert!(
+            !ProtobufCodec::parse(SCHEMA, Some("shop.OrderPlaced"))
+                .unwrap()
+                .floating
+        );
+    }
 
     #[test]
     fn encodes_proto3_json_with_the_message_indexes() {

@@ -1300,3 +1300,124 @@ async fn an_encoded_protobuf_payload_must_be_the_message_its_rule_names() {
         "shop.Header message, but routing.schemas names shop.OrderPlaced",
     );
 }
+
+/// Inserts `payload` as written (jsonb keeps every digit; a `serde_json`
+/// value would have rounded it already).
+async fn insert_text(s: &Setup, aggregate_id: &str, event_type: &str, payload: &str) -> Uuid {
+    let id = Uuid::now_v7();
+    s.client
+        .execute(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload) VALUES ($1, 'Order', $2, $3, $4::text::jsonb)",
+            &[&id, &aggregate_id, &event_type, &payload],
+        )
+        .await
+        .unwrap();
+    id
+}
+
+/// An integer beyond 64 bits is read as the nearest double, and an
+/// integer a `double` or `float` field cannot hold arrives as another
+/// number: both are schema mismatches (dead-lettered here) in inferred
+/// Avro, a registered Avro schema and Protobuf, and nothing is
+/// registered for them.
+#[tokio::test(flavor = "multi_thread")]
+async fn numbers_no_schema_type_holds_exactly_are_schema_mismatches() {
+    let huge = r#"{"orderId":"o-2","huge":123456789012345678901234567890}"#;
+    // Inferred Avro: the first payload registers a version; the huge one
+    // registers none.
+    let s = Setup::new("huge_inferred").await;
+    let subject = format!("{}-value", s.topic("Order"));
+    let text = s.config(
+        &s._db.superuser_url(),
+        "avro",
+        &registry().url,
+        "schema = \"inferred\"",
+    );
+    let (handle, stop) = spawn_relay_with_slot(&s.client, &s.slot, &text).await;
+    insert_text(&s, "o-1", "OrderPlaced", r#"{"orderId":"o-1","huge":1.5}"#).await;
+    insert_text(&s, "o-2", "OrderPlaced", huge).await;
+    s.confirmed_past_now().await;
+    let (topic, dlq) = (s.topic("Order"), format!("{}.dead-letter", s.prefix));
+    let records = consume(&broker().brokers, &[&topic, &dlq], 2, Duration::from_secs(30));
+    let dead: Vec<&Consumed> = records.iter().filter(|r| r.topic == dlq).collect();
+    assert_eq!(dead.len(), 1, "{records:?}");
+    assert_schema_mismatch(dead[0], "$.huge");
+    let error = dead[0].header("dlq.error").unwrap_or_default();
+    assert!(
+        error.contains("beyond 64 bits") && !error.contains("schema id 0"),
+        "{error}"
+    );
+    let event = records.iter().find(|r| r.topic == topic).unwrap();
+    assert_eq!(
+        registry().latest_id(&subject),
+        decode("avro", &[event], "")[0].0,
+        "no version for the huge one"
+    );
+    stop_relay(handle, stop).await;
+
+    // A registered Avro schema: a double, and a union of long and double.
+    let s = Setup::new("huge_avro").await;
+    let (topic, dlq) = (s.topic("Order"), format!("{}.dead-letter", s.prefix));
+    registry().register(
+        &format!("{topic}-value"),
+        "AVRO",
+        r#"{"type":"record","name":"N","fields":[{"name":"orderId","type":"string"},{"name":"huge","type":["long","double"]},{"name":"d","type":"double","default":0}]}"#,
+    );
+    let text = s.config(&s._db.superuser_url(), "avro", &registry().url, "");
+    let (handle, stop) = spawn_relay_with_slot(&s.client, &s.slot, &text).await;
+    insert_text(
+        &s,
+        "o-1",
+        "OrderPlaced",
+        r#"{"orderId":"o-1","huge":9007199254740993,"d":2.5}"#,
+    )
+    .await;
+    insert_text(&s, "o-2", "OrderPlaced", huge).await;
+    insert_text(
+        &s,
+        "o-3",
+        "OrderPlaced",
+        r#"{"orderId":"o-3","huge":1,"d":9007199254740993}"#,
+    )
+    .await;
+    s.confirmed_past_now().await;
+    let records = consume(&broker().brokers, &[&topic, &dlq], 3, Duration::from_secs(30));
+    let events: Vec<&Consumed> = records.iter().filter(|r| r.topic == topic).collect();
+    assert_eq!(events.len(), 1, "{records:?}");
+    assert_eq!(
+        decode("avro", &events, "")[0].1,
+        json!({"orderId": "o-1", "huge": 9_007_199_254_740_993i64, "d": 2.5}),
+        "the long branch keeps it exactly"
+    );
+    let dead: Vec<&Consumed> = records.iter().filter(|r| r.topic == dlq).collect();
+    assert_schema_mismatch(dead[0], "$.huge");
+    assert_schema_mismatch(dead[1], "$.d");
+    assert!(dead[1]
+        .header("dlq.error")
+        .unwrap_or_default()
+        .contains("cannot hold exactly"));
+    stop_relay(handle, stop).await;
+
+    // Protobuf: a double field.
+    let s = Setup::new("huge_proto").await;
+    let (topic, dlq) = (s.topic("Order"), format!("{}.dead-letter", s.prefix));
+    registry().register(
+        &format!("{topic}-value"),
+        "PROTOBUF",
+        "syntax = \"proto3\";\nmessage N { string order_id = 1; double huge = 2; }\n",
+    );
+    let text = s.config(&s._db.superuser_url(), "protobuf", &registry().url, "");
+    let (handle, stop) = spawn_relay_with_slot(&s.client, &s.slot, &text).await;
+    insert_text(&s, "o-1", "OrderPlaced", r#"{"orderId":"o-1","huge":0.5}"#).await;
+    insert_text(&s, "o-2", "OrderPlaced", huge).await;
+    s.confirmed_past_now().await;
+    let records = consume(&broker().brokers, &[&topic, &dlq], 2, Duration::from_secs(30));
+    assert_eq!(
+        records.iter().filter(|r| r.topic == topic).count(),
+        1,
+        "{records:?}"
+    );
+    let dead = records.iter().find(|r| r.topic == dlq).unwrap();
+    assert_schema_mismatch(dead, "$.huge");
+    stop_relay(handle, stop).await;
+}
