@@ -146,13 +146,18 @@ pub enum ProgressError {
     Topic { topic: String, error: RDKafkaErrorCode },
     #[error("Kafka reported a write to the progress topic {topic:?} delivered without an offset, so it may not have been stored; retrying")]
     NotStored { topic: String },
+    #[error("the progress topic {topic:?} has {partitions} partitions; outboxd keeps its slot register and exactly-once progress in a topic of one partition, compacted: with several, a key moved to another partition (a partition count changed) can bring an older record back after compaction, and each start reads every partition. outboxd never makes such a topic. Stop outboxd, create one (kafka-topics.sh --create --topic <name> --partitions 1 --config cleanup.policy=compact), set kafka.progress_topic to it and start: nothing is lost, and what lay between each slot and its last Kafka commit is published again (see docs/exactly-once.md, \"The progress topic's shape\")")]
+    Partitions { topic: String, partitions: usize },
 }
 
 impl ProgressError {
     pub fn is_transient(&self) -> bool {
         !matches!(
             self,
-            ProgressError::Malformed(_) | ProgressError::Denied { .. } | ProgressError::Topic { .. }
+            ProgressError::Malformed(_)
+                | ProgressError::Denied { .. }
+                | ProgressError::Topic { .. }
+                | ProgressError::Partitions { .. }
         )
     }
 }
@@ -386,9 +391,15 @@ fn read_blocking(
             partitions.push(p.id());
         }
     }
-    // The newest (by partition, then offset) record keyed `slot`: the
-    // partitioner sends one key to one partition, unless the topic's
-    // partition count changed; then the latest write wins by time.
+    // One partition, or the answer is not exact (see `Partitions`): the
+    // newest record of a key is the last one in its partition only while
+    // the partition count stays.
+    if partitions.len() > 1 {
+        return Err(ProgressError::Partitions {
+            topic: topic.to_owned(),
+            partitions: partitions.len(),
+        });
+    }
     let mut latest: Option<Found> = None;
     for partition in partitions {
         let (low, high) = edge.fetch_watermarks(topic, partition, left()?)?;

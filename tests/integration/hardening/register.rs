@@ -236,9 +236,10 @@ async fn a_progress_topic_that_deletes_old_records_is_refused() {
     let b = brokers.clone();
     let t = progress.clone();
     tokio::task::spawn_blocking(move || {
-        crate::harness::broker::create_topics_with(
+        crate::harness::broker::create_topics_sized(
             &b,
             &[t],
+            1,
             &[("cleanup.policy", "delete"), ("retention.ms", "3600000")],
         )
     })
@@ -266,6 +267,69 @@ async fn a_progress_topic_that_deletes_old_records_is_refused() {
     assert_eq!(exits(&mut d, Duration::from_secs(30), &log).await, Some(1));
     let text = log_text(&log);
     assert!(text.contains("--add-config cleanup.policy=compact"), "{text}");
+}
+
+/// A progress topic made beforehand with several partitions (as Kafka
+/// Connect's topics often are) is refused by name, in both delivery modes
+/// and by `check`: each start would scan every partition, and a key moved
+/// to another partition could bring an older record back after compaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_progress_topic_with_several_partitions_is_refused_by_name() {
+    let db = TestDb::new("hard_progparts").await;
+    let dir = tempfile::tempdir().unwrap();
+    let brokers = &broker().brokers;
+    let p = prefix("progparts");
+    let progress = format!("{p}.progress");
+    let (b, t) = (brokers.clone(), progress.clone());
+    tokio::task::spawn_blocking(move || {
+        crate::harness::broker::create_topics_sized(&b, &[t], 3, &[("cleanup.policy", "compact")])
+    })
+    .await
+    .unwrap();
+    let client = db.client().await;
+    for (mode, kafka) in [
+        ("at-least-once", format!("progress_topic = \"{progress}\"")),
+        (
+            "exactly-once",
+            format!("progress_topic = \"{progress}\"\ndelivery = \"exactly-once\""),
+        ),
+    ] {
+        let cfg = daemon_config(
+            dir.path(),
+            &format!("{mode}.toml"),
+            &db.superuser_url(),
+            "progparts",
+            brokers,
+            &p,
+            "",
+            &kafka,
+            "",
+        );
+        let (code, out, _) = super::outboxd_async(&["check", "--config", cfg.to_str().unwrap()]).await;
+        assert_ne!(code, Some(0), "{mode}: {out}");
+        assert!(
+            out.contains("FAIL") && out.contains("has 3 partitions") && out.contains(&progress),
+            "{mode}: {out}"
+        );
+        let log = dir.path().join(format!("{mode}.log"));
+        let mut d = Daemon::start(&cfg, &log);
+        assert_eq!(
+            exits(&mut d, Duration::from_secs(30), &log).await,
+            Some(1),
+            "{mode}"
+        );
+        let text = log_text(&log);
+        assert!(
+            text.contains(&format!("the progress topic \\\"{progress}\\\" has 3 partitions"))
+                || text.contains(&format!("the progress topic \"{progress}\" has 3 partitions")),
+            "{mode}: {text}"
+        );
+        assert_eq!(
+            confirmed_flush(&client, "progparts").await,
+            None,
+            "{mode}: no slot made"
+        );
+    }
 }
 
 /// `check` before the first start reads a progress topic that does not
@@ -338,7 +402,7 @@ async fn a_record_far_behind_the_end_of_its_partition_is_found() {
     {
         let (b, t) = (brokers.clone(), topic.clone());
         tokio::task::spawn_blocking(move || {
-            crate::harness::broker::create_topics_with(&b, &[t], &[("cleanup.policy", "compact")])
+            crate::harness::broker::create_topics_sized(&b, &[t], 1, &[("cleanup.policy", "compact")])
         })
         .await
         .unwrap();
@@ -356,25 +420,18 @@ async fn a_record_far_behind_the_end_of_its_partition_is_found() {
     slot_register::write(&config.kafka, &record, Duration::from_secs(10))
         .await
         .unwrap();
-    // 2,500 records of other keys behind it in each of the topic's three
-    // partitions: its window is the second.
+    // 2,500 records of other keys behind it in the topic's one
+    // partition: its window is the second.
     let producer: FutureProducer = rdkafka::ClientConfig::new()
         .set("bootstrap.servers", &brokers)
         .create()
         .unwrap();
-    let keys: Vec<(i32, String)> = (0..3)
-        .flat_map(|partition| (0..2500).map(move |i| (partition, format!("other-{i}"))))
-        .collect();
+    let keys: Vec<String> = (0..2500).map(|i| format!("other-{i}")).collect();
     let sends: Vec<_> = keys
         .iter()
-        .map(|(partition, key)| {
+        .map(|key| {
             producer
-                .send_result(
-                    FutureRecord::to(&topic)
-                        .partition(*partition)
-                        .key(key)
-                        .payload("{}"),
-                )
+                .send_result(FutureRecord::to(&topic).partition(0).key(key).payload("{}"))
                 .unwrap()
         })
         .collect();

@@ -449,6 +449,12 @@ pub fn create_topics(brokers: &str, topics: &[String]) {
 
 /// [`create_topics`] with topic settings (`message.timestamp.type`, ...).
 pub fn create_topics_with(brokers: &str, topics: &[String], settings: &[(&str, &str)]) {
+    create_topics_sized(brokers, topics, 3, settings);
+}
+
+/// [`create_topics_with`] with `partitions` partitions each (a progress
+/// topic has one).
+pub fn create_topics_sized(brokers: &str, topics: &[String], partitions: i32, settings: &[(&str, &str)]) {
     use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
     use rdkafka::client::DefaultClientContext;
     let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
@@ -458,11 +464,10 @@ pub fn create_topics_with(brokers: &str, topics: &[String], settings: &[(&str, &
     let new: Vec<NewTopic> = topics
         .iter()
         .map(|t| {
-            settings
-                .iter()
-                .fold(NewTopic::new(t, 3, TopicReplication::Fixed(1)), |n, (k, v)| {
-                    n.set(k, v)
-                })
+            settings.iter().fold(
+                NewTopic::new(t, partitions, TopicReplication::Fixed(1)),
+                |n, (k, v)| n.set(k, v),
+            )
         })
         .collect();
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -483,7 +488,9 @@ pub fn create_topics_with(brokers: &str, topics: &[String], settings: &[(&str, &
                 .fetch_metadata(Some(t), Duration::from_secs(5))
                 .unwrap();
             let ready = md.topics().iter().any(|m| {
-                m.name() == t && m.partitions().len() == 3 && m.partitions().iter().all(|p| p.leader() >= 0)
+                m.name() == t
+                    && m.partitions().len() == partitions as usize
+                    && m.partitions().iter().all(|p| p.leader() >= 0)
             });
             if ready {
                 break;
