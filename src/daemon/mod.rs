@@ -37,6 +37,10 @@
 //!   lag shows; resume starts it again; restart drains and starts it (a
 //!   failed source too). These change the running state only;
 //! * **SIGTERM / Ctrl-C**: every source drains at once, then outboxd exits.
+//!   Shutdown is heard at every moment, also while a reload, a pause or a
+//!   restart waits for a drain: the sources still running are stopped at
+//!   once, the drains already under way go on under the same deadline, and
+//!   nothing starts again.
 //!
 //! A stopping relay is drained before anything else starts on its slot, so
 //! two relays of one source never overlap.
@@ -46,6 +50,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tracing::Instrument;
@@ -108,6 +113,14 @@ impl Drop for ExitGuard {
     }
 }
 
+/// How a wait for drains ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Drained {
+    Done,
+    /// Shutdown was requested meanwhile: every source was stopped.
+    Interrupted,
+}
+
 /// A relay's end, as its task reports it.
 #[derive(Debug)]
 struct Exit {
@@ -139,6 +152,8 @@ pub struct Supervisor {
     control: mpsc::Receiver<Control>,
     /// The Kafka clients every source shares (see [`crate::kafka::clients`]).
     kafka: Arc<KafkaClients>,
+    /// Shutdown, as `run` was given it: waits for drains listen to it.
+    shutdown: Option<watch::Receiver<bool>>,
 }
 
 /// The supervisor could not set a source up.
@@ -181,6 +196,7 @@ impl Supervisor {
             exits,
             control,
             kafka: KafkaClients::new(),
+            shutdown: None,
         };
         for s in sources {
             supervisor.add(s, None)?;
@@ -207,12 +223,17 @@ impl Supervisor {
     /// Starts every source, then runs until `stop` or until no source is
     /// left running or paused.
     pub async fn run(mut self, mut stop: watch::Receiver<bool>) -> Ending {
+        self.shutdown = Some(stop.clone());
         let names: Vec<String> = self.board.sources().iter().map(|s| s.name.clone()).collect();
         for name in &names {
             self.start(name);
         }
         let mut hangup = self.hangup.take();
         loop {
+            // Shutdown heard inside a drain (a pause, a restart, a reload).
+            if *stop.borrow() {
+                break;
+            }
             if self.nothing_left() {
                 return Ending::Failed;
             }
@@ -326,50 +347,105 @@ impl Supervisor {
     }
 
     /// Drains the named sources' relays (all at once) and leaves them in
-    /// `then`.
-    async fn stop_all(&mut self, names: &[String], then: State) {
-        let mut draining = Vec::new();
-        for name in names {
-            if let Some(task) = self.tasks.remove(name) {
-                if let Some(s) = self.board.get(name) {
-                    s.set_state(State::Stopping, None);
+    /// `then`. Shutdown is heard meanwhile: every other source is stopped
+    /// at once, all drain under one deadline, and it returns
+    /// [`Drained::Interrupted`] (the caller starts nothing).
+    async fn stop_all(&mut self, names: &[String], then: State) -> Drained {
+        let mut shutdown = self.shutdown.clone();
+        let heard = async move {
+            match shutdown.as_mut() {
+                Some(s) => {
+                    let _ = s.wait_for(|stopping| *stopping).await;
                 }
-                let _ = task.stop.send(true);
-                draining.push((name.clone(), task.join));
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(heard);
+        let mut pending = FuturesUnordered::new();
+        let mut aborts = HashMap::new();
+        let drain = |tasks: &mut HashMap<String, Task>, name: &str, board: &Board| {
+            let task = tasks.remove(name)?;
+            if let Some(s) = board.get(name) {
+                s.set_state(State::Stopping, None);
+            }
+            let _ = task.stop.send(true);
+            let abort = task.join.abort_handle();
+            let name = name.to_owned();
+            let join = task.join;
+            Some((abort, async move { (name, join.await) }))
+        };
+        for name in names {
+            if let Some((abort, waiting)) = drain(&mut self.tasks, name, &self.board) {
+                aborts.insert(name.clone(), abort);
+                pending.push(waiting);
             }
         }
         // The relays drain at once; each drain is bounded by
         // shutdown.drain_timeout, and a set-up step that ignores the stop (a
         // connect) gets a margin: one deadline for them all.
-        let bound = names
-            .iter()
-            .filter_map(|n| self.configs.get(n))
-            .map(|c| c.config.shutdown.drain_timeout.0)
-            .max()
-            .unwrap_or(Duration::from_secs(30))
-            + Duration::from_secs(30);
-        let deadline = tokio::time::Instant::now() + bound;
-        for (name, mut join) in draining {
-            match tokio::time::timeout_at(deadline, &mut join).await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => tracing::error!(source = %name, error = %e, "a source's task ended abnormally"),
-                Err(_) => {
-                    tracing::error!(source = %name, waited = ?bound, "a source did not stop in time; aborted (what it had not confirmed is published again)");
-                    join.abort();
-                    // Gone before anything starts on its slot again.
-                    let _ = join.await;
+        let bound = |configs: &HashMap<String, SourceConfig>, names: &mut dyn Iterator<Item = &String>| {
+            names
+                .filter_map(|n| configs.get(n))
+                .map(|c| c.config.shutdown.drain_timeout.0)
+                .max()
+                .unwrap_or(Duration::from_secs(30))
+                + Duration::from_secs(30)
+        };
+        let waited = bound(&self.configs, &mut names.iter());
+        let mut deadline = tokio::time::Instant::now() + waited;
+        let mut interrupted = false;
+        loop {
+            tokio::select! {
+                next = pending.next() => {
+                    let Some((name, result)) = next else { break };
+                    aborts.remove(&name);
+                    match result {
+                        Ok(()) => {}
+                        Err(e) if e.is_cancelled() => {
+                            tracing::error!(source = %name, waited = ?waited, "a source did not stop in time; aborted (what it had not confirmed is published again)");
+                        }
+                        Err(e) => tracing::error!(source = %name, error = %e, "a source's task ended abnormally"),
+                    }
+                    let state = if interrupted { State::Stopping } else { then };
+                    if let Some(s) = self.board.get(&name) {
+                        s.set_state(state, None);
+                    }
+                    if state == State::Paused {
+                        self.watch(&name);
+                    }
                 }
-            }
-            if let Some(s) = self.board.get(&name) {
-                s.set_state(then, None);
-            }
-            if then == State::Paused {
-                self.watch(&name);
+                () = tokio::time::sleep_until(deadline), if !aborts.is_empty() => {
+                    // Aborted: each ends at its next await, before anything
+                    // starts on its slot again.
+                    for abort in aborts.values() {
+                        abort.abort();
+                    }
+                    deadline = tokio::time::Instant::now() + Duration::from_secs(3600);
+                }
+                () = &mut heard, if !interrupted => {
+                    interrupted = true;
+                    let others: Vec<String> = self.tasks.keys().cloned().collect();
+                    if !others.is_empty() {
+                        tracing::info!(sources = ?others, "shutdown requested while a drain was under way: every source stops now");
+                    }
+                    deadline = deadline.max(tokio::time::Instant::now() + bound(&self.configs, &mut others.iter()));
+                    for name in &others {
+                        if let Some((abort, waiting)) = drain(&mut self.tasks, name, &self.board) {
+                            aborts.insert(name.clone(), abort);
+                            pending.push(waiting);
+                        }
+                    }
+                }
             }
         }
         // Their exits are stale now: drop them, keep any other source's.
         while let Ok(exit) = self.exits.try_recv() {
             self.ended(exit);
+        }
+        if interrupted {
+            Drained::Interrupted
+        } else {
+            Drained::Done
         }
     }
 
@@ -413,8 +489,10 @@ impl Supervisor {
             }
             (Verb::Pause, _) => {
                 tracing::info!(source = %name, "pausing: draining, then holding the slot unstreamed");
-                self.stop_all(&[name.to_owned()], State::Paused).await;
-                Ok(())
+                match self.stop_all(&[name.to_owned()], State::Paused).await {
+                    Drained::Done => Ok(()),
+                    Drained::Interrupted => Err(ControlError::Stopping),
+                }
             }
             (Verb::Resume, State::Paused) => {
                 tracing::info!(source = %name, "resuming");
@@ -429,7 +507,9 @@ impl Supervisor {
             )),
             (Verb::Restart, _) => {
                 tracing::info!(source = %name, "restarting");
-                self.stop_all(&[name.to_owned()], State::Stopping).await;
+                if self.stop_all(&[name.to_owned()], State::Stopping).await == Drained::Interrupted {
+                    return Err(ControlError::Stopping);
+                }
                 self.start(name);
                 Ok(())
             }
@@ -495,7 +575,10 @@ impl Supervisor {
             .cloned()
             .collect();
         let draining: Vec<String> = removed.iter().chain(&changed).cloned().collect();
-        self.stop_all(&draining, State::Stopping).await;
+        if self.stop_all(&draining, State::Stopping).await == Drained::Interrupted {
+            tracing::info!("reload not finished: outboxd is stopping");
+            return;
+        }
         for name in &removed {
             self.unwatch(name);
             self.board.remove(name);

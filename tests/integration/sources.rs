@@ -612,3 +612,71 @@ async fn write_for(
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// SIGTERM is heard while the supervisor waits for a drain. A source whose
+/// server accepts connections but never answers cannot drain until its
+/// deadline (`drain_timeout` + 30 s); a pause of it, then SIGTERM: the
+/// other source stops at once (Kubernetes' SIGKILL after its grace period
+/// must not find it streaming), and outboxd exits once the stuck one is
+/// aborted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_during_a_pause_drain_stops_every_source_at_once() {
+    let run = &Uuid::new_v4().simple().to_string()[..6];
+    let db = TestDb::new("sigdrain").await;
+    let sql = db.client().await;
+    // Accepts (the kernel's backlog) and never answers.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let silent_url = format!(
+        "postgres://postgres@{}/stuck?connect_timeout=120",
+        silent.local_addr().unwrap()
+    );
+    let healthy = Src::new("healthy", &db.superuser_url(), "outbox", "sd", run);
+    let stuck = Src::new("stuck", &silent_url, "outbox", "sd", run);
+    let listen: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("outboxd.log");
+    let _log_on_failure = LogOnFailure(log.clone());
+    let text = file(listen, &[&healthy, &stuck]).replace("drain_timeout = \"10s\"", "drain_timeout = \"2s\"");
+    let config = write_config(dir.path(), "outboxd.toml", &text);
+    let mut daemon = Daemon::start_logging(&config, &log, "info");
+    wait_for("healthy streaming", Duration::from_secs(60), || async {
+        slot_pid(&sql, &healthy.slot).await
+    })
+    .await;
+    let mut seq = HashMap::new();
+    write(&sql, "outbox", &mut seq, 10).await;
+    all_arrive(&healthy, &seq, Duration::from_secs(60)).await;
+
+    // The pause waits for the stuck source's drain; SIGTERM meanwhile.
+    let pause = tokio::spawn(async move { http("POST", listen, "/sources/stuck/pause", Some(TOKEN)).await });
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(!pause.is_finished(), "the stuck source's drain is under way");
+    write(&sql, "outbox", &mut seq, 10).await;
+    let term = Instant::now();
+    daemon.signal("TERM");
+    wait_for("healthy's slot released", Duration::from_secs(10), || async {
+        slot_pid(&sql, &healthy.slot).await.is_none().then_some(())
+    })
+    .await;
+    let released = term.elapsed();
+    assert!(
+        released < Duration::from_secs(5),
+        "healthy streamed {released:?} after SIGTERM"
+    );
+    let exited = loop {
+        if let Some(status) = daemon.try_wait() {
+            break status;
+        }
+        assert!(term.elapsed() < Duration::from_secs(45), "outboxd did not exit");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(exited.success(), "{exited}");
+    let (code, _) = pause.await.unwrap();
+    assert_ne!(code, 200, "the pause did not complete: outboxd stopped");
+    // What healthy had before the SIGTERM arrived (drained, or published
+    // again at the next start: nothing lost).
+    let mut daemon = Daemon::start_logging(&config, &log, "info");
+    all_arrive(&healthy, &seq, Duration::from_secs(60)).await;
+    daemon.kill9();
+    drop(silent);
+}
