@@ -228,9 +228,12 @@ async fn register_check(config: &Config, v: &Validated) -> CheckLine {
             )
         }
     };
-    let info = match admin::connect(&v.pg).await {
-        Ok(c) => admin::slot_info(&c, &v.slot).await,
-        Err(e) => Err(e),
+    let (info, wal_end) = match admin::connect(&v.pg).await {
+        Ok(c) => (
+            admin::slot_info(&c, &v.slot).await,
+            admin::wal_insert_lsn(&c).await.ok(),
+        ),
+        Err(e) => (Err(e), None),
     };
     let record =
         crate::relay::slot_register::read(kafka, &system.system_id, slot, kafka.admin_timeout.0).await;
@@ -242,12 +245,15 @@ async fn register_check(config: &Config, v: &Validated) -> CheckLine {
     match (info, record) {
         (Err(e), _) => line("register", false, e.to_string()),
         (_, Err(e)) => line("register", false, e.to_string()),
+        // A missing slot: lost, or never in the backup a rewound server
+        // was restored from.
         (Ok(None), Ok(Some(r))) => line(
             "register",
             false,
-            crate::relay::slot_register::SlotLost::new(
+            crate::relay::slot_missing(
                 &r,
                 system.timeline,
+                wal_end.unwrap_or(crate::Lsn(u64::MAX)),
                 kafka.progress_topic(),
                 &v.config_args(),
             )

@@ -205,6 +205,13 @@ pub enum RelayError {
     LeadershipLost,
     #[error("{detail}. The WAL history of this PostgreSQL system went back (a disk snapshot or a base backup restored with the same system identifier and timeline): its LSNs are being used again by other transactions, so outboxd streams nothing and skips nothing by what it remembered. If this server is the one to publish from now on, run `outboxd progress --reset --config <file>` (it forgets what Kafka remembers of slot {slot}) and start outboxd: it then publishes every transaction after the slot's position, duplicates possible (consumers deduplicate by id). Kafka may still hold events of transactions this server no longer has")]
     HistoryRewound { slot: String, detail: String },
+    #[error("{detail}, and slot {slot} does not exist on this server. The WAL history of this PostgreSQL system went back (a base backup or disk snapshot restored with the same system identifier and timeline; pg_basebackup does not copy slots): the slot was never in the backup. Kafka holds events of transactions this server no longer has (committed on the old server after the backup): consumers may hold events whose rows do not exist here, and outboxd cannot take them back. If this server is the one to publish from now on: 1. run `outboxd progress --reset --create-slot --config <file>` (it forgets what Kafka remembers of slot {slot} and creates the slot at the current WAL position); 2. re-publish the outbox rows written on this server since it was restored: `{replay}` (consumers deduplicate by id); 3. start outboxd. See docs/recovery.md")]
+    RewoundWithoutSlot {
+        slot: String,
+        detail: String,
+        /// The `outboxd replay` command, its `--since` to be set.
+        replay: String,
+    },
     #[error("outboxd cannot show that publication {publication} delivered every outbox INSERT while no session streamed: the slot resumes at {since}, and {because}. Outbox rows written while the publication did not carry the table were never sent, and streaming that WAL again would skip them again. Recovery: 1. re-publish the outbox rows committed since then: `{replay}` (consumers deduplicate by id); 2. run `outboxd progress --accept-publication --config <file>` to record the publication as it is now; 3. start outboxd")]
     PublicationUnproven {
         publication: String,
@@ -230,6 +237,7 @@ impl RelayError {
             | RelayError::PublicationChanged { .. }
             | RelayError::PublicationUnproven { .. }
             | RelayError::HistoryRewound { .. }
+            | RelayError::RewoundWithoutSlot { .. }
             | RelayError::SlotInvalidated { .. }
             | RelayError::SlotLost(_) => "postgres_setup",
             RelayError::Pg(_)
@@ -279,6 +287,7 @@ impl RelayError {
             | RelayError::PublicationChanged { .. }
             | RelayError::PublicationUnproven { .. }
             | RelayError::HistoryRewound { .. }
+            | RelayError::RewoundWithoutSlot { .. }
             | RelayError::SlotInvalidated { .. }
             | RelayError::SlotLost(_)
             | RelayError::ProgressTopicRetention(_)
@@ -286,6 +295,29 @@ impl RelayError {
             | RelayError::Mapping(_)
             | RelayError::Otel(_) => false,
         }
+    }
+}
+
+/// Why the slot the register remembers is missing: the history went back
+/// (the register lies past the server's WAL, so the slot was never in the
+/// restored backup), or the slot was lost (dropped, or not synced before a
+/// promotion).
+pub(crate) fn slot_missing(
+    record: &SlotRecord,
+    timeline: u32,
+    wal_end: Lsn,
+    topic: &str,
+    config_args: &str,
+) -> RelayError {
+    match resume::register_beyond_wal(Some(record), timeline, wal_end) {
+        Some(detail) => RelayError::RewoundWithoutSlot {
+            slot: record.slot.clone(),
+            detail,
+            replay: format!(
+                "outboxd replay {config_args} --since <the time this server started taking writes>"
+            ),
+        },
+        None => RelayError::SlotLost(Box::new(SlotLost::new(record, timeline, topic, config_args))),
     }
 }
 
@@ -625,8 +657,14 @@ impl Relay {
         } else {
             None
         };
+        // Before the slot: a server whose WAL ends before the position
+        // Kafka remembers went back in time, with or without its slot.
+        let wal_end = admin::wal_insert_lsn(&client).await?;
         if let Some(r) = &record {
-            self.refuse_lost_slot(&client, &system, r).await?;
+            self.refuse_lost_slot(&client, &system, r, wal_end).await?;
+        }
+        if let Some(detail) = resume::register_beyond_wal(record.as_ref(), system.timeline, wal_end) {
+            return Err(self.rewound(detail));
         }
         // The table-less outbox (crate::source::emitted), when it is
         // received. Once a session on this slot read its messages, the
@@ -657,10 +695,6 @@ impl Relay {
             &catalog,
             &self.validated.columns,
         )?;
-        let wal_end = admin::wal_insert_lsn(&client).await?;
-        if let Some(detail) = resume::register_beyond_wal(record.as_ref(), system.timeline, wal_end) {
-            return Err(self.rewound(detail));
-        }
         let v = &self.validated;
         let (start, created) = match admin::ensure_slot(&client, &mut repl, &v.slot, &v.pg.dbname, failover)
             .await?
@@ -682,7 +716,15 @@ impl Relay {
         if let Some(info) = &created {
             self.prove_unchanged(&verified, info, record.as_ref(), start)?;
         }
-        let register = self.register_slot(&system, record.as_ref(), &verified).await?;
+        let mut register = self.register_slot(&system, record.as_ref(), &verified).await?;
+        // A slot the register does not know yet is recorded before it is
+        // streamed: lost after this, it is refused, not recreated.
+        let known = record
+            .as_ref()
+            .is_some_and(|r| r.system_id == system.system_id && r.timeline == system.timeline);
+        if let (Some(register), false) = (register.as_mut(), known) {
+            register.first_write(start).await;
+        }
         let (durability, eo_waypoint) = self.durability(&mut repl, &system, wal_end).await?;
         let waypoint = match eo_waypoint {
             Some(w) => Some(w),
@@ -743,7 +785,7 @@ impl Relay {
         })
     }
 
-    /// The rewound-history error for this slot.
+    /// The rewound-history error for this slot (its slot still there).
     fn rewound(&self, detail: String) -> RelayError {
         RelayError::HistoryRewound {
             slot: self.validated.slot.as_str().to_owned(),
@@ -818,16 +860,18 @@ impl Relay {
         client: &tokio_postgres::Client,
         system: &SystemIdentity,
         record: &SlotRecord,
+        wal_end: Lsn,
     ) -> Result<(), RelayError> {
         if admin::slot_info(client, &self.validated.slot).await?.is_some() {
             return Ok(());
         }
-        Err(RelayError::SlotLost(Box::new(SlotLost::new(
+        Err(slot_missing(
             record,
             system.timeline,
+            wal_end,
             self.config.kafka.progress_topic(),
             &self.validated.config_args(),
-        ))))
+        ))
     }
 
     /// The progress topic's retention, asked again while a topic outboxd

@@ -233,6 +233,26 @@ impl RegisterRefresh {
         .with_messages(self.record.messages.clone())
     }
 
+    /// Before the first streaming of a slot the register does not know
+    /// (a new slot, or one of another timeline): records it at `start`
+    /// now, not at the first status tick, so that a slot lost in between
+    /// is refused rather than recreated. A failure is logged and counted,
+    /// as at a tick, and the next tick writes again.
+    pub(super) async fn first_write(&mut self, start: Lsn) {
+        let record = self.record_at(start);
+        match slot_register::write(&self.kafka, &record, self.kafka.admin_timeout.0).await {
+            Ok(()) => self.written = Some((start, Instant::now())),
+            Err(e) => {
+                self.metrics.error("slot_register");
+                tracing::warn!(
+                    topic = self.kafka.progress_topic(),
+                    error = %e,
+                    "cannot write the slot register before streaming: a lost slot cannot be detected until this works (grant write on the topic, or set kafka.slot_register = false); trying again at the next status tick"
+                );
+            }
+        }
+    }
+
     /// At a clean stop: records the final confirmed position (waiting for
     /// a write in flight first), so that a slot lost while outboxd is down
     /// is recovered from exactly where it stopped. Bounded by `deadline`.

@@ -269,6 +269,73 @@ async fn a_progress_topic_that_deletes_old_records_is_refused() {
     assert!(text.contains("--add-config cleanup.policy=compact"), "{text}");
 }
 
+/// A new slot is in the register before it is streamed: lost before the
+/// first status tick (a failover, an operator's drop), it is refused, not
+/// recreated at the current WAL position with what lay between lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_lost_before_its_first_status_tick_is_refused() {
+    let db = TestDb::new("hard_firsttick").await;
+    let client = db.client().await;
+    let dir = tempfile::tempdir().unwrap();
+    let brokers = &broker().brokers;
+    let p = prefix("firsttick");
+    let cfg = daemon_config(
+        dir.path(),
+        "t.toml",
+        &db.superuser_url(),
+        "firsttick",
+        brokers,
+        &p,
+        "",
+        &format!("progress_topic = \"{p}.progress\""),
+        "[health]\nstatus_max_age = \"60s\"",
+    );
+    // No status tick before the kill.
+    let text = std::fs::read_to_string(&cfg)
+        .unwrap()
+        .replace("status_interval = \"100ms\"", "status_interval = \"20s\"");
+    std::fs::write(&cfg, text).unwrap();
+    let log = dir.path().join("t.log");
+    let _log_on_failure = crate::sources::LogOnFailure(log.clone());
+    let mut daemon = Daemon::start(&cfg, &log);
+    wait_for("the slot streamed", Duration::from_secs(30), || async {
+        client
+            .query_opt(
+                "SELECT 1 FROM pg_replication_slots WHERE slot_name = 'firsttick' AND active",
+                &[],
+            )
+            .await
+            .unwrap()
+            .map(|_| ())
+    })
+    .await;
+    daemon.kill9();
+    wait_for("the walsender gone", Duration::from_secs(30), || async {
+        client
+            .query_opt(
+                "SELECT pg_drop_replication_slot('firsttick') WHERE EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = 'firsttick' AND NOT active)",
+                &[],
+            )
+            .await
+            .ok()
+            .flatten()
+            .map(|_| ())
+    })
+    .await;
+    let (lost, _) = write_events(&client, 10, 1, 3, &["Order"], 0).await;
+    daemon.restart();
+    assert_eq!(exits(&mut daemon, Duration::from_secs(30), &log).await, Some(1));
+    let text = log_text(&log);
+    assert!(
+        text.contains("replication slot firsttick does not exist, but outboxd streamed it"),
+        "{text}"
+    );
+    assert_eq!(confirmed_flush(&client, "firsttick").await, None, "not recreated");
+    let (code, out, _) = super::outboxd_async(&["check", "--config", cfg.to_str().unwrap()]).await;
+    assert_ne!(code, Some(0), "{out}");
+    drop(lost);
+}
+
 /// A progress topic made beforehand with several partitions (as Kafka
 /// Connect's topics often are) is refused by name, in both delivery modes
 /// and by `check`: each start would scan every partition, and a key moved
