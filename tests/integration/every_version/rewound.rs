@@ -129,9 +129,9 @@ async fn scenario(name: &str, kafka: &str) {
     copy_dir(&pg.data_dir, &backup);
     start(pg);
     let client = pg.client("postgres").await;
-    let daemon = Daemon::start(&cfg, &log);
+    let daemon = Daemon::start(cfg, log);
     let (second, _) = write_events(&client, 20, 2, 4, &["Order"], 20).await;
-    wait_ids(brokers, &[&topic], &second.iter().map(|e| e.id).collect()).await;
+    wait_ids(brokers, &[topic], &second.iter().map(|e| e.id).collect()).await;
     assert!(daemon.sigterm().success());
     drop(client);
 
