@@ -328,6 +328,10 @@ pub struct SinkKind {
     /// Kafka refuses is exactly the record it refuses. The relay uses it,
     /// briefly, after a refusal.
     pub one_per_batch: bool,
+    /// A producer of its own although the kind could share one: the
+    /// relay's deliveries failed on the shared producer, and further
+    /// failures must not purge the other sources' queues.
+    pub own_producer: bool,
     /// A transactional producer with this `transactional.id`: records go
     /// into Kafka transactions ([`KafkaSink::begin_if_needed`],
     /// [`KafkaSink::commit_transaction`]).
@@ -350,7 +354,10 @@ impl SinkKind {
     /// transactional one (a Kafka transaction belongs to one producer),
     /// and not one whose batches are shaped for one relay's refusal.
     pub fn can_share(&self) -> bool {
-        self.transactional_id.is_none() && !self.one_per_batch && self.batch_bytes.is_none()
+        self.transactional_id.is_none()
+            && !self.one_per_batch
+            && !self.own_producer
+            && self.batch_bytes.is_none()
     }
 }
 

@@ -73,6 +73,14 @@
 //! the producer's generation). Its stream, slot and confirmed LSN go on as
 //! if nothing happened; `outboxd_resent_records_total` counts them.
 //!
+//! A session whose own delivery fails on the shared producer purges the
+//! others' queues once. The sessions after it send on a producer of their
+//! own (`Relay::alone_until`) until the slot is past everything the failed
+//! session read and `ALONE_QUIET` has passed without another failure:
+//! a source that keeps failing (a topic whose partitions have no leader, a
+//! stream of refused rows) costs the other sources one purge, however long
+//! the fault lasts.
+//!
 //! # Rows Kafka refuses
 //!
 //! A row that can never become a record (see `routing`) or cannot be read
@@ -298,6 +306,12 @@ impl RelayError {
     }
 }
 
+/// How long a source whose delivery failed on the shared producer keeps
+/// a producer of its own after its last failure (and after passing what
+/// failed): a minute of an idle producer's threads against a purge of
+/// every other source's queue at each retry.
+pub(crate) const ALONE_QUIET: Duration = Duration::from_secs(60);
+
 /// Why the slot the register remembers is missing: the history went back
 /// (the register lies past the server's WAL, so the slot was never in the
 /// restored backup), or the slot was lost (dropped, or not synced before a
@@ -335,6 +349,20 @@ pub struct Relay {
     /// Set after Kafka refused a batch: the insert LSN of the refused
     /// record. Until the slot passes it, sessions send one record per batch.
     isolate_until: Option<Lsn>,
+    /// Set after a delivery of this source failed on the shared producer
+    /// (which purged every source's queue): the last LSN the failed session
+    /// had read. Until the slot passes it, sessions send on a producer of
+    /// their own, so a source whose deliveries keep failing (a topic whose
+    /// `min.insync.replicas` cannot be met, say) costs the other sources
+    /// one purge, not one per retry.
+    alone_until: Option<Lsn>,
+    /// When a delivery of this source last failed while [`alone_until`]
+    /// was set: it stays on its own producer until [`ALONE_QUIET`] has
+    /// passed without one, so that refusals a few seconds apart (each
+    /// passed before the next) cost the other sources one purge too.
+    ///
+    /// [`alone_until`]: Relay::alone_until
+    last_failure: Option<Instant>,
     /// Exactly-once: records Kafka refused inside a transaction, which the
     /// replay sets aside.
     refused: RefusedRecords,
@@ -501,6 +529,7 @@ impl Relay {
         let t = Instant::now();
         let kind = SinkKind {
             one_per_batch: false,
+            own_producer: false,
             transactional_id: validated.transactional_id.clone(),
             fenced_by_lease: Some(config.postgres.leader_timeout.0),
             batch_bytes: None,
@@ -531,6 +560,8 @@ impl Relay {
             health,
             election,
             isolate_until: None,
+            alone_until: None,
+            last_failure: None,
             refused: RefusedRecords::default(),
             suspects: Default::default(),
             batch_bytes: None,
@@ -1105,6 +1136,7 @@ impl Relay {
             guard,
             open_commit_ms: 0,
             isolating: self.isolate_until.is_some(),
+            own_producer: self.alone_until.is_some() && !self.sink.shares_producer(),
             deliveries: Deliveries::new(self.sink.reports(), self.sink.shares_producer()),
             dead_letters: std::collections::VecDeque::new(),
             on_poison: self.config.routing.on_poison,
@@ -1193,6 +1225,21 @@ impl Relay {
                 if let RelayError::RefusedInTransaction { pos, refused, .. } = &e {
                     self.refused.insert(*pos, refused.clone());
                 }
+                // A delivery that failed on the shared producer purged the
+                // other sources' queues: the sessions after it send on a
+                // producer of their own until past what this one read.
+                let delivery_failed = matches!(
+                    e,
+                    RelayError::Kafka(_) | RelayError::BatchRefused { .. } | RelayError::DeadLetterFailed(_)
+                );
+                if delivery_failed && (self.sink.shares_producer() || self.alone_until.is_some()) {
+                    let until = self.alone_until.unwrap_or(Lsn::ZERO).max(s.received);
+                    if self.alone_until.is_none() {
+                        tracing::warn!(until = %until, "a delivery failed on the producer the sources share: this source sends on a producer of its own until it is past what failed, so that further failures cost the other sources nothing");
+                    }
+                    self.alone_until = Some(until);
+                    self.last_failure = Some(Instant::now());
+                }
                 // Exactly-once: nothing of the open Kafka transaction may
                 // become visible.
                 self.abort_open_transaction().await;
@@ -1216,6 +1263,7 @@ impl Relay {
         let (cfg, timeout) = (&self.config.kafka, self.config.kafka.admin_timeout.0);
         let kind = SinkKind {
             one_per_batch: self.isolate_until.is_some(),
+            own_producer: self.alone_until.is_some(),
             transactional_id: self.validated.transactional_id.clone(),
             fenced_by_lease: Some(self.config.postgres.leader_timeout.0),
             batch_bytes: self.batch_bytes,
@@ -1229,6 +1277,9 @@ impl Relay {
     /// Exactly-once: nothing waits for a Kafka commit either, and the new
     /// producer registers its transactional.id first.
     async fn end_isolation(&mut self, s: &mut Session) -> Result<bool, RelayError> {
+        if s.own_producer && !s.isolating {
+            return self.end_own_producer(s);
+        }
         let passed = self.isolate_until.is_none_or(|until| s.tracker.flushed() > until);
         if !s.isolating || !passed {
             return Ok(true);
@@ -1251,7 +1302,28 @@ impl Relay {
                 .await?;
         }
         s.isolating = false;
+        s.own_producer = self.alone_until.is_some() && !self.sink.shares_producer();
         tracing::info!("past the record Kafka refused; sending in batches again");
+        Ok(true)
+    }
+
+    /// Back to the shared producer once the slot is past what failed on
+    /// it ([`Relay::alone_until`]): intake waits (`false`) until nothing is
+    /// in flight, so nothing queued on the own producer is dropped.
+    fn end_own_producer(&mut self, s: &mut Session) -> Result<bool, RelayError> {
+        let quiet = self.last_failure.is_none_or(|t| t.elapsed() >= ALONE_QUIET);
+        if !quiet || self.alone_until.is_some_and(|until| s.tracker.flushed() <= until) {
+            return Ok(true);
+        }
+        if s.tracker.inflight() > 0 || !s.deliveries.is_empty() || !s.dead_letters.is_empty() {
+            return Ok(false);
+        }
+        self.alone_until = None;
+        self.sink = self.new_sink()?;
+        s.deliveries
+            .follow(self.sink.reports(), self.sink.shares_producer());
+        s.own_producer = false;
+        tracing::info!("past what failed on the shared producer; sending on it again");
         Ok(true)
     }
 }

@@ -197,6 +197,12 @@ pub struct PollingRelay {
     /// After Kafka refused a batch: send one row at a time, waiting for
     /// each, up to and including this row (its handle: `tableoid:ctid`).
     isolate_until: Option<String>,
+    /// After a delivery failed on the shared producer (which purged every
+    /// source's queue), the last such failure: rounds send on a producer of
+    /// their own until one publishes without a failure once
+    /// `ALONE_QUIET` has passed since, so that a source whose deliveries
+    /// keep failing costs the other sources one purge, not one per round.
+    alone: Option<std::time::Instant>,
     /// The Schema Registry of the registry formats.
     registry: Option<crate::schema::Registry>,
     /// How a round reads the table, once a connection has resolved the
@@ -307,7 +313,7 @@ impl PollingRelay {
         health: Arc<Health>,
         clients: Arc<KafkaClients>,
     ) -> Result<Self, PollingError> {
-        let sink = Self::new_sink(&clients, &config, false)?;
+        let sink = Self::new_sink(&clients, &config, false, false)?;
         let registry = crate::schema::Registry::from_config(&config, Some((*metrics).clone()))
             .map_err(PollingError::RegistrySetup)?;
         if let Some(r) = &registry {
@@ -328,6 +334,7 @@ impl PollingRelay {
             election,
             watermark: Watermark::default(),
             isolate_until: None,
+            alone: None,
             registry,
             statements: None,
         })
@@ -342,10 +349,12 @@ impl PollingRelay {
         clients: &KafkaClients,
         config: &Config,
         isolating: bool,
+        alone: bool,
     ) -> Result<KafkaSink, KafkaSinkError> {
         let kind = SinkKind {
             fenced_by_lease: Some(config.postgres.leader_timeout.0),
             one_per_batch: isolating,
+            own_producer: alone,
             ..SinkKind::default()
         };
         clients.sink(&config.kafka, config.kafka.admin_timeout.0, &kind)
@@ -435,6 +444,12 @@ impl PollingRelay {
                 }
                 Err(e) if e.is_transient() => {
                     self.metrics.reconnects.inc();
+                    if matches!(e, PollingError::Kafka(_) | PollingError::BatchRefused { .. }) {
+                        if self.alone.is_none() {
+                            tracing::warn!("a delivery failed on the producer the sources share: this source sends on a producer of its own until a round publishes without a failure a minute later, so that further failures cost the other sources nothing");
+                        }
+                        self.alone = Some(std::time::Instant::now());
+                    }
                     if let PollingError::BatchRefused { .. } = &e {
                         tracing::warn!(error = %e, "polling round stopped");
                         continue;
@@ -442,7 +457,12 @@ impl PollingRelay {
                     tracing::warn!(error = %e, retry_in = ?backoff, "polling round failed; retrying");
                     self.health.set_streaming(None);
                     client = None;
-                    self.sink = Self::new_sink(&self.clients, &self.config, self.isolate_until.is_some())?;
+                    self.sink = Self::new_sink(
+                        &self.clients,
+                        &self.config,
+                        self.isolate_until.is_some(),
+                        self.alone.is_some(),
+                    )?;
                     self.wait(&mut shutdown, backoff).await;
                     backoff = (backoff * 2).min(self.config.postgres.reconnect_backoff_max.0);
                 }
@@ -511,8 +531,9 @@ impl PollingRelay {
         // One record per batch on a producer of its own while a refused
         // row is isolated, the shared producer otherwise.
         let isolating = self.isolate_until.is_some();
-        if self.sink.shares_producer() == isolating {
-            self.sink = Self::new_sink(&self.clients, &self.config, isolating)?;
+        let alone = self.alone.is_some();
+        if self.sink.shares_producer() == (isolating || alone) {
+            self.sink = Self::new_sink(&self.clients, &self.config, isolating, alone)?;
         }
         // The last round heard every report of what it sent, and sent
         // again nothing purged: this round may send on the producer's
@@ -633,6 +654,15 @@ impl PollingRelay {
             // The refused row was not selected again (published meanwhile,
             // or deleted): nothing is left to isolate.
             self.isolate_until = None;
+        }
+        let quiet = self
+            .alone
+            .is_some_and(|t| t.elapsed() >= crate::relay::ALONE_QUIET);
+        if quiet && failure.is_none() && !published.is_empty() {
+            // Every report heard: the next round goes back to the shared
+            // producer with nothing in flight.
+            tracing::info!("a round published without a failure; sending on the shared producer again");
+            self.alone = None;
         }
         if let Some(e) = failure {
             self.metrics.error(match &e {

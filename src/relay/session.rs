@@ -119,6 +119,10 @@ pub(super) struct Session {
     /// [`Relay::isolate_until`]); once the slot passes the refused record,
     /// intake pauses until nothing is in flight, then batching resumes.
     pub(super) isolating: bool,
+    /// This session sends on a producer of its own because a delivery
+    /// failed on the shared one (see [`Relay::alone_until`]); once the
+    /// slot passes what failed, it goes back to the shared producer.
+    pub(super) own_producer: bool,
     pub(super) deliveries: Deliveries,
     /// Dead letters to send after the current step.
     pub(super) dead_letters: std::collections::VecDeque<DeadLetterJob>,

@@ -286,6 +286,56 @@ async fn get(addr: SocketAddr, path: &str) -> Option<String> {
     .unwrap()
 }
 
+/// A source `name` of run `run` on `table`: slot `sp_<name>_<run>`, topics
+/// `sp<name><run>.<type>`, dead letters; `extra` at the source's top.
+fn source_toml(run: &str, url: &str, name: &str, table: &str, extra: &str) -> String {
+    format!(
+        r#"
+[[sources]]
+name = "{name}"
+{extra}
+[sources.postgres]
+url = "{url}"
+table = "{table}"
+slot = "sp_{name}_{run}"
+publication = "sp_{name}_{run}"
+status_interval = "100ms"
+reconnect_backoff_max = "1s"
+[sources.polling]
+interval = "50ms"
+[sources.routing]
+topic = "sp{name}{run}.{{aggregate_type}}"
+dead_letter_topic = "sp{name}{run}.dlq"
+on_poison = "dead-letter"
+"#
+    )
+}
+
+/// The file: the shared settings (records linger 300 ms in the shared
+/// queue), then `sources`.
+fn file_text(brokers: &str, listen: SocketAddr, sources: &[String]) -> String {
+    format!(
+        r#"
+[kafka]
+brokers = "{brokers}"
+topic_partitions = 3
+topic_replication_factor = 1
+admin_timeout = "5s"
+[kafka.options]
+"linger.ms" = "300"
+
+[http]
+listen = "{listen}"
+admin_token = "{token}"
+
+[shutdown]
+drain_timeout = "10s"
+{}"#,
+        sources.concat(),
+        token = crate::sources::TOKEN,
+    )
+}
+
 /// Threads of process `pid` whose name is `name`.
 fn threads_named(pid: u32, name: &str) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/task"))
@@ -331,48 +381,15 @@ async fn a_refusal_in_one_source_costs_the_others_a_resend_in_order() {
     strict_topic(&brokers, &topic("alpha")).await;
     let listen = free_listen();
     let url = db.superuser_url();
-    let source = |name: &str, table: &str, extra: &str| {
-        format!(
-            r#"
-[[sources]]
-name = "{name}"
-{extra}
-[sources.postgres]
-url = "{url}"
-table = "{table}"
-slot = "sp_{name}_{run}"
-publication = "sp_{name}_{run}"
-status_interval = "100ms"
-reconnect_backoff_max = "1s"
-[sources.polling]
-interval = "50ms"
-[sources.routing]
-topic = "{prefix}.{{aggregate_type}}"
-dead_letter_topic = "{prefix}.dlq"
-on_poison = "dead-letter"
-"#,
-            prefix = prefix(name)
-        )
-    };
-    let text = format!(
-        r#"
-[kafka]
-brokers = "{brokers}"
-topic_partitions = 3
-topic_replication_factor = 1
-admin_timeout = "5s"
-[kafka.options]
-"linger.ms" = "300"
-
-[http]
-listen = "{listen}"
-
-[shutdown]
-drain_timeout = "10s"
-{alpha}{beta}{gamma}"#,
-        alpha = source("alpha", "outbox", ""),
-        beta = source("beta", "outbox_b", ""),
-        gamma = source("gamma", "outbox_c", "mode = \"polling\""),
+    let source = |name: &str, table: &str, extra: &str| source_toml(run, &url, name, table, extra);
+    let text = file_text(
+        &brokers,
+        listen,
+        &[
+            source("alpha", "outbox", ""),
+            source("beta", "outbox_b", ""),
+            source("gamma", "outbox_c", "mode = \"polling\""),
+        ],
     );
     let dir = tempfile::tempdir().unwrap();
     let config = write_config(dir.path(), "outboxd.toml", &text);
@@ -414,6 +431,19 @@ drain_timeout = "10s"
                         .all(|s| sourced(&m, "outboxd_resent_records_total", s) > 0.0)
                 });
             if !caught {
+                // After its first failure alpha sends on a producer of its
+                // own (its later failures cost the others nothing): a
+                // restart of alpha alone puts it back on the shared one.
+                if last_refusal.is_some() {
+                    let (code, body) = crate::sources::http(
+                        "POST",
+                        listen,
+                        "/sources/alpha/restart",
+                        Some(crate::sources::TOKEN),
+                    )
+                    .await;
+                    assert_eq!(code, 200, "{body}");
+                }
                 // The row ahead is the fifth in its transaction: aggregate a4.
                 write(&sql, "outbox", &mut sa, 5, true).await;
                 ahead.insert(("a4".to_owned(), sa["a4"]));
@@ -477,8 +507,17 @@ drain_timeout = "10s"
         "beta's walsender is the same"
     );
     // One producer and one admin client in the process, once alpha is
-    // past its isolation (a producer of its own, sending one record per
-    // batch) and back on the shared one.
+    // back on the shared one: after its isolation (a producer of its own,
+    // sending one record per batch) it keeps a producer of its own for a
+    // minute without a failure, or until it restarts.
+    let (code, body) = crate::sources::http(
+        "POST",
+        listen,
+        "/sources/alpha/restart",
+        Some(crate::sources::TOKEN),
+    )
+    .await;
+    assert_eq!(code, 200, "{body}");
     let pid = daemon.pid();
     // (The slot register's writes come and go with clients of their own.)
     wait_for(
@@ -608,5 +647,88 @@ listen = "{listen}"
         .chain((3..=40).filter(|s| !x[..early].contains(s)))
         .collect();
     assert_eq!(rest, in_order, "the rest in order: {x:?}");
+    assert!(daemon.sigterm().success());
+}
+
+/// A source whose deliveries keep failing restarts again and again: here
+/// Kafka refuses one of its rows every 2 s (a timestamp too far ahead for
+/// its topic), each dead-lettered after its session ends. Only its first
+/// failure, on the shared producer, may purge the other sources' queues;
+/// its sessions after it send on a producer of their own until a minute
+/// has passed without a failure, so its neighbour sends nothing again
+/// however long the fault lasts, and every event still arrives in order.
+/// (A topic whose partitions have no leader fails the same way, every
+/// `message.timeout.ms`; on one broker it cannot be made.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_that_keeps_failing_costs_its_neighbours_one_purge() {
+    let run = &Uuid::new_v4().simple().to_string()[..6];
+    let db = TestDb::new("shared_failing").await;
+    let sql = db.client().await;
+    sql.batch_execute("CREATE TABLE outbox_b (LIKE outbox INCLUDING ALL);")
+        .await
+        .unwrap();
+    let topic = |name: &str| format!("sp{name}{run}.order");
+    let brokers = broker().brokers.clone();
+    strict_topic(&brokers, &topic("alpha")).await;
+    let listen = free_listen();
+    let url = db.superuser_url();
+    let text = file_text(
+        &brokers,
+        listen,
+        &[
+            source_toml(run, &url, "alpha", "outbox", ""),
+            source_toml(run, &url, "beta", "outbox_b", ""),
+        ],
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(dir.path(), "outboxd.toml", &text);
+    let log = dir.path().join("outboxd.log");
+    let _log_on_failure = crate::sources::LogOnFailure(log.clone());
+    let daemon = Daemon::start_logging(&config, &log, "info");
+    wait_for("beta streaming", Duration::from_secs(60), || async {
+        slot_pid(&sql, &format!("sp_beta_{run}")).await
+    })
+    .await;
+    let (mut sa, mut sb) = (HashMap::new(), HashMap::new());
+    let mut ahead = HashSet::new();
+    // Beta writes every 20 ms; alpha a refused row every 2 s, for 40 s.
+    let started = Instant::now();
+    let mut resent_at_10s = None;
+    let mut last_refusal: Option<Instant> = None;
+    while started.elapsed() < Duration::from_secs(40) {
+        write(&sql, "outbox_b", &mut sb, 5, false).await;
+        if last_refusal.is_none_or(|t| t.elapsed() > Duration::from_secs(2)) {
+            write(&sql, "outbox", &mut sa, 5, false).await;
+            write(&sql, "outbox", &mut sa, 5, true).await;
+            ahead.insert(("a4".to_owned(), sa["a4"]));
+            last_refusal = Some(Instant::now());
+        }
+        if resent_at_10s.is_none() && started.elapsed() > Duration::from_secs(10) {
+            let m = get(listen, "/metrics").await.unwrap();
+            resent_at_10s = Some(sourced(&m, "outboxd_resent_records_total", "beta"));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    arrive_in_order(&topic("alpha"), &sa, &ahead).await;
+    arrive_in_order(&topic("beta"), &sb, &HashSet::new()).await;
+    let m = get(listen, "/metrics").await.unwrap();
+    let failures = sourced(&m, "outboxd_reconnects_total", "alpha");
+    assert!(failures >= 5.0, "alpha kept failing: {failures} restarts");
+    let resent = sourced(&m, "outboxd_resent_records_total", "beta");
+    assert_eq!(
+        Some(resent),
+        resent_at_10s,
+        "beta sent nothing again from 10 s on while alpha failed {failures} times"
+    );
+    assert_eq!(sourced(&m, "outboxd_reconnects_total", "beta"), 0.0);
+    // A minute without a failure: alpha is back on the shared producer.
+    let pid = daemon.pid();
+    write(&sql, "outbox", &mut sa, 5, false).await;
+    wait_for("one producer again", Duration::from_secs(120), || async {
+        (threads_named(pid, "outboxd-produce") == 1).then_some(())
+    })
+    .await;
+    write(&sql, "outbox", &mut sa, 5, false).await;
+    arrive_in_order(&topic("alpha"), &sa, &ahead).await;
     assert!(daemon.sigterm().success());
 }

@@ -12,7 +12,7 @@ use crate::harness::postgres::{self, free_port, PgServer};
 use crate::harness::{wait_for, TestDb};
 use crate::relay::{confirmed_flush, write_config, Daemon};
 
-const TOKEN: &str = "sources-test-token-0123456789";
+pub(crate) const TOKEN: &str = "sources-test-token-0123456789";
 
 /// One source of the test: where it writes and where its events go.
 #[derive(Clone)]
@@ -183,7 +183,12 @@ async fn slot_pid(client: &tokio_postgres::Client, slot: &str) -> Option<i32> {
 }
 
 /// An HTTP request with an optional bearer token: status and body.
-async fn http(method: &'static str, addr: SocketAddr, path: &str, token: Option<&str>) -> (u16, String) {
+pub(crate) async fn http(
+    method: &'static str,
+    addr: SocketAddr,
+    path: &str,
+    token: Option<&str>,
+) -> (u16, String) {
     let url = format!("http://{addr}{path}");
     let token = token.map(str::to_owned);
     tokio::task::spawn_blocking(move || {
