@@ -1296,6 +1296,7 @@ mod tests {
             transactional_id: Some("outboxd.s".into()),
             fenced_by_lease: Some(Duration::from_secs(8)),
             batch_bytes: None,
+            own_producer: false,
         };
         let c = producer_config(&kafka(&[("enable.sparse.connections", "true")]), &kind);
         assert_eq!(c.get("enable.sparse.connections"), Some("true"));
