@@ -238,6 +238,8 @@ impl Supervisor {
                 return Ending::Failed;
             }
             tokio::select! {
+                // Shutdown first: no verb starts a source after it.
+                biased;
                 _ = stop.changed() => break,
                 Some(exit) = self.exits.recv() => self.ended(exit),
                 Some(c) = self.control.recv() => {
@@ -420,7 +422,9 @@ impl Supervisor {
                     for abort in aborts.values() {
                         abort.abort();
                     }
-                    deadline = tokio::time::Instant::now() + Duration::from_secs(3600);
+                    // An aborted task ends at its next await; abort again
+                    // if one has not.
+                    deadline = tokio::time::Instant::now() + Duration::from_secs(5);
                 }
                 () = &mut heard, if !interrupted => {
                     interrupted = true;

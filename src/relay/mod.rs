@@ -1232,13 +1232,22 @@ impl Relay {
                     e,
                     RelayError::Kafka(_) | RelayError::BatchRefused { .. } | RelayError::DeadLetterFailed(_)
                 );
+                // Records of this session already sent on the shared
+                // producer may still be stored (librdkafka retries them): a
+                // producer of its own sends the replay only once each of
+                // them is reported, or the replay could land ahead of them.
                 if delivery_failed && (self.sink.shares_producer() || self.alone_until.is_some()) {
+                    let heard = !self.sink.shares_producer() || self.hear_out(&mut s).await;
                     let until = self.alone_until.unwrap_or(Lsn::ZERO).max(s.received);
-                    if self.alone_until.is_none() {
-                        tracing::warn!(until = %until, "a delivery failed on the producer the sources share: this source sends on a producer of its own until it is past what failed, so that further failures cost the other sources nothing");
+                    if !heard {
+                        tracing::warn!("records sent before the failure are still unreported: this source stays on the shared producer, behind them");
+                    } else {
+                        if self.alone_until.is_none() {
+                            tracing::warn!(until = %until, "a delivery failed on the producer the sources share: this source sends on a producer of its own until it is past what failed, so that further failures cost the other sources nothing");
+                        }
+                        self.alone_until = Some(until);
+                        self.last_failure = Some(Instant::now());
                     }
-                    self.alone_until = Some(until);
-                    self.last_failure = Some(Instant::now());
                 }
                 // Exactly-once: nothing of the open Kafka transaction may
                 // become visible.
@@ -1305,6 +1314,22 @@ impl Relay {
         s.own_producer = self.alone_until.is_some() && !self.sink.shares_producer();
         tracing::info!("past the record Kafka refused; sending in batches again");
         Ok(true)
+    }
+
+    /// Waits for the report of every record the session sent (each ends
+    /// stored or failed within `message.timeout.ms`); whether all came.
+    async fn hear_out(&self, s: &mut Session) -> bool {
+        let timeout = self
+            .config
+            .kafka
+            .options
+            .get("message.timeout.ms")
+            .and_then(|ms| ms.parse::<u64>().ok())
+            .map_or(self.config.postgres.leader_timeout.0, Duration::from_millis);
+        let all = async { while s.deliveries.next().await.is_some() {} };
+        tokio::time::timeout(timeout + Duration::from_secs(5), all)
+            .await
+            .is_ok()
     }
 
     /// Back to the shared producer once the slot is past what failed on

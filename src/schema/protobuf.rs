@@ -33,21 +33,24 @@ pub struct ProtobufCodec {
     /// The message reaches a `double` or `float`: payloads are checked
     /// for integers such a field would round (see [`super::numbers`]).
     floating: bool,
+    /// The message reaches a 64-bit integer field, which the Protobuf
+    /// reader fills with the nearest value from an integer beyond 64 bits
+    /// (`2^64` becomes `u64::MAX`): a payload holding one is checked.
+    wide: bool,
 }
 
 struct OneFile(String);
 
-/// Whether `message` (or a message it holds) has a `double` or `float`
-/// field, or is a well-known type that holds one.
-fn reaches_floating(message: &MessageDescriptor, seen: &mut Vec<String>) -> bool {
+/// Whether `message` (or a message it holds, well-known types included)
+/// has a field of a kind `wanted` picks.
+fn reaches(message: &MessageDescriptor, seen: &mut Vec<String>, wanted: &dyn Fn(&Kind) -> bool) -> bool {
     if seen.iter().any(|s| s == message.full_name()) {
         return false;
     }
     seen.push(message.full_name().to_owned());
     message.fields().any(|f| match f.kind() {
-        Kind::Double | Kind::Float => true,
-        Kind::Message(m) => reaches_floating(&m, seen),
-        _ => false,
+        Kind::Message(m) => reaches(&m, seen, wanted),
+        k => wanted(&k),
     })
 }
 
@@ -145,6 +148,14 @@ fn check_single(kind: &Kind, v: &Value, path: &mut String, huge: &mut Huge<'_>) 
     match (kind, v) {
         (Kind::Double, Value::Number(n)) => exact(n, 64, path, huge),
         (Kind::Float, Value::Number(n)) => exact(n, 32, path, huge),
+        (Kind::Int64 | Kind::Uint64 | Kind::Sint64 | Kind::Fixed64 | Kind::Sfixed64, Value::Number(n))
+            if huge.holds_number(n) =>
+        {
+            Err(Misfit {
+                path: path.to_owned(),
+                reason: numbers::HUGE_REASON.to_owned(),
+            })
+        }
         (Kind::Message(m), v) => check_exact(m, v, path, huge),
         _ => Ok(()),
     }
@@ -217,7 +228,15 @@ impl ProtobufCodec {
         Ok(ProtobufCodec {
             top,
             name: chosen.full_name().to_owned(),
-            floating: reaches_floating(&chosen, &mut Vec::new()),
+            floating: reaches(&chosen, &mut Vec::new(), &|k| {
+                matches!(k, Kind::Double | Kind::Float)
+            }),
+            wide: reaches(&chosen, &mut Vec::new(), &|k| {
+                matches!(
+                    k,
+                    Kind::Int64 | Kind::Uint64 | Kind::Sint64 | Kind::Fixed64 | Kind::Sfixed64
+                )
+            }),
             message: chosen,
             indexes,
         })
@@ -238,9 +257,10 @@ impl ProtobufCodec {
             path: dollar(&track.path().to_string()),
             reason: e.to_string(),
         })?;
-        if self.floating {
+        if self.floating || (self.wide && !numbers::huge_integers(json).is_empty()) {
             // Read once more as plain JSON, only for messages with a
-            // floating-point field: the message holds the rounded value.
+            // floating-point field, or a 64-bit one and a huge integer in
+            // the payload: the message holds the rounded value.
             let value: Value = serde_json::from_str(json).map_err(|e| Misfit {
                 path: "$".into(),
                 reason: e.to_string(),
@@ -398,11 +418,29 @@ mod tests {
             &mut Vec::new(),
         )
         .unwrap();
-        assert!(
-            !ProtobufCodec::parse(SCHEMA, Some("shop.OrderPlaced"))
-                .unwrap()
-                .floating
-        );
+        // 64-bit integer fields: the reader would saturate one beyond 64
+        // bits (2^64 as u64::MAX).
+        let wide = ProtobufCodec::parse(
+            "syntax = \"proto3\";\nmessage W { uint64 u = 1; int64 i = 2; repeated sint64 r = 3; }\n",
+            Some("W"),
+        )
+        .unwrap();
+        assert!(wide.wide && !wide.floating);
+        for (json, path) in [
+            (r#"{"u": 18446744073709551616}"#, "$.u"),
+            (r#"{"i": -9223372036854775809}"#, "$.i"),
+            (r#"{"r": [1, 99999999999999999999]}"#, "$.r[1]"),
+        ] {
+            let e = wide.encode(json, &mut Vec::new()).map(|_| ()).unwrap_err();
+            assert_eq!(e.path, path, "{json}");
+        }
+        wide.encode(
+            r#"{"u": 18446744073709551615, "i": -9223372036854775808}"#,
+            &mut Vec::new(),
+        )
+        .unwrap();
+        let order = ProtobufCodec::parse(SCHEMA, Some("shop.OrderPlaced")).unwrap();
+        assert!(!order.floating && order.wide);
     }
 
     #[test]
