@@ -558,11 +558,23 @@ async fn an_unpredicted_refusal_parks_the_aggregate(delivery: &str) {
         first_copies(&got, &format!("{prefix}-B")),
         (1..=12).collect::<Vec<_>>()
     );
-    assert_eq!(
-        first_copies(&got, &format!("{prefix}-A")),
-        vec![1],
-        "nothing of A after the refused event"
-    );
+    let a = first_copies(&got, &format!("{prefix}-A"));
+    // Exactly-once: nothing of A after the refused event (the transaction
+    // aborted). At least once with a compressed producer, A's batches
+    // already in flight behind the refused one may be stored, even ahead of
+    // a later event that is parked: the window docs/guarantees.md names
+    // ("not closed": sizes are unknown before sending). What holds there:
+    // A's first event first, the refused one parked, and every later one
+    // parked behind it (below).
+    if delivery == "exactly-once" {
+        assert_eq!(a, vec![1], "nothing of A after the refused event");
+    } else {
+        assert_eq!(a.first(), Some(&1), "{a:?}");
+        assert!(!a.contains(&2), "the refused event is parked: {a:?}");
+        if a.len() > 1 {
+            eprintln!("A's events stored behind the refused batch (in flight at the refusal): {a:?}");
+        }
+    }
     let head: String = client
         .query_one(
             "SELECT head_id FROM outboxd_parked_sequences WHERE slot = $1",
@@ -572,6 +584,8 @@ async fn an_unpredicted_refusal_parks_the_aggregate(delivery: &str) {
         .unwrap()
         .get(0);
     assert_eq!(head, big.to_string());
+    // The replay parks every event of A from the refused one on (those
+    // stored in flight too): nothing is lost.
     assert_eq!(parked_count(&client, slot).await, 11);
     stop_relay(handle, tx).await;
 }
