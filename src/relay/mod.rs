@@ -306,6 +306,11 @@ impl RelayError {
     }
 }
 
+/// Nothing of the session waits for Kafka: producers may be swapped.
+fn nothing_in_flight(s: &Session) -> bool {
+    s.tracker.inflight() == 0 && s.deliveries.is_empty() && s.dead_letters.is_empty()
+}
+
 /// How long a source whose delivery failed on the shared producer keeps
 /// a producer of its own after its last failure (and after passing what
 /// failed): a minute of an idle producer's threads against a purge of
@@ -1298,13 +1303,11 @@ impl Relay {
         if !s.durability.settled() {
             return Ok(true);
         }
-        if s.tracker.inflight() > 0 || !s.deliveries.is_empty() || !s.dead_letters.is_empty() {
+        if !nothing_in_flight(s) {
             return Ok(false);
         }
         self.isolate_until = None;
-        self.sink = self.new_sink()?;
-        s.deliveries
-            .follow(self.sink.reports(), self.sink.shares_producer());
+        self.swap_sink(s)?;
         if self.validated.transactional_id.is_some() {
             self.sink
                 .init_transactions(self.config.kafka.exactly_once.commit_timeout.0)
@@ -1314,6 +1317,15 @@ impl Relay {
         s.own_producer = self.alone_until.is_some() && !self.sink.shares_producer();
         tracing::info!("past the record Kafka refused; sending in batches again");
         Ok(true)
+    }
+
+    /// A new sink of the kind the relay's state asks for, its reports
+    /// followed by the session (call with nothing in flight).
+    fn swap_sink(&mut self, s: &mut Session) -> Result<(), RelayError> {
+        self.sink = self.new_sink()?;
+        s.deliveries
+            .follow(self.sink.reports(), self.sink.shares_producer());
+        Ok(())
     }
 
     /// Waits for the report of every record the session sent (each ends
@@ -1340,13 +1352,11 @@ impl Relay {
         if !quiet || self.alone_until.is_some_and(|until| s.tracker.flushed() <= until) {
             return Ok(true);
         }
-        if s.tracker.inflight() > 0 || !s.deliveries.is_empty() || !s.dead_letters.is_empty() {
+        if !nothing_in_flight(s) {
             return Ok(false);
         }
         self.alone_until = None;
-        self.sink = self.new_sink()?;
-        s.deliveries
-            .follow(self.sink.reports(), self.sink.shares_producer());
+        self.swap_sink(s)?;
         s.own_producer = false;
         tracing::info!("past what failed on the shared producer; sending on it again");
         Ok(true)
