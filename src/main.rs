@@ -270,7 +270,8 @@ async fn parked(args: ParkedArgs) -> ExitCode {
             } else {
                 println!("{:<32} {:<24} {:>7} {:<28} {:<25} HEAD", "TOPIC", "KEY", "EVENTS", "REASON", "PARKED AT");
                 for s in &l {
-                    println!("{:<32} {:<24} {:>7} {:<28} {:<25} {}", s.topic, s.key, s.events, s.head_reason, s.parked_at, s.head_id);
+                    let back = if s.handed_back { " (handed back: outboxd publishes the rest)" } else { "" };
+                    println!("{:<32} {:<24} {:>7} {:<28} {:<25} {}{back}", s.topic, s.key, s.events, s.head_reason, s.parked_at, s.head_id);
                 }
             }
         }),
@@ -293,7 +294,7 @@ async fn parked(args: ParkedArgs) -> ExitCode {
             match p::redrive(&config, &validated, &selection(&which, topic), &options).await {
                 Ok(r) if r.left > 0 => Err(p::ParkedError::Incomplete(r.left)),
                 Ok(r) => {
-                    println!("redriven: {} event(s) published, {} sequence(s) released", r.published, r.released);
+                    println!("redriven: {} event(s) published, {} sequence(s) released{}", r.published, r.released, handed_back(&r));
                     Ok(())
                 }
                 Err(e) => Err(e),
@@ -304,7 +305,7 @@ async fn parked(args: ParkedArgs) -> ExitCode {
             match p::skip(&config, &validated, &id, &options).await {
                 Ok(r) if r.left > 0 => Err(p::ParkedError::Incomplete(r.left)),
                 Ok(r) => {
-                    println!("skipped {id}; redriven: {} event(s) published, {} sequence(s) released", r.published, r.released);
+                    println!("skipped {id}; redriven: {} event(s) published, {} sequence(s) released{}", r.published, r.released, handed_back(&r));
                     Ok(())
                 }
                 Err(e) => Err(e),
@@ -750,6 +751,14 @@ async fn status(path: PathBuf, json: bool) -> ExitCode {
         ExitCode::FAILURE
     } else {
         ExitCode::SUCCESS
+    }
+}
+
+/// The tail of a redrive's summary: the sequences handed back to the relay.
+fn handed_back(r: &outboxd::cli::parked::Redriven) -> String {
+    match r.handed_back {
+        0 => String::new(),
+        n => format!(", {n} handed back to outboxd (still written to: it publishes the rest in order and releases them)"),
     }
 }
 

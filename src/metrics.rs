@@ -75,6 +75,7 @@ pub struct Metrics {
     /// Events parked, by the reason their sequence's head was parked for
     /// (`behind` for an event parked behind its head).
     pub parked_total: IntCounterVec,
+    pub parked_handed_back: IntCounter,
 }
 
 /// Every `outcome` of `outboxd_schema_registry_requests_total`.
@@ -290,6 +291,11 @@ impl Metrics {
         for reason in DEAD_LETTER_REASONS.iter().chain(&["behind"]) {
             parked_total.with_label_values(&[reason]);
         }
+        let parked_handed_back = counter(
+            &registry,
+            "outboxd_parked_handed_back_total",
+            "Parked events the relay published itself after a redrive handed their sequence back (a busy aggregate).",
+        )?;
         let parked_oldest_age_seconds = register(
             &registry,
             Gauge::new(
@@ -307,6 +313,7 @@ impl Metrics {
             parked_bytes: gauge(&registry, "outboxd_parked_bytes", "Bytes of parked events.")?,
             parked_oldest_age_seconds,
             parked_total,
+            parked_handed_back,
             schema_registry_requests,
             schema_cache,
             schema_mismatches,

@@ -74,6 +74,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0009_outboxd_parked.sql",
         sql: include_str!("../../migrations/0009_outboxd_parked.sql"),
     },
+    Migration {
+        version: 10,
+        name: "0010_outboxd_parked_handback.sql",
+        sql: include_str!("../../migrations/0010_outboxd_parked_handback.sql"),
+    },
 ];
 
 /// PostgreSQL truncates identifiers longer than this (NAMEDATALEN - 1).

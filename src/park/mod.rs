@@ -43,6 +43,7 @@
 //! event of the sequence is so published once, in order: by the redrive
 //! before the header goes, or by the relay after.
 
+pub mod publish;
 pub mod set;
 pub mod store;
 

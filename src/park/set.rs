@@ -25,6 +25,9 @@ pub struct ParkedSet {
     bytes: u64,
     /// When the oldest sequence was parked (Unix seconds).
     oldest: Option<i64>,
+    /// Sequences a redrive handed back to the relay (see
+    /// [`crate::park::SequenceHead::handback`]), oldest first.
+    handback: Vec<(String, String)>,
     limits: Limits,
 }
 
@@ -45,6 +48,22 @@ impl ParkedSet {
         self.events = heads.iter().map(|h| u64::try_from(h.events).unwrap_or(0)).sum();
         self.bytes = heads.iter().map(|h| u64::try_from(h.bytes).unwrap_or(0)).sum();
         self.oldest = heads.iter().map(|h| h.parked_at.timestamp()).min();
+        self.handback = heads
+            .iter()
+            .filter(|h| h.handback)
+            .map(|h| (h.topic.clone(), h.key.clone()))
+            .collect();
+    }
+
+    /// Handed-back sequences the relay did not publish now stay parked,
+    /// and are due again when the sequences are next read.
+    pub fn defer_handbacks(&mut self) {
+        self.handback.clear();
+    }
+
+    /// The sequences handed back to the relay, for it to publish.
+    pub fn handed_back(&self) -> &[(String, String)] {
+        &self.handback
     }
 
     /// No sequence is parked: nothing to look up per event.
@@ -117,6 +136,7 @@ impl ParkedSet {
     /// The sequence was released (its header is gone).
     pub fn released(&mut self, topic: &str, key: &str) {
         self.heads.remove(&(topic.to_owned(), key.to_owned()));
+        self.handback.retain(|(t, k)| t != topic || k != key);
     }
 
     /// Parked sequences, events and bytes, and the oldest sequence's

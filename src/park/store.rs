@@ -116,6 +116,10 @@ pub struct SequenceHead {
     /// Parked events of the sequence, the head included, and their bytes.
     pub events: i64,
     pub bytes: i64,
+    /// A redrive caught up with what the slot had durably passed and
+    /// handed the rest to the relay, which publishes it ahead of the
+    /// sequence's later events (see [`crate::relay`]'s parking).
+    pub handback: bool,
 }
 
 /// `created_at` as text PostgreSQL and [`CreatedAt::parse`] read back
@@ -202,6 +206,8 @@ pub struct ParkStore {
     /// The relay's walsender: parking needs it to hold the slot still (a
     /// leader frozen while another took the slot over parks nothing).
     fenced_by: Option<i32>,
+    /// The sequences table has migration 0010's `handback` column.
+    handback: bool,
 }
 
 impl std::fmt::Debug for ParkStore {
@@ -262,6 +268,17 @@ impl ParkStore {
                 }
             }
         }
+        // Migration 0010: without it, a redrive waits for a busy
+        // sequence's writes to pause, as before.
+        let handback: bool = client
+            .query_one(
+                "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute \
+                  WHERE attrelid = to_regclass(quote_ident($1) || '.outboxd_parked_sequences') \
+                    AND attname = 'handback' AND NOT attisdropped)",
+                &[&schema_name],
+            )
+            .await?
+            .get(0);
         // A lock held by a stalled `outboxd parked` must not hold up the
         // relay for good: waiting is an error, and the session tries again.
         client.batch_execute("SET lock_timeout = '10s'").await?;
@@ -271,6 +288,7 @@ impl ParkStore {
             schema,
             slot: slot.to_owned(),
             fenced_by: None,
+            handback,
         })
     }
 
@@ -289,11 +307,31 @@ impl ParkStore {
         self.client.is_closed()
     }
 
+    /// Whether a redrive can hand a sequence back to the relay (migration
+    /// 0010 is applied).
+    pub fn hands_back(&self) -> bool {
+        self.handback
+    }
+
+    /// Hands a sequence back to the relay: it publishes the events left
+    /// ahead of the sequence's later ones. Whether the header was there.
+    pub async fn hand_back(&self, topic: &str, key: &str) -> Result<bool, ParkError> {
+        if !self.handback {
+            return Ok(false);
+        }
+        let sql = format!(
+            "UPDATE {}outboxd_parked_sequences SET handback = true WHERE (slot, topic, key) = ($1, $2, $3)",
+            self.schema
+        );
+        Ok(self.client.execute(&sql, &[&self.slot, &topic, &key]).await? == 1)
+    }
+
     /// Every parked sequence of the slot, oldest first, with its counts.
     pub async fn heads(&self) -> Result<Vec<SequenceHead>, ParkError> {
+        let handback = if self.handback { "s.handback" } else { "false" };
         let sql = format!(
             "SELECT s.topic, s.key, s.head_lsn::text, s.head_index, s.head_id, s.head_reason, s.parked_at, \
-                    count(p.position), coalesce(sum(p.bytes), 0)::bigint \
+                    count(p.position), coalesce(sum(p.bytes), 0)::bigint, {handback} \
                FROM {0}outboxd_parked_sequences s \
                LEFT JOIN {0}outboxd_parked p ON (p.slot, p.topic, p.key) = (s.slot, s.topic, s.key) \
               WHERE s.slot = $1 \
@@ -316,6 +354,7 @@ impl ParkStore {
                     parked_at: r.get(6),
                     events: r.get(7),
                     bytes: r.get(8),
+                    handback: r.get(9),
                 })
             })
             .collect()
@@ -515,9 +554,12 @@ impl ParkStore {
         );
         tx.execute(&sql, &[&self.slot, &lsn_text, &index, &reason, &error])
             .await?;
+        // A head that fails ends a handback: the sequence waits for the
+        // operator again.
+        let handback = if self.handback { ", handback = false" } else { "" };
         let sql = format!(
             "UPDATE {}outboxd_parked_sequences SET head_lsn = $4::text::pg_lsn, head_index = $5, \
-                    head_id = $6, head_reason = $7 \
+                    head_id = $6, head_reason = $7{handback} \
               WHERE (slot, topic, key) = ($1, $2, $3)",
             self.schema
         );

@@ -16,6 +16,33 @@
 //! Every write runs under the replication keepalive; a failed one ends
 //! the session (a transient failure) or stops outboxd (a missing table or
 //! privilege, a limit reached): the slot holds the event, never dropped.
+//!
+//! # Handback
+//!
+//! A redrive that has published a sequence's head and everything the slot
+//! has durably passed hands the rest back ([`crate::cli::parked`]): the
+//! events the relay parked since, which it has read already. The relay
+//! sees the flag when it reads the sequences (every [`REFRESH`]) and, at
+//! the next boundary between PostgreSQL transactions:
+//!
+//! 1. stops reading the stream until nothing it sent is in flight and,
+//!    exactly-once, the open Kafka transaction has committed: every parked
+//!    event's transaction is then retired (`tracker.flushed()` past it),
+//!    so no replay of this session's history parks or publishes it again
+//!    after the release (exactly-once, its progress record covers it);
+//! 2. publishes the sequence's rows in order with
+//!    [`crate::park::publish::Publisher`] (one acknowledged record at a
+//!    time, or Kafka transactions with the redrive's marker) and deletes
+//!    each once it is in Kafka;
+//! 3. releases the sequence, so its later events are published as they
+//!    come, behind the rows just acknowledged.
+//!
+//! Rows the stream has not passed yet in this session (parked by an
+//! earlier session past the slot's confirmed position) wait for the
+//! replay to pass them. A row that fails clears the flag and becomes the
+//! head: the sequence waits for the operator again. A crash in between
+//! leaves the flag and the rows not yet deleted, and the next session
+//! finishes (at-least-once, possibly publishing a row again).
 
 use std::time::Duration;
 
@@ -27,6 +54,7 @@ use crate::config::columns::Role;
 use crate::kafka::records::TopicValues;
 use crate::lsn::RowPos;
 use crate::ops::health::{Parked, ParkedSequence, PARKED_SHOWN};
+use crate::park::publish::{Failed, PublishError, Publisher, BATCH};
 use crate::park::{ParkStore, ParkedEvent, ParkedRow, ParkedSet};
 use crate::relay::progress::TxnId;
 use crate::source::outbox::{OutboxRow, UnreadableRow};
@@ -409,6 +437,136 @@ impl Relay {
             .keep_alive_while(received, flushed, every, store.heads())
             .await??;
         parking.set.load(&heads);
+        parking.refreshed = Some(Instant::now());
+        publish_parked(&self.metrics, &self.health, &parking.set, &heads);
+        Ok(())
+    }
+}
+
+impl From<PublishError> for RelayError {
+    fn from(e: PublishError) -> Self {
+        match e {
+            PublishError::Park(e) => RelayError::Park(e),
+            PublishError::Kafka(e) => RelayError::Kafka(e),
+            PublishError::Progress(e) => RelayError::Progress(e),
+            PublishError::Schema(e) => RelayError::Schema(e),
+            PublishError::RegistrySetup(e) => RelayError::RegistrySetup(e),
+        }
+    }
+}
+
+impl Relay {
+    /// Whether a redrive handed a sequence back (see the module's
+    /// "Handback"): intake pauses at the next transaction boundary.
+    pub(super) fn handback_due(&self) -> bool {
+        self.parking
+            .as_ref()
+            .is_some_and(|p| !p.set.handed_back().is_empty())
+    }
+
+    /// Publishes the sequences handed back and releases them. Call between
+    /// PostgreSQL transactions, with nothing in flight and (exactly-once)
+    /// no Kafka transaction open.
+    pub(super) async fn hand_back(
+        &mut self,
+        stream: &mut OutboxStream,
+        s: &Session,
+    ) -> Result<(), RelayError> {
+        let due: Vec<(String, String)> = match self.parking.as_ref() {
+            Some(p) => p.set.handed_back().to_vec(),
+            None => return Ok(()),
+        };
+        if due.is_empty() {
+            return Ok(());
+        }
+        if !self.election.still_held() {
+            return Err(RelayError::LeadershipLost);
+        }
+        // Every transaction read so far is retired: its parked rows are
+        // never streamed to this relay again.
+        let covered = s.tracker.flushed();
+        let (received, flushed, every) = s.beat();
+        let mut publisher = stream
+            .keep_alive_while(
+                received,
+                flushed,
+                every,
+                Publisher::new(&self.config, &self.validated),
+            )
+            .await??;
+        let Some(parking) = self.parking.as_mut() else {
+            return Ok(());
+        };
+        let Some(store) = parking.store.as_mut() else {
+            return Ok(());
+        };
+        stream
+            .keep_alive_while(received, flushed, every, publisher.finish_committed(store))
+            .await??;
+        for (topic, key) in due {
+            let last = stream
+                .keep_alive_while(received, flushed, every, store.last_lsn(&topic, &key))
+                .await??;
+            if last.is_some_and(|l| l >= covered) {
+                // Parked by an earlier session past the slot's confirmed
+                // position: the replay passes it first.
+                tracing::debug!(
+                    topic,
+                    key,
+                    "a handed-back sequence waits for the replay to pass its rows"
+                );
+                continue;
+            }
+            let mut published = 0;
+            let failed = loop {
+                let batch = stream
+                    .keep_alive_while(received, flushed, every, store.events(&topic, &key, None, BATCH))
+                    .await??;
+                if batch.is_empty() {
+                    if stream
+                        .keep_alive_while(received, flushed, every, store.release(&topic, &key))
+                        .await??
+                    {
+                        break None;
+                    }
+                    continue;
+                }
+                if !self.election.still_held() {
+                    return Err(RelayError::LeadershipLost);
+                }
+                let rows: Vec<&ParkedEvent> = batch.iter().collect();
+                let (n, failed) = stream
+                    .keep_alive_while(
+                        received,
+                        flushed,
+                        every,
+                        publisher.publish(store, &topic, &key, &rows),
+                    )
+                    .await??;
+                published += n;
+                self.metrics.parked_handed_back.inc_by(n);
+                if failed.is_some() {
+                    break failed;
+                }
+            };
+            match failed {
+                None => {
+                    parking.set.released(&topic, &key);
+                    tracing::info!(topic, key, events = published, "handed back by a redrive: published the rest of the parked sequence in order and released it");
+                }
+                Some(Failed { id, reason, error }) => {
+                    tracing::warn!(topic, key, events = published, id, reason, error,
+                        "handed back by a redrive, but an event of it cannot be published: it is the sequence's head now, and the sequence waits for `outboxd parked redrive` again");
+                }
+            }
+        }
+        // The metrics follow at once. What waits for the replay (and a
+        // handback made meanwhile) is due at the next regular read.
+        let heads = stream
+            .keep_alive_while(received, flushed, every, store.heads())
+            .await??;
+        parking.set.load(&heads);
+        parking.set.defer_handbacks();
         parking.refreshed = Some(Instant::now());
         publish_parked(&self.metrics, &self.health, &parking.set, &heads);
         Ok(())

@@ -61,7 +61,12 @@ impl Relay {
             let (max_inflight, max_inflight_bytes) =
                 self.config.kafka.inflight_budget(self.sink.partitions_in_use());
             let (held_rows, held_bytes) = s.durability.held();
+            // A sequence handed back by a redrive is published between two
+            // PostgreSQL transactions, once nothing is in flight (see
+            // `parking`'s "Handback").
+            let handing_back = s.open.is_none() && self.handback_due();
             let intake = s.pending_failure.is_none()
+                && !handing_back
                 && leading
                 && s.deliveries.len() + held_rows < max_inflight
                 && s.deliveries.bytes() + held_bytes < max_inflight_bytes
@@ -145,6 +150,15 @@ impl Relay {
             }
             if !failing && s.durability.releasable() && leading {
                 self.release_held(stream, s).await?;
+            }
+            if handing_back
+                && !failing
+                && s.open.is_none()
+                && s.durability.settled()
+                && super::nothing_in_flight(s)
+                && s.to_park.is_empty()
+            {
+                self.hand_back(stream, s).await?;
             }
             // Confirm soon after acknowledgements move the flush position,
             // not only on the timer, but at most every EAGER_CONFIRM.

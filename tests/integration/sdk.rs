@@ -496,7 +496,8 @@ async fn migration_0004_separates_histories_the_old_key_mixed() {
             "0006_event_time_index.sql",
             "0007_outbox_emit.sql",
             "0008_outbox_order_and_emit_grants.sql",
-            "0009_outboxd_parked.sql"
+            "0009_outboxd_parked.sql",
+            "0010_outboxd_parked_handback.sql"
         ]
     );
     let without: i64 = client
