@@ -137,6 +137,7 @@ impl Relay {
         m.kafka_commit_seconds.observe(closing.as_secs_f64());
         m.kafka_transactions.with_label_values(&["committed"]).inc();
         if let Some(last) = last {
+            e.committed_through = Some(last.commit_lsn);
             m.progress_lsn
                 .set(i64::try_from(last.commit_lsn.0).unwrap_or(i64::MAX));
             self.health.kafka_transaction_committed(last.commit_lsn.0);

@@ -65,6 +65,9 @@ pub(super) struct ExactlyOnce {
     /// The committing transaction's closing time, and its commit's start.
     pub(super) committing_since: Option<Instant>,
     pub(super) commit_started: Option<Instant>,
+    /// The last PostgreSQL transaction (its commit LSN) of the last Kafka
+    /// transaction this session committed: its progress record covers it.
+    pub(super) committed_through: Option<Lsn>,
 }
 
 impl ExactlyOnce {
@@ -97,6 +100,7 @@ impl ExactlyOnce {
             closing_since: None,
             committing_since: None,
             commit_started: None,
+            committed_through: None,
         }
     }
 }
@@ -122,6 +126,14 @@ impl Durability {
     pub(super) fn sent(&mut self, txn: TxnId, bytes: usize) {
         if let Durability::ExactlyOnce(e) = self {
             e.t.group.sent(txn, bytes, Instant::now());
+        }
+    }
+
+    /// An event of `txn` was parked (exactly-once: the progress record of
+    /// the open Kafka transaction is to cover it).
+    pub(super) fn parked(&mut self, txn: TxnId) {
+        if let Durability::ExactlyOnce(e) = self {
+            e.t.group.parked(txn, Instant::now());
         }
     }
 
@@ -255,6 +267,20 @@ impl Durability {
         match self {
             Durability::AtLeastOnce => true,
             Durability::ExactlyOnce(e) => e.t.group.is_empty() && e.held.is_empty() && e.committing.is_none(),
+        }
+    }
+
+    /// Whether a replay of the stream would leave the PostgreSQL
+    /// transaction committing at `commit_lsn` alone: exactly-once, a
+    /// progress record in Kafka covers it (read at start, or committed by
+    /// this session); at-least-once, never (a replay publishes again, and
+    /// duplicates are allowed).
+    pub(super) fn in_kafka(&self, commit_lsn: Lsn) -> bool {
+        match self {
+            Durability::AtLeastOnce => true,
+            Durability::ExactlyOnce(e) => {
+                !e.t.admit(commit_lsn) || e.committed_through.is_some_and(|c| commit_lsn <= c)
+            }
         }
     }
 

@@ -574,6 +574,18 @@ impl Group {
         self.mid_transaction = true;
     }
 
+    /// An event of `txn` was parked instead of sent: the Kafka transaction
+    /// opens all the same, so that its progress record (alone, if nothing
+    /// else is sent) comes to cover the parked event's PostgreSQL
+    /// transaction, and a replay never handles it again once a redrive
+    /// handed its sequence back (see `crate::relay`'s parking).
+    pub fn parked(&mut self, txn: TxnId, now: Instant) {
+        self.opened_at.get_or_insert(now);
+        if self.txns.last().is_none_or(|(t, _)| *t != txn) {
+            self.txns.push((txn, 0));
+        }
+    }
+
     /// A PostgreSQL transaction's commit was read.
     pub fn commit(&mut self, last: LastCommit) {
         self.mid_transaction = false;
@@ -945,6 +957,34 @@ mod tests {
         g.commit(last);
         assert!(g.due(&limits(), now), "max_bytes");
         assert!(g.over_size(&limits()));
+    }
+
+    #[test]
+    fn a_parked_event_opens_a_group_whose_progress_record_covers_it() {
+        let now = Instant::now();
+        let mut g = Group::default();
+        g.begin();
+        g.parked(TxnId::for_tests(7), now);
+        g.parked(TxnId::for_tests(7), now);
+        assert!(!g.is_empty(), "a parked event opens the Kafka transaction");
+        let last = LastCommit {
+            commit_lsn: Lsn(300),
+            end_lsn: Lsn(308),
+            commit_time: 0,
+        };
+        g.commit(last);
+        assert_eq!(
+            g.last(),
+            Some(last),
+            "its progress record names the parked event's transaction"
+        );
+        assert_eq!(g.last_txn(), Some(TxnId::for_tests(7)));
+        assert_eq!(g.events(), 0);
+        assert!(
+            g.due(&limits(), now + Duration::from_millis(50)),
+            "committed at max_wait"
+        );
+        assert_eq!(g.take(), vec![(TxnId::for_tests(7), 0)]);
     }
 
     #[test]

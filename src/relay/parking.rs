@@ -315,6 +315,9 @@ impl Relay {
                 if inserted {
                     parking.set.added(event.bytes());
                 }
+                if let Some(txn) = s.open {
+                    s.durability.parked(txn);
+                }
                 self.metrics.parked_total.with_label_values(&["behind"]).inc();
                 tracing::debug!(id = %row.id, topic = event.topic, key = event.key, "parked behind its sequence's head");
                 Ok(true)
@@ -409,6 +412,7 @@ impl Relay {
             }
             self.metrics.parked_total.with_label_values(&[reason]).inc();
             if let Some(job) = s.to_park.pop_front() {
+                s.durability.parked(job.txn);
                 s.tracker.acked(job.txn);
             }
             s.observe_retired(&self.metrics);
@@ -498,6 +502,7 @@ impl Relay {
             return Ok(());
         };
         let Some(store) = parking.store.as_mut() else {
+            parking.set.defer_handbacks();
             return Ok(());
         };
         stream
@@ -507,9 +512,10 @@ impl Relay {
             let last = stream
                 .keep_alive_while(received, flushed, every, store.last_lsn(&topic, &key))
                 .await??;
-            if last.is_some_and(|l| l >= covered) {
+            if last.is_some_and(|l| l >= covered || !s.durability.in_kafka(l)) {
                 // Parked by an earlier session past the slot's confirmed
-                // position: the replay passes it first.
+                // position (or, exactly-once, past the progress record):
+                // the replay passes it first.
                 tracing::debug!(
                     topic,
                     key,
