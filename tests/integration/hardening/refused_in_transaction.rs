@@ -263,14 +263,18 @@ async fn a_refusal_in_a_large_transaction_is_set_aside_within_the_transaction_ti
     assert_eq!(ids.len(), 40_000);
     let (_, body) = get(addr, "/metrics").await;
     let aborted = labelled(&body, "outboxd_kafka_transactions_total{outcome=\"aborted\"}");
-    eprintln!("a refusal in a 40,001-row transaction: {aborted} aborted Kafka transactions");
+    // A replay slower than transaction.timeout.ms on a loaded machine is
+    // aborted by the broker, named as such, and tried again: those aborts
+    // are the machine's, not the refusal's.
+    let text = super::log_text(&log);
+    let timed_out = text.matches("longer than transaction.timeout.ms").count() as f64;
+    eprintln!("a refusal in a 40,001-row transaction: {aborted} aborted Kafka transactions, {timed_out} of them timed out");
     // One when a batch of small rows is larger than the topic's
     // max.message.bytes (later batches fit it), one when the large row is
     // refused on its own, and at most one more if it first shared a batch.
     assert!(
-        aborted <= 3.0,
-        "{aborted} aborted Kafka transactions for one refusal: {}",
-        super::log_text(&log)
+        aborted - timed_out <= 3.0,
+        "{aborted} aborted Kafka transactions ({timed_out} timed out) for one refusal: {text}"
     );
     assert!(daemon.sigterm().success());
 }
