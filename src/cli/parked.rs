@@ -27,7 +27,10 @@
 //! relay ([`ParkStore::hand_back`]) and returns: the relay, which has
 //! read every one of those events already, publishes them in order ahead
 //! of the sequence's later events, and releases the sequence (see
-//! `crate::relay`'s parking).
+//! `crate::relay`'s parking). A redrive of a handed-back sequence
+//! publishes what the slot has durably passed too (the relay may be down,
+//! or stopped at a parking limit); the sequence's lock
+//! ([`ParkStore::lock_sequence`]) keeps the two from publishing at once.
 //!
 //! A head that fails again stays parked with the reason of today, its
 //! attempts counted; the redrive of that sequence stops there.
@@ -40,7 +43,7 @@ use crate::config::{Config, Validated};
 use crate::kafka::records::{dead_letter_for_row, dead_letter_for_unreadable, Poison};
 use crate::kafka::sink::{KafkaSink, KafkaSinkError, SendOutcome};
 pub use crate::park::publish::REDRIVEN;
-use crate::park::publish::{Failed, PublishError, Publisher};
+use crate::park::publish::{Failed, PublishError, Publisher, Publishing};
 use crate::park::{ParkError, ParkStore, ParkedEvent, ParkedRow, SequenceHead};
 use crate::source::outbox::{RowError, UnreadableRow};
 
@@ -249,8 +252,9 @@ enum Stopped {
     NotConfirmed { lsn: String },
     /// Handed back to the relay, with this many events left.
     HandedBack { left: usize },
-    /// Handed back by an earlier redrive: the relay's to finish.
-    Already,
+    /// Another publisher holds the sequence: the relay handing it back,
+    /// or another redrive.
+    Busy,
 }
 
 /// `outboxd parked redrive`.
@@ -277,13 +281,19 @@ pub async fn redrive(
         }
         return Ok(done);
     }
-    let mut publisher = Publisher::new(config, validated).await?;
+    let mut publisher = Publisher::new(config, validated, Publishing::Redrive).await?;
     publisher.finish_committed(&store).await?;
     for h in &heads {
-        let outcome = if h.handback {
-            Some(Stopped::Already)
+        // One publisher per sequence at a time (the relay handing it back,
+        // or another redrive); a handed-back sequence's head was published
+        // already, so what the slot has durably passed is redriven here too
+        // (a relay that is down, or at a parking limit, is not waited for).
+        let outcome = if store.lock_sequence(&h.topic, &h.key).await? {
+            let outcome = redrive_sequence(&mut store, &mut publisher, h, options, &mut done).await;
+            store.unlock_sequences().await?;
+            outcome?
         } else {
-            redrive_sequence(&mut store, &mut publisher, &h.topic, &h.key, options, &mut done).await?
+            Some(Stopped::Busy)
         };
         match outcome {
             None => {
@@ -302,13 +312,17 @@ pub async fn redrive(
                 done.handed_back += 1;
                 tracing::info!(topic = h.topic, key = h.key, left, "redriven up to what the slot has durably passed; handed the rest back to outboxd, which publishes it in order ahead of the sequence's later events and releases it");
             }
-            Some(Stopped::Already) => {
+            Some(Stopped::Busy) if h.handback => {
                 done.handed_back += 1;
                 tracing::info!(
                     topic = h.topic,
                     key = h.key,
-                    "handed back to outboxd by an earlier redrive: outboxd publishes the rest when it runs"
+                    "outboxd is publishing this handed-back sequence right now"
                 );
+            }
+            Some(Stopped::Busy) => {
+                done.left += 1;
+                eprintln!("outboxd: topic {:?} key {:?}: another `outboxd parked redrive` is publishing it right now; left to it", h.topic, h.key);
             }
         }
     }
@@ -320,17 +334,17 @@ pub async fn redrive(
 async fn redrive_sequence(
     store: &mut ParkStore,
     p: &mut Publisher,
-    topic: &str,
-    key: &str,
+    h: &SequenceHead,
     options: &RedriveOptions,
     done: &mut Redriven,
 ) -> Result<Option<Stopped>, ParkedError> {
+    let (topic, key) = (h.topic.as_str(), h.key.as_str());
     // The wait is for each look at the slot: a redrive that makes progress
     // goes on.
     let mut deadline = Instant::now() + options.wait;
     // The head is published here, never handed back: its failure is the
-    // operator's to see.
-    let mut head_published = false;
+    // operator's to see (a sequence handed back had its head published).
+    let mut head_published = h.handback;
     loop {
         let batch = store.events(topic, key, None, BATCH).await?;
         if batch.is_empty() {
@@ -400,7 +414,7 @@ pub async fn skip(
     // An exactly-once redrive that committed but did not delete first:
     // its events are in Kafka, and none of them may become a dead letter.
     if !options.dry_run {
-        Publisher::new(config, validated)
+        Publisher::new(config, validated, Publishing::Redrive)
             .await?
             .finish_committed(&store)
             .await

@@ -7,11 +7,15 @@
 //!   published past a head that still fails.
 //! * Exactly-once: a batch of records and a marker (the last position, in
 //!   the progress topic under `parked-redrive/<slot>`) go in one Kafka
-//!   transaction of a producer of its own (`<transactional id>.redrive`);
-//!   the rows are deleted after it committed. A crash between the two is
-//!   finished by the next publisher ([`Publisher::finish_committed`]),
-//!   which reads the marker and deletes what it covers without publishing
-//!   it again.
+//!   transaction of a producer of its own (`<transactional id>.redrive`
+//!   for the command, `<transactional id>.handback` for the relay, so
+//!   that neither fences the other); the rows are deleted after it
+//!   committed. A crash between the two is finished by the next publisher
+//!   of either ([`Publisher::finish_committed`] applies both markers),
+//!   which deletes what a marker covers without publishing it again.
+//!
+//! Two publishers never work on one sequence at once: each holds the
+//! sequence's lock ([`ParkStore::lock_sequence`]) while it publishes.
 //!
 //! A record that cannot be built or that Kafka refuses for good stops the
 //! sequence there: the event becomes its head, with the reason of today.
@@ -47,6 +51,30 @@ pub enum PublishError {
     Schema(#[from] crate::schema::SchemaError),
     #[error("schema_registry: {0}")]
     RegistrySetup(String),
+}
+
+/// Who publishes parked events: each has its own transactional id and
+/// marker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Publishing {
+    /// `outboxd parked redrive` and `skip`.
+    Redrive,
+    /// The relay, for a sequence a redrive handed back.
+    Handback,
+}
+
+impl Publishing {
+    fn name(self) -> &'static str {
+        match self {
+            Publishing::Redrive => "redrive",
+            Publishing::Handback => "handback",
+        }
+    }
+}
+
+/// The progress-topic key of a role's marker.
+fn marker_key(role: Publishing, slot: &str) -> String {
+    format!("parked-{}/{slot}", role.name())
 }
 
 /// Publishes parked events: a plain idempotent producer, or (exactly-once)
@@ -91,14 +119,14 @@ struct Marker {
 }
 
 impl Publisher {
-    pub async fn new(config: &Config, validated: &Validated) -> Result<Self, PublishError> {
+    pub async fn new(config: &Config, validated: &Validated, role: Publishing) -> Result<Self, PublishError> {
         let exactly_once = config.kafka.delivery == Delivery::ExactlyOnce;
         let kind = SinkKind {
             transactional_id: validated
                 .transactional_id
                 .as_ref()
                 .filter(|_| exactly_once)
-                .map(|id| format!("{id}.redrive")),
+                .map(|id| format!("{id}.{}", role.name())),
             ..SinkKind::default()
         };
         let sink = KafkaSink::build(&config.kafka, config.kafka.admin_timeout.0, &kind)?;
@@ -130,7 +158,7 @@ impl Publisher {
             registry,
             exactly_once,
             started_at: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
-            marker_key: format!("parked-redrive/{}", validated.slot.as_str()),
+            marker_key: marker_key(role, validated.slot.as_str()),
             one_by_one: false,
             facts,
         })
@@ -189,11 +217,19 @@ impl Publisher {
         if !self.exactly_once {
             return Ok(());
         }
+        for role in [Publishing::Redrive, Publishing::Handback] {
+            self.apply_marker(store, &marker_key(role, store.slot())).await?;
+        }
+        Ok(())
+    }
+
+    /// Deletes what the latest committed marker under `key` covers.
+    async fn apply_marker(&self, store: &ParkStore, key: &str) -> Result<(), PublishError> {
         let topic = self.config.kafka.progress_topic().to_owned();
         let value = exactly_once::read_latest(
             &self.config.kafka,
             &topic,
-            &self.marker_key,
+            key,
             Isolation::ReadCommitted,
             self.config.kafka.admin_timeout.0,
         )

@@ -206,8 +206,8 @@ pub struct ParkStore {
     /// The relay's walsender: parking needs it to hold the slot still (a
     /// leader frozen while another took the slot over parks nothing).
     fenced_by: Option<i32>,
-    /// The sequences table has migration 0010's `handback` column.
-    handback: bool,
+    /// The quoted name of the sequences table, for the catalog.
+    sequences: String,
 }
 
 impl std::fmt::Debug for ParkStore {
@@ -268,27 +268,17 @@ impl ParkStore {
                 }
             }
         }
-        // Migration 0010: without it, a redrive waits for a busy
-        // sequence's writes to pause, as before.
-        let handback: bool = client
-            .query_one(
-                "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute \
-                  WHERE attrelid = to_regclass(quote_ident($1) || '.outboxd_parked_sequences') \
-                    AND attname = 'handback' AND NOT attisdropped)",
-                &[&schema_name],
-            )
-            .await?
-            .get(0);
         // A lock held by a stalled `outboxd parked` must not hold up the
         // relay for good: waiting is an error, and the session tries again.
         client.batch_execute("SET lock_timeout = '10s'").await?;
         let schema = format!("\"{}\".", schema_name.replace('"', "\"\""));
+        let sequences = format!("{schema}outboxd_parked_sequences");
         Ok(ParkStore {
             client,
             schema,
             slot: slot.to_owned(),
             fenced_by: None,
-            handback,
+            sequences,
         })
     }
 
@@ -307,16 +297,48 @@ impl ParkStore {
         self.client.is_closed()
     }
 
-    /// Whether a redrive can hand a sequence back to the relay (migration
-    /// 0010 is applied).
-    pub fn hands_back(&self) -> bool {
-        self.handback
+    /// Whether migration 0010 is applied (read each time: it may be
+    /// applied while outboxd runs). Without it, a redrive waits for a busy
+    /// sequence's writes to pause, as before.
+    async fn hands_back(&self) -> Result<bool, ParkError> {
+        Ok(self
+            .client
+            .query_one(
+                "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute \
+                  WHERE attrelid = $1::text::regclass AND attname = 'handback' AND NOT attisdropped)",
+                &[&self.sequences],
+            )
+            .await?
+            .get(0))
+    }
+
+    /// Takes the lock of a sequence's publisher (a redrive, or the relay
+    /// handing it back), without waiting: whether it was free. Held by this
+    /// connection until [`ParkStore::unlock_sequences`] or its end.
+    pub async fn lock_sequence(&self, topic: &str, key: &str) -> Result<bool, ParkError> {
+        Ok(self
+            .client
+            .query_one(
+                "SELECT pg_try_advisory_lock(hashtextextended('outboxd_parked/' || $1 || '/' || $2 || '/' || $3, 0))",
+                &[&self.slot, &topic, &key],
+            )
+            .await?
+            .get(0))
+    }
+
+    /// Lets go of every sequence lock this connection holds.
+    pub async fn unlock_sequences(&self) -> Result<(), ParkError> {
+        self.client
+            .batch_execute("SELECT pg_advisory_unlock_all()")
+            .await?;
+        Ok(())
     }
 
     /// Hands a sequence back to the relay: it publishes the events left
-    /// ahead of the sequence's later ones. Whether the header was there.
+    /// ahead of the sequence's later ones. Whether the header was there
+    /// (and migration 0010 applied).
     pub async fn hand_back(&self, topic: &str, key: &str) -> Result<bool, ParkError> {
-        if !self.handback {
+        if !self.hands_back().await? {
             return Ok(false);
         }
         let sql = format!(
@@ -328,7 +350,11 @@ impl ParkStore {
 
     /// Every parked sequence of the slot, oldest first, with its counts.
     pub async fn heads(&self) -> Result<Vec<SequenceHead>, ParkError> {
-        let handback = if self.handback { "s.handback" } else { "false" };
+        let handback = if self.hands_back().await? {
+            "s.handback"
+        } else {
+            "false"
+        };
         let sql = format!(
             "SELECT s.topic, s.key, s.head_lsn::text, s.head_index, s.head_id, s.head_reason, s.parked_at, \
                     count(p.position), coalesce(sum(p.bytes), 0)::bigint, {handback} \
@@ -543,6 +569,13 @@ impl ParkStore {
     /// Records a failed attempt at an event, which becomes its sequence's
     /// head (with the reason of today).
     pub async fn failed(&mut self, ev: &ParkedEvent, reason: &str, error: &str) -> Result<(), ParkError> {
+        // A head that fails ends a handback: the sequence waits for the
+        // operator again.
+        let handback = if self.hands_back().await? {
+            ", handback = false"
+        } else {
+            ""
+        };
         let tx = self.client.transaction().await?;
         let index = i32::try_from(ev.pos.index).unwrap_or(i32::MAX);
         let lsn_text = ev.pos.commit_lsn.to_string();
@@ -554,9 +587,6 @@ impl ParkStore {
         );
         tx.execute(&sql, &[&self.slot, &lsn_text, &index, &reason, &error])
             .await?;
-        // A head that fails ends a handback: the sequence waits for the
-        // operator again.
-        let handback = if self.handback { ", handback = false" } else { "" };
         let sql = format!(
             "UPDATE {}outboxd_parked_sequences SET head_lsn = $4::text::pg_lsn, head_index = $5, \
                     head_id = $6, head_reason = $7{handback} \

@@ -27,22 +27,27 @@
 //!
 //! 1. stops reading the stream until nothing it sent is in flight and,
 //!    exactly-once, the open Kafka transaction has committed: every parked
-//!    event's transaction is then retired (`tracker.flushed()` past it),
-//!    so no replay of this session's history parks or publishes it again
-//!    after the release (exactly-once, its progress record covers it);
-//! 2. publishes the sequence's rows in order with
+//!    event's transaction is then retired (`tracker.flushed()` past it), so
+//!    this session never reads it again. A restart may (the slot's own
+//!    position lags the relay's): exactly-once, a replay skips it, as a
+//!    progress record covers it (a parked event opens the Kafka
+//!    transaction, [`crate::relay::exactly_once::Group::parked`]);
+//!    at-least-once, a replay after a crash may publish some of it again,
+//!    duplicates that come after the first copies;
+//! 2. takes the sequence's lock (a redrive holding it is left alone),
+//!    publishes the sequence's rows in order with
 //!    [`crate::park::publish::Publisher`] (one acknowledged record at a
-//!    time, or Kafka transactions with the redrive's marker) and deletes
-//!    each once it is in Kafka;
+//!    time, or Kafka transactions of its own `.handback` producer, with a
+//!    marker) and deletes each once it is in Kafka;
 //! 3. releases the sequence, so its later events are published as they
 //!    come, behind the rows just acknowledged.
 //!
 //! Rows the stream has not passed yet in this session (parked by an
-//! earlier session past the slot's confirmed position) wait for the
-//! replay to pass them. A row that fails clears the flag and becomes the
-//! head: the sequence waits for the operator again. A crash in between
-//! leaves the flag and the rows not yet deleted, and the next session
-//! finishes (at-least-once, possibly publishing a row again).
+//! earlier session past the slot's confirmed position, or past the
+//! progress record) wait for the stream to pass them. A row that fails
+//! clears the flag and becomes the head: the sequence waits for the
+//! operator again. A crash in between leaves the flag and the rows not yet
+//! deleted, and the next session (or a redrive) finishes.
 
 use std::time::Duration;
 
@@ -54,7 +59,7 @@ use crate::config::columns::Role;
 use crate::kafka::records::TopicValues;
 use crate::lsn::RowPos;
 use crate::ops::health::{Parked, ParkedSequence, PARKED_SHOWN};
-use crate::park::publish::{Failed, PublishError, Publisher, BATCH};
+use crate::park::publish::{Failed, PublishError, Publisher, Publishing, BATCH};
 use crate::park::{ParkStore, ParkedEvent, ParkedRow, ParkedSet};
 use crate::relay::progress::TxnId;
 use crate::source::outbox::{OutboxRow, UnreadableRow};
@@ -483,91 +488,32 @@ impl Relay {
         if due.is_empty() {
             return Ok(());
         }
-        if !self.election.still_held() {
-            return Err(RelayError::LeadershipLost);
-        }
-        // Every transaction read so far is retired: its parked rows are
-        // never streamed to this relay again.
-        let covered = s.tracker.flushed();
-        let (received, flushed, every) = s.beat();
-        let mut publisher = stream
-            .keep_alive_while(
-                received,
-                flushed,
-                every,
-                Publisher::new(&self.config, &self.validated),
-            )
-            .await??;
-        let Some(parking) = self.parking.as_mut() else {
-            return Ok(());
-        };
-        let Some(store) = parking.store.as_mut() else {
-            parking.set.defer_handbacks();
-            return Ok(());
-        };
-        stream
-            .keep_alive_while(received, flushed, every, publisher.finish_committed(store))
-            .await??;
+        let mut publisher = None;
+        let mut outcome = Ok(());
         for (topic, key) in due {
-            let last = stream
-                .keep_alive_while(received, flushed, every, store.last_lsn(&topic, &key))
-                .await??;
-            if last.is_some_and(|l| l >= covered || !s.durability.in_kafka(l)) {
-                // Parked by an earlier session past the slot's confirmed
-                // position (or, exactly-once, past the progress record):
-                // the replay passes it first.
-                tracing::debug!(
-                    topic,
-                    key,
-                    "a handed-back sequence waits for the replay to pass its rows"
-                );
-                continue;
-            }
-            let mut published = 0;
-            let failed = loop {
-                let batch = stream
-                    .keep_alive_while(received, flushed, every, store.events(&topic, &key, None, BATCH))
-                    .await??;
-                if batch.is_empty() {
-                    if stream
-                        .keep_alive_while(received, flushed, every, store.release(&topic, &key))
-                        .await??
-                    {
-                        break None;
-                    }
-                    continue;
-                }
-                if !self.election.still_held() {
-                    return Err(RelayError::LeadershipLost);
-                }
-                let rows: Vec<&ParkedEvent> = batch.iter().collect();
-                let (n, failed) = stream
-                    .keep_alive_while(
-                        received,
-                        flushed,
-                        every,
-                        publisher.publish(store, &topic, &key, &rows),
-                    )
-                    .await??;
-                published += n;
-                self.metrics.parked_handed_back.inc_by(n);
-                if failed.is_some() {
-                    break failed;
-                }
-            };
-            match failed {
-                None => {
-                    parking.set.released(&topic, &key);
-                    tracing::info!(topic, key, events = published, "handed back by a redrive: published the rest of the parked sequence in order and released it");
-                }
-                Some(Failed { id, reason, error }) => {
-                    tracing::warn!(topic, key, events = published, id, reason, error,
-                        "handed back by a redrive, but an event of it cannot be published: it is the sequence's head now, and the sequence waits for `outboxd parked redrive` again");
-                }
+            outcome = self.hand_back_one(stream, s, &mut publisher, &topic, &key).await;
+            if outcome.is_err() {
+                break;
             }
         }
-        // The metrics follow at once. What waits for the replay (and a
-        // handback made meanwhile) is due at the next regular read.
+        let Some(parking) = self.parking.as_mut() else {
+            return outcome;
+        };
+        let Some(store) = parking.store.as_ref() else {
+            parking.set.defer_handbacks();
+            return outcome;
+        };
+        // The store's connection lives on: its sequence locks go now, also
+        // after a failure.
+        let (received, flushed, every) = s.beat();
+        let unlocked = stream
+            .keep_alive_while(received, flushed, every, store.unlock_sequences())
+            .await;
+        outcome?;
+        unlocked??;
+        // The metrics follow at once. What was not published now (the
+        // replay has yet to pass it, or a redrive holds it) and a handback
+        // made meanwhile are due at the next regular read.
         let heads = stream
             .keep_alive_while(received, flushed, every, store.heads())
             .await??;
@@ -575,6 +521,112 @@ impl Relay {
         parking.set.defer_handbacks();
         parking.refreshed = Some(Instant::now());
         publish_parked(&self.metrics, &self.health, &parking.set, &heads);
+        Ok(())
+    }
+
+    /// Publishes one handed-back sequence and releases it, unless a replay
+    /// could bring its rows back yet, or a redrive holds it.
+    async fn hand_back_one(
+        &mut self,
+        stream: &mut OutboxStream,
+        s: &Session,
+        publisher: &mut Option<Publisher>,
+        topic: &str,
+        key: &str,
+    ) -> Result<(), RelayError> {
+        // Every transaction read so far is retired: this session never
+        // reads them again. A restart may (the slot's own position lags),
+        // so they must also lie where a replay leaves them alone:
+        // exactly-once, under a progress record.
+        let covered = s.tracker.flushed();
+        let (received, flushed, every) = s.beat();
+        let Some(store) = self.parking.as_ref().and_then(|p| p.store.as_ref()) else {
+            return Ok(());
+        };
+        let last = stream
+            .keep_alive_while(received, flushed, every, store.last_lsn(topic, key))
+            .await??;
+        if last.is_some_and(|l| l >= covered || !s.durability.in_kafka(l)) {
+            tracing::debug!(
+                topic,
+                key,
+                "a handed-back sequence waits for the stream to pass its rows"
+            );
+            return Ok(());
+        }
+        if !stream
+            .keep_alive_while(received, flushed, every, store.lock_sequence(topic, key))
+            .await??
+        {
+            tracing::debug!(
+                topic,
+                key,
+                "a redrive is publishing a handed-back sequence; later"
+            );
+            return Ok(());
+        }
+        if publisher.is_none() {
+            let mut p = stream
+                .keep_alive_while(
+                    received,
+                    flushed,
+                    every,
+                    Publisher::new(&self.config, &self.validated, Publishing::Handback),
+                )
+                .await??;
+            stream
+                .keep_alive_while(received, flushed, every, p.finish_committed(store))
+                .await??;
+            *publisher = Some(p);
+        }
+        let Some(p) = publisher.as_mut() else {
+            return Ok(());
+        };
+        let Some(store) = self.parking.as_mut().and_then(|p| p.store.as_mut()) else {
+            return Ok(());
+        };
+        let mut published = 0;
+        let failed = loop {
+            let batch = stream
+                .keep_alive_while(received, flushed, every, store.events(topic, key, None, BATCH))
+                .await??;
+            if batch.is_empty() {
+                if stream
+                    .keep_alive_while(received, flushed, every, store.release(topic, key))
+                    .await??
+                {
+                    break None;
+                }
+                continue;
+            }
+            if !self.election.still_held() {
+                return Err(RelayError::LeadershipLost);
+            }
+            let rows: Vec<&ParkedEvent> = batch.iter().collect();
+            let (n, failed) = stream
+                .keep_alive_while(received, flushed, every, p.publish(store, topic, key, &rows))
+                .await??;
+            published += n;
+            self.metrics.parked_handed_back.inc_by(n);
+            self.metrics.events_published.inc_by(n);
+            // A long handback is the relay at work, not a hung one.
+            self.health.beat();
+            if failed.is_some() {
+                break failed;
+            }
+        };
+        match failed {
+            None => {
+                if let Some(parking) = self.parking.as_mut() {
+                    parking.set.released(topic, key);
+                }
+                tracing::info!(topic, key, events = published, "handed back by a redrive: published the rest of the parked sequence in order and released it");
+            }
+            Some(Failed { id, reason, error }) => {
+                tracing::warn!(topic, key, events = published, id, reason, error,
+                    "handed back by a redrive, but an event of it cannot be published: it is the sequence's head now, and the sequence waits for `outboxd parked redrive` again");
+            }
+        }
         Ok(())
     }
 }

@@ -917,6 +917,10 @@ async fn a_redrive_marker_finishes_a_crashed_redrive_and_only_for_its_own_event(
 /// back to the relay and returns while the writer still writes; the relay
 /// publishes the rest in order and releases the sequence without a second
 /// redrive; every event of the aggregate arrives once, in order.
+///
+/// At-least-once, the relay starts on tables without migration 0010's
+/// column, which is added while it runs (an upgrade's order): the relay
+/// must see handbacks all the same.
 async fn a_busy_aggregate_is_handed_back(delivery: &str) {
     let b = broker();
     let tag = delivery.replace('-', "_");
@@ -928,6 +932,13 @@ async fn a_busy_aggregate_is_handed_back(delivery: &str) {
     .await;
     let (client, slot, prefix, topic, path) =
         (&t.client, t.slot.as_str(), t.prefix.as_str(), &t.topic, &t.path);
+    let upgrade = delivery == "at-least-once";
+    if upgrade {
+        client
+            .batch_execute("ALTER TABLE outboxd_parked_sequences DROP COLUMN handback")
+            .await
+            .unwrap();
+    }
     let (handle, tx) = t.spawn().await;
     write(client, prefix, &[("A", 1, 10), ("B", 1, 10)]).await;
     consume(&b.brokers, &[topic], 2, Duration::from_secs(30));
@@ -937,6 +948,12 @@ async fn a_busy_aggregate_is_handed_back(delivery: &str) {
     }
     wait_confirmed_past(client, slot).await;
     assert_eq!(parked_count(client, slot).await, 19);
+    if upgrade {
+        client
+            .batch_execute(include_str!("../../migrations/0010_outboxd_parked_handback.sql"))
+            .await
+            .unwrap();
+    }
     raise_max_message_bytes(&b.brokers, topic).await;
     // A is written every 15 ms until told to stop (at most 120 s).
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -1034,4 +1051,164 @@ async fn a_redrive_of_a_busy_aggregate_hands_it_back_and_keeps_its_order_at_leas
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redrive_of_a_busy_aggregate_hands_it_back_and_keeps_its_order_exactly_once() {
     a_busy_aggregate_is_handed_back("exactly-once").await;
+}
+
+/// Exactly-once: PostgreSQL crashes just after the relay released a
+/// handed-back sequence, so the slot's position goes back behind the
+/// handed-back events. The replay skips them (a progress record covers
+/// their transactions, parked-only ones too): a read_committed consumer
+/// sees each event of the aggregate once, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_postgres_crash_after_a_handback_publishes_nothing_twice_exactly_once() {
+    let b = broker();
+    let pg = crate::harness::postgres::dedicated("");
+    outbox_sdk::migrate::migrate(&mut pg.client("postgres").await)
+        .await
+        .unwrap();
+    let client = pg.client("postgres").await;
+    let (slot, prefix) = ("park_busy_crash", "park-busy-crash");
+    let topic = format!("{prefix}.order");
+    let text = config_text(
+        &pg.url("postgres", None, "postgres"),
+        slot,
+        &b.brokers,
+        &format!("topic = \"{prefix}.{{aggregate_type}}\"\non_poison = \"park\""),
+        "delivery = \"exactly-once\"\ntopic_config = { \"max.message.bytes\" = \"8192\" }\n[kafka.exactly_once]\nmax_wait = \"100ms\"",
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("outboxd.toml");
+    std::fs::write(&path, &text).unwrap();
+    let (handle, tx) = spawn_relay_with_slot(&client, slot, &text).await;
+    write(&client, prefix, &[("A", 1, 10)]).await;
+    consume(&b.brokers, &[&topic], 1, Duration::from_secs(30));
+    write(&client, prefix, &[("A", 2, 20_000)]).await;
+    for n in 3..=20 {
+        write(&client, prefix, &[("A", n, 10)]).await;
+    }
+    wait_confirmed_past(&client, slot).await;
+    raise_max_message_bytes(&b.brokers, &topic).await;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let client = pg.client("postgres").await;
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let mut n = 21;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) && n < 5000 {
+                write(&client, prefix, &[("A", n, 10)]).await;
+                n += 1;
+                tokio::time::sleep(Duration::from_millis(15)).await;
+            }
+            n - 1
+        })
+    };
+    let p = path.clone();
+    let redrive = tokio::task::spawn_blocking(move || outboxd(&p, &["redrive", "--all"]))
+        .await
+        .unwrap();
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let last = writer.await.unwrap();
+    assert!(
+        redrive.status.success(),
+        "{}",
+        String::from_utf8_lossy(&redrive.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&redrive.stdout).contains("1 handed back to outboxd"),
+        "{}",
+        String::from_utf8_lossy(&redrive.stdout)
+    );
+    wait_for(
+        "the relay to release the handed-back sequence",
+        Duration::from_secs(60),
+        || async {
+            let sequences: i64 = client
+                .query_one(
+                    "SELECT count(*) FROM outboxd_parked_sequences WHERE slot = $1",
+                    &[&slot],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            (sequences == 0).then_some(())
+        },
+    )
+    .await;
+    // At once, before any checkpoint: the slot's position on disk lies
+    // behind the released events' transactions.
+    pg.pg_ctl(&[
+        "restart",
+        "-m",
+        "immediate",
+        "-w",
+        "-l",
+        &pg.log_file.display().to_string(),
+    ])
+    .unwrap();
+    let client = wait_for("PostgreSQL back", Duration::from_secs(30), || {
+        crate::reliability::connect_quietly(&pg)
+    })
+    .await;
+    write(&client, prefix, &[("A", last + 1, 10)]).await;
+    let key = format!("{prefix}-A");
+    let got = wait_for("A's event after the crash", Duration::from_secs(90), || {
+        let (brokers, topic, key) = (b.brokers.clone(), topic.clone(), key.clone());
+        async move {
+            let got = tokio::task::spawn_blocking(move || {
+                consume(&brokers, &[&topic], usize::MAX, Duration::from_secs(5))
+            })
+            .await
+            .unwrap();
+            sequence(&got, &key).contains(&u64::from(last + 1)).then_some(got)
+        }
+    })
+    .await;
+    assert_eq!(
+        sequence(&got, &key),
+        (1..=u64::from(last + 1)).collect::<Vec<_>>(),
+        "A once each, in order, after the crash"
+    );
+    stop_relay(handle, tx).await;
+}
+
+/// A redrive of a sequence handed back while outboxd is down (or stopped
+/// at a parking limit) does not wait for the relay: it publishes what the
+/// slot has durably passed, and releases it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redrive_publishes_a_handed_back_sequence_while_outboxd_is_down() {
+    let b = broker();
+    let t = Setup::new(
+        "park_back_down",
+        "",
+        "topic_config = { \"max.message.bytes\" = \"8192\" }",
+    )
+    .await;
+    let (client, slot, prefix, topic, path) =
+        (&t.client, t.slot.as_str(), t.prefix.as_str(), &t.topic, &t.path);
+    let (handle, tx) = t.spawn().await;
+    write(client, prefix, &[("A", 1, 10)]).await;
+    consume(&b.brokers, &[topic], 1, Duration::from_secs(30));
+    write(client, prefix, &[("A", 2, 20_000)]).await;
+    for n in 3..=10 {
+        write(client, prefix, &[("A", n, 10)]).await;
+    }
+    wait_confirmed_past(client, slot).await;
+    stop_relay(handle, tx).await;
+    raise_max_message_bytes(&b.brokers, topic).await;
+    // As a redrive leaves it when it hands a sequence back.
+    client
+        .batch_execute("UPDATE outboxd_parked_sequences SET handback = true")
+        .await
+        .unwrap();
+    let redrive = outboxd(path, &["redrive", "--all"]);
+    assert!(
+        redrive.status.success(),
+        "{}",
+        String::from_utf8_lossy(&redrive.stderr)
+    );
+    assert_eq!(parked_count(client, slot).await, 0);
+    let got = consume(&b.brokers, &[topic], 10, Duration::from_secs(30));
+    assert_eq!(
+        sequence(&got, &format!("{prefix}-A")),
+        (1..=10).collect::<Vec<_>>()
+    );
 }

@@ -301,7 +301,7 @@ async fn postgres_restarts_and_killed_walsender_lose_nothing() {
     r.shutdown().await;
 }
 
-async fn connect_quietly(pg: &PgServer) -> Option<tokio_postgres::Client> {
+pub(crate) async fn connect_quietly(pg: &PgServer) -> Option<tokio_postgres::Client> {
     let (client, conn) = tokio_postgres::Config::new()
         .host("127.0.0.1")
         .port(pg.port)
