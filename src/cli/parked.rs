@@ -92,6 +92,8 @@ pub enum ParkedError {
     Unconfirmed(String),
     #[error("the sequence of event {0} was handed back to outboxd by a redrive, and outboxd publishes its events (see `outboxd parked list`); skip applies to a head that fails")]
     HandedBack(String),
+    #[error("topic {topic:?} key {key:?} is being published right now (by outboxd handing it back, or by a redrive): nothing of it was discarded; try again once `outboxd parked list` no longer shows it, or shows it unchanged")]
+    Busy { topic: String, key: String },
     #[error("discard deletes parked events for good: add --confirm")]
     NotConfirmed,
     #[error("{0} sequence(s) could not be redriven completely; see above")]
@@ -191,34 +193,53 @@ pub async fn discard(
     let mut store = store(validated).await?;
     let mut n = 0;
     for h in store.heads().await?.into_iter().filter(|h| selection.picks(h)) {
-        // Events the relay parks meanwhile keep the sequence: they are
-        // discarded too once the slot has passed them, and never unseen.
-        loop {
-            let Some(last) = store.last_lsn(&h.topic, &h.key).await? else {
-                if store
-                    .discard_through(&h.topic, &h.key, crate::lsn::Lsn::ZERO)
-                    .await?
-                    .1
-                {
-                    break;
-                }
-                continue;
-            };
-            wait_confirmed(&store, last, wait).await?;
-            let (deleted, released) = store.discard_through(&h.topic, &h.key, last).await?;
-            n += deleted;
-            tracing::warn!(
-                topic = h.topic,
-                key = h.key,
-                events = deleted,
-                "discarded parked events"
-            );
-            if released {
-                break;
-            }
+        // Not while the relay hands it back, or a redrive publishes it.
+        if !store.lock_sequence(&h.topic, &h.key).await? {
+            return Err(ParkedError::Busy {
+                topic: h.topic,
+                key: h.key,
+            });
         }
+        let discarded = discard_sequence(&mut store, &h, wait).await;
+        store.unlock_sequences().await?;
+        n += discarded?;
     }
     Ok(n)
+}
+
+/// Discards one sequence (see [`discard`]); returns the events deleted.
+async fn discard_sequence(
+    store: &mut ParkStore,
+    h: &SequenceHead,
+    wait: Duration,
+) -> Result<u64, ParkedError> {
+    let mut n = 0;
+    // Events the relay parks meanwhile keep the sequence: they are
+    // discarded too once the slot has passed them, and never unseen.
+    loop {
+        let Some(last) = store.last_lsn(&h.topic, &h.key).await? else {
+            if store
+                .discard_through(&h.topic, &h.key, crate::lsn::Lsn::ZERO)
+                .await?
+                .1
+            {
+                return Ok(n);
+            }
+            continue;
+        };
+        wait_confirmed(store, last, wait).await?;
+        let (deleted, released) = store.discard_through(&h.topic, &h.key, last).await?;
+        n += deleted;
+        tracing::warn!(
+            topic = h.topic,
+            key = h.key,
+            events = deleted,
+            "discarded parked events"
+        );
+        if released {
+            return Ok(n);
+        }
+    }
 }
 
 /// What a redrive did.

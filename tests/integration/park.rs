@@ -1191,7 +1191,32 @@ async fn a_redrive_publishes_a_handed_back_sequence_while_outboxd_is_down() {
     for n in 3..=10 {
         write(client, prefix, &[("A", n, 10)]).await;
     }
-    wait_confirmed_past(client, slot).await;
+    // The slot durably passes every parked event (restart_lsn follows the
+    // confirmed position at running-transaction records) while the relay
+    // still streams.
+    let written = current_lsn(client).await;
+    wait_for(
+        "restart_lsn past the parked events",
+        Duration::from_secs(60),
+        || async {
+            client.batch_execute("CHECKPOINT").await.unwrap();
+            let restart: Option<String> = client
+                .query_one(
+                    "SELECT restart_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
+                    &[&slot],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            let restart: Option<outboxd::Lsn> = restart.and_then(|r| r.parse().ok());
+            if restart.is_some_and(|r| r > written) {
+                return Some(());
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            None
+        },
+    )
+    .await;
     stop_relay(handle, tx).await;
     raise_max_message_bytes(&b.brokers, topic).await;
     // As a redrive leaves it when it hands a sequence back.
