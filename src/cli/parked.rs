@@ -7,7 +7,7 @@
 //! from the parked row under today's configuration (so a fixed cause, a
 //! raised `max.message.bytes`, an allowed aggregate type, a new schema
 //! version, now lets the head through), with a `redriven` header, by
-//! [`crate::park::publish`] (one record at a time at-least-once; Kafka
+//! [`crate::relay::parked_publisher`] (one record at a time at-least-once; Kafka
 //! transactions with a marker exactly-once).
 //!
 //! Only rows whose transaction the slot has durably passed are redriven
@@ -42,13 +42,13 @@ use serde::{Deserialize, Serialize};
 use crate::config::{Config, Validated};
 use crate::kafka::records::{dead_letter_for_row, dead_letter_for_unreadable, Poison};
 use crate::kafka::sink::{KafkaSink, KafkaSinkError, SendOutcome};
-pub use crate::park::publish::REDRIVEN;
-use crate::park::publish::{Failed, PublishError, Publisher, Publishing};
 use crate::park::{ParkError, ParkStore, ParkedEvent, ParkedRow, SequenceHead};
+pub use crate::relay::parked_publisher::REDRIVEN;
+use crate::relay::parked_publisher::{Failed, PublishError, Publisher, Publishing};
 use crate::source::outbox::{RowError, UnreadableRow};
 
 /// Rows read, and (exactly-once) published per Kafka transaction.
-const BATCH: i64 = crate::park::publish::BATCH;
+const BATCH: i64 = crate::relay::parked_publisher::BATCH;
 
 /// Which sequences a command acts on.
 #[derive(Clone, Debug, PartialEq, Eq)]

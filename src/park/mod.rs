@@ -43,7 +43,6 @@
 //! event of the sequence is so published once, in order: by the redrive
 //! before the header goes, or by the relay after.
 
-pub mod publish;
 pub mod set;
 pub mod store;
 

@@ -102,6 +102,7 @@ mod deliveries;
 mod durability;
 pub mod exactly_once;
 pub mod leader;
+pub mod parked_publisher;
 mod parking;
 pub(crate) mod poller;
 pub mod polling;

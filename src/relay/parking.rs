@@ -36,7 +36,7 @@
 //!    duplicates that come after the first copies;
 //! 2. takes the sequence's lock (a redrive holding it is left alone),
 //!    publishes the sequence's rows in order with
-//!    [`crate::park::publish::Publisher`] (one acknowledged record at a
+//!    [`crate::relay::parked_publisher::Publisher`] (one acknowledged record at a
 //!    time, or Kafka transactions of its own `.handback` producer, with a
 //!    marker) and deletes each once it is in Kafka;
 //! 3. releases the sequence, so its later events are published as they
@@ -59,8 +59,8 @@ use crate::config::columns::Role;
 use crate::kafka::records::TopicValues;
 use crate::lsn::RowPos;
 use crate::ops::health::{Parked, ParkedSequence, PARKED_SHOWN};
-use crate::park::publish::{Failed, PublishError, Publisher, Publishing, BATCH};
 use crate::park::{ParkStore, ParkedEvent, ParkedRow, ParkedSet};
+use crate::relay::parked_publisher::{Failed, PublishError, Publisher, Publishing, BATCH};
 use crate::relay::progress::TxnId;
 use crate::source::outbox::{OutboxRow, UnreadableRow};
 use crate::source::stream::OutboxStream;
