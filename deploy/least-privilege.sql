@@ -25,7 +25,9 @@ CREATE PUBLICATION outboxd FOR TABLE public.outbox WITH (publish = 'insert', pub
 --   GRANT EXECUTE ON FUNCTION pg_logical_emit_message(boolean, text, text) TO <owner of outbox_emit>;
 -- and grant application roles EXECUTE on outbox_emit only.
 --
--- routing.on_poison = "park" (migration 0009): outboxd writes the events it
--- parks, and `outboxd parked` redrives and deletes them. It writes nothing
--- else; the outbox stays read-only to it.
+-- routing.on_poison = "park" (migrations 0009 and 0010): outboxd writes the
+-- events it parks, and `outboxd parked` redrives and deletes them. It writes
+-- nothing else; the outbox stays read-only to it. Its per-sequence locks are
+-- advisory locks, and a relay that takes the slot over ends a frozen
+-- predecessor's parking connection (same role: no grant needed).
 GRANT SELECT, INSERT, UPDATE, DELETE ON public.outboxd_parked, public.outboxd_parked_sequences TO outboxd;

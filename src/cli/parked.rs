@@ -310,7 +310,7 @@ pub async fn redrive(
         // already, so what the slot has durably passed is redriven here too
         // (a relay that is down, or at a parking limit, is not waited for).
         let outcome = if store.lock_sequence(&h.topic, &h.key).await? {
-            let outcome = redrive_sequence(&mut store, &mut publisher, h, options, &mut done).await;
+            let outcome = redrive_locked(&mut store, &mut publisher, h, options, &mut done).await;
             store.unlock_sequences().await?;
             outcome?
         } else {
@@ -348,6 +348,24 @@ pub async fn redrive(
         }
     }
     Ok(done)
+}
+
+/// Under the sequence's lock: finishes what a publisher that stopped
+/// between its Kafka commit and its deletes left (its marker), reads the
+/// header again (the relay may have handed it back, or ended a handback),
+/// and redrives it.
+async fn redrive_locked(
+    store: &mut ParkStore,
+    p: &mut Publisher,
+    h: &SequenceHead,
+    options: &RedriveOptions,
+    done: &mut Redriven,
+) -> Result<Option<Stopped>, ParkedError> {
+    p.finish_committed(store).await?;
+    match store.head(&h.topic, &h.key).await? {
+        Some(now) => redrive_sequence(store, p, &now, options, done).await,
+        None => Ok(None),
+    }
 }
 
 /// Redrives one sequence to its end and releases it (`None`), or says why
@@ -446,12 +464,13 @@ pub async fn skip(
         .await?
         .ok_or_else(|| ParkedError::NoSuchEvent(id.to_owned()))?;
     is_head(&store, &ev).await?;
-    if store
-        .heads()
-        .await?
-        .iter()
-        .any(|h| h.handback && h.topic == ev.topic && h.key == ev.key)
-    {
+    if !store.lock_sequence(&ev.topic, &ev.key).await? {
+        return Err(ParkedError::Busy {
+            topic: ev.topic.clone(),
+            key: ev.key.clone(),
+        });
+    }
+    if store.head(&ev.topic, &ev.key).await?.is_some_and(|h| h.handback) {
         return Err(ParkedError::HandedBack(id.to_owned()));
     }
     if options.dry_run {
@@ -518,5 +537,7 @@ pub async fn skip(
         key: ev.key.clone(),
         topic: Some(ev.topic.clone()),
     };
+    // The redrive takes the sequence's lock on a connection of its own.
+    store.unlock_sequences().await?;
     redrive(config, validated, &selection, options).await
 }

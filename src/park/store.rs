@@ -287,6 +287,44 @@ impl ParkStore {
         self.fenced_by = Some(pid);
     }
 
+    /// Names this connection as the relay's of its slot
+    /// (`application_name`), so that a relay that takes the slot over can
+    /// tell its predecessor's sequence locks ([`ParkStore::break_stale_lock`]).
+    pub async fn name_relay(&self) -> Result<(), ParkError> {
+        self.client
+            .execute(
+                "SELECT set_config('application_name', $1, false)",
+                &[&relay_name(&self.slot)],
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// A sequence's lock held by another relay of this slot (a leader that
+    /// froze or vanished mid-handback, whose connection lives on): while
+    /// this relay's walsender streams the slot, that relay is a zombie, and
+    /// its connection is ended. Whether one was.
+    pub async fn break_stale_lock(&self, topic: &str, key: &str) -> Result<bool, ParkError> {
+        let Some(pid) = self.fenced_by else {
+            return Ok(false);
+        };
+        let row = self
+            .client
+            .query_one(
+                "SELECT count(pg_terminate_backend(l.pid)) \
+                   FROM pg_catalog.pg_locks l JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid \
+                  WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 \
+                    AND ((l.classid::bigint << 32) | l.objid::bigint) = \
+                        hashtextextended('outboxd_parked/' || $1 || '/' || $2 || '/' || $3, 0) \
+                    AND a.application_name = $4 AND l.pid <> pg_backend_pid() \
+                    AND EXISTS (SELECT 1 FROM pg_catalog.pg_replication_slots \
+                                 WHERE slot_name = $1 AND active_pid = $5)",
+                &[&self.slot, &topic, &key, &relay_name(&self.slot), &pid],
+            )
+            .await?;
+        Ok(row.get::<_, i64>(0) > 0)
+    }
+
     /// The slot whose events these are.
     pub fn slot(&self) -> &str {
         &self.slot
@@ -384,6 +422,15 @@ impl ParkStore {
                 })
             })
             .collect()
+    }
+
+    /// One sequence's header, as [`ParkStore::heads`] reads it.
+    pub async fn head(&self, topic: &str, key: &str) -> Result<Option<SequenceHead>, ParkError> {
+        Ok(self
+            .heads()
+            .await?
+            .into_iter()
+            .find(|h| h.topic == topic && h.key == key))
     }
 
     /// Parks the first event of a sequence: opens its header (unless a
@@ -832,6 +879,11 @@ async fn insert_event(
         )
         .await?;
     Ok(n == 1)
+}
+
+/// The `application_name` of a relay's parked-event connection.
+fn relay_name(slot: &str) -> String {
+    format!("outboxd relay parking {slot}")
 }
 
 fn lsn(s: String) -> Result<Lsn, ParkError> {

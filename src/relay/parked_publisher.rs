@@ -381,7 +381,14 @@ async fn publish_in_transaction(
                     p.sink.abort_transaction(timeout).await?;
                     return again_alone(store, p, ev, &source, &topic, alone).await;
                 }
-                Err(e) => return Err(e.into()),
+                Err(e) => {
+                    // Not left open: it would hold read_committed consumers
+                    // of its partitions until the next publisher fences it.
+                    if let Err(abort) = p.sink.abort_transaction(timeout).await {
+                        tracing::warn!(error = %abort, "could not abort the redrive's Kafka transaction; the next redrive or handback fences it");
+                    }
+                    return Err(e.into());
+                }
             }
         }
         match p.send(&marker).await {

@@ -116,14 +116,14 @@ impl Relay {
             return Ok(());
         };
         if parking.store.as_ref().is_none_or(ParkStore::is_closed) {
-            parking.store = Some(
-                ParkStore::connect(
-                    &self.validated.pg,
-                    &self.validated.table,
-                    self.validated.slot.as_str(),
-                )
-                .await?,
-            );
+            let store = ParkStore::connect(
+                &self.validated.pg,
+                &self.validated.table,
+                self.validated.slot.as_str(),
+            )
+            .await?;
+            store.name_relay().await?;
+            parking.store = Some(store);
         }
         let firsts = match parking.store.as_mut() {
             Some(store) => {
@@ -491,9 +491,22 @@ impl Relay {
         let mut publisher = None;
         let mut outcome = Ok(());
         for (topic, key) in due {
-            outcome = self.hand_back_one(stream, s, &mut publisher, &topic, &key).await;
-            if outcome.is_err() {
-                break;
+            match self.hand_back_one(stream, s, &mut publisher, &topic, &key).await {
+                Ok(()) => {}
+                // The session's own failures end it.
+                Err(e @ (RelayError::Pg(_) | RelayError::Stream(_) | RelayError::LeadershipLost)) => {
+                    outcome = Err(e);
+                    break;
+                }
+                // A handback that fails (Kafka, the registry, a grant
+                // missing) never stops the stream: the sequence stays
+                // parked, and is tried again at the next read.
+                Err(e) => {
+                    self.metrics.error(e.reason());
+                    tracing::warn!(topic, key, error = %e, "could not publish a handed-back sequence; it stays parked and is tried again in a few seconds");
+                    // A producer that failed is not used again.
+                    publisher = None;
+                }
             }
         }
         let Some(parking) = self.parking.as_mut() else {
@@ -554,10 +567,22 @@ impl Relay {
             );
             return Ok(());
         }
-        if !stream
-            .keep_alive_while(received, flushed, every, store.lock_sequence(topic, key))
-            .await??
-        {
+        let locked = stream
+            .keep_alive_while(received, flushed, every, async {
+                if store.lock_sequence(topic, key).await? {
+                    return Ok(true);
+                }
+                // A relay that held the slot before this one and froze
+                // mid-handback keeps its lock while its connection lives.
+                if store.break_stale_lock(topic, key).await? {
+                    tracing::warn!(topic, key, "ended the parked-event connection of a relay that held this slot before (frozen mid-handback), which held the sequence");
+                    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+                    return store.lock_sequence(topic, key).await;
+                }
+                Ok::<_, crate::park::ParkError>(false)
+            })
+            .await??;
+        if !locked {
             tracing::debug!(
                 topic,
                 key,
@@ -566,7 +591,7 @@ impl Relay {
             return Ok(());
         }
         if publisher.is_none() {
-            let mut p = stream
+            let p = stream
                 .keep_alive_while(
                     received,
                     flushed,
@@ -574,14 +599,16 @@ impl Relay {
                     Publisher::new(&self.config, &self.validated, Publishing::Handback),
                 )
                 .await??;
-            stream
-                .keep_alive_while(received, flushed, every, p.finish_committed(store))
-                .await??;
             *publisher = Some(p);
         }
         let Some(p) = publisher.as_mut() else {
             return Ok(());
         };
+        // Under the lock: a redrive that committed this sequence's rows and
+        // stopped before deleting them left its marker.
+        stream
+            .keep_alive_while(received, flushed, every, p.finish_committed(store))
+            .await??;
         let Some(store) = self.parking.as_mut().and_then(|p| p.store.as_mut()) else {
             return Ok(());
         };

@@ -1237,3 +1237,73 @@ async fn a_redrive_publishes_a_handed_back_sequence_while_outboxd_is_down() {
         (1..=10).collect::<Vec<_>>()
     );
 }
+
+/// The sequence lock: a handed-back sequence held by a redrive (any other
+/// connection) waits for it; one held by a relay that had the slot before
+/// (frozen mid-handback: its connection lives on) is taken from it, and the
+/// relay releases the sequence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handed_back_sequence_waits_for_a_redrive_and_not_for_a_frozen_relay() {
+    let b = broker();
+    let t = Setup::new(
+        "park_lock",
+        "",
+        "topic_config = { \"max.message.bytes\" = \"8192\" }",
+    )
+    .await;
+    let (client, slot, prefix, topic) = (&t.client, t.slot.as_str(), t.prefix.as_str(), &t.topic);
+    let (handle, tx) = t.spawn().await;
+    write(client, prefix, &[("A", 1, 10)]).await;
+    consume(&b.brokers, &[topic], 1, Duration::from_secs(30));
+    write(client, prefix, &[("A", 2, 20_000)]).await;
+    for n in 3..=6 {
+        write(client, prefix, &[("A", n, 10)]).await;
+    }
+    wait_confirmed_past(client, slot).await;
+    assert_eq!(parked_count(client, slot).await, 5);
+    raise_max_message_bytes(&b.brokers, topic).await;
+    let key = format!("{prefix}-A");
+    let lock = format!("SELECT pg_advisory_lock(hashtextextended('outboxd_parked/{slot}/{topic}/{key}', 0))");
+    // A redrive holds it: the relay leaves it alone.
+    let redrive = t.db.client().await;
+    redrive.batch_execute(&lock).await.unwrap();
+    client
+        .batch_execute("UPDATE outboxd_parked_sequences SET handback = true")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    assert_eq!(
+        parked_count(client, slot).await,
+        5,
+        "published under a redrive's lock"
+    );
+    assert!(!redrive.is_closed());
+    // A frozen relay of this slot holds it: its connection is ended. It
+    // queues for the lock before the redrive lets go, so that it gets it
+    // first.
+    let frozen = std::sync::Arc::new(t.db.client().await);
+    frozen
+        .batch_execute(&format!("SET application_name = 'outboxd relay parking {slot}'"))
+        .await
+        .unwrap();
+    let queued = {
+        let (frozen, lock) = (frozen.clone(), lock.clone());
+        tokio::spawn(async move { frozen.batch_execute(&lock).await })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    drop(redrive);
+    queued.await.unwrap().unwrap();
+    wait_for(
+        "the relay to release the sequence",
+        Duration::from_secs(60),
+        || async { (parked_count(client, slot).await == 0).then_some(()) },
+    )
+    .await;
+    assert!(
+        frozen.batch_execute("SELECT 1").await.is_err(),
+        "the frozen relay's connection was ended"
+    );
+    let got = consume(&b.brokers, &[topic], 6, Duration::from_secs(30));
+    assert_eq!(sequence(&got, &key), (1..=6).collect::<Vec<_>>());
+    stop_relay(handle, tx).await;
+}
