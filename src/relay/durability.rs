@@ -270,11 +270,12 @@ impl Durability {
         }
     }
 
-    /// Whether a replay of the stream would leave the PostgreSQL
-    /// transaction committing at `commit_lsn` alone: exactly-once, a
-    /// progress record in Kafka covers it (read at start, or committed by
-    /// this session); at-least-once, never (a replay publishes again, and
-    /// duplicates are allowed).
+    /// Whether the relay may hand back (publish itself) a parked event of
+    /// the PostgreSQL transaction committing at `commit_lsn`: exactly-once,
+    /// once a progress record in Kafka covers it (read at start, or
+    /// committed by this session), so that a replay skips it; at-least-once,
+    /// always (a replay may publish it again: a duplicate, which that mode
+    /// allows).
     pub(super) fn in_kafka(&self, commit_lsn: Lsn) -> bool {
         match self {
             Durability::AtLeastOnce => true,

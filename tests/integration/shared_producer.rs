@@ -663,16 +663,26 @@ listen = "{listen}"
         all, expected,
         "every event once, the refused one dead-lettered: {x:?}"
     );
-    // Events that came before the first one: the batches librdkafka sent
-    // behind the refused one before the purge took the queue.
-    let early = x.iter().position(|s| *s == 1).unwrap();
-    eprintln!("{early} later events came before the first: {x:?}");
-    assert!(early <= 12, "{early} later events came first: {x:?}");
-    let rest: Vec<i64> = x[early..].to_vec();
-    let in_order: Vec<i64> = std::iter::once(1)
-        .chain((3..=40).filter(|s| !x[..early].contains(s)))
+    // Events stored ahead of an earlier one: the batches librdkafka sent
+    // behind the refused one before the purge took the queue (the
+    // at-least-once window of a refusal outboxd could not predict,
+    // docs/parked.md "Limits of this version"). Bounded by what was in
+    // flight; every other event in order.
+    let early: Vec<i64> = x
+        .iter()
+        .enumerate()
+        .filter(|(i, s)| x[i + 1..].iter().any(|later| later < s))
+        .map(|(_, s)| *s)
         .collect();
-    assert_eq!(rest, in_order, "the rest in order: {x:?}");
+    eprintln!(
+        "{} events stored ahead of an earlier one: {early:?} in {x:?}",
+        early.len()
+    );
+    assert!(early.len() <= 12, "{early:?} stored ahead: {x:?}");
+    let rest: Vec<i64> = x.iter().copied().filter(|s| !early.contains(s)).collect();
+    let mut sorted = rest.clone();
+    sorted.sort_unstable();
+    assert_eq!(rest, sorted, "the rest in order: {x:?}");
     assert!(daemon.sigterm().success());
 }
 
