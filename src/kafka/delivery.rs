@@ -674,8 +674,11 @@ fn purge_after_failures(producer: &BaseProducer<Reports>, gate: &Gate, stop: &At
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let queued = producer.in_flight_count();
-        producer.purge(PurgeConfig::default().queue());
+        // The generation moves first: no send can come between (the lock
+        // is held), and whoever hears a purged report then reads the new
+        // generation.
         gate.generation.fetch_add(1, Ordering::SeqCst);
+        producer.purge(PurgeConfig::default().queue());
         drop(held);
         gate.purging.store(false, Ordering::SeqCst);
         tracing::info!(

@@ -241,11 +241,22 @@ async fn first_copies(topic: &str) -> (BTreeMap<String, Vec<i64>>, usize) {
 /// order, apart from `missing` (a row dead-lettered instead).
 async fn arrive_in_order(topic: &str, seq: &HashMap<String, i64>, missing: &HashSet<(String, i64)>) {
     let want: usize = seq.values().map(|n| *n as usize).sum::<usize>() - missing.len();
-    let (by_key, unique) = wait_for(topic, Duration::from_secs(180), || async {
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let (by_key, unique) = loop {
         let (by_key, unique) = first_copies(topic).await;
-        (unique >= want).then_some((by_key, unique))
-    })
-    .await;
+        if unique >= want {
+            break (by_key, unique);
+        }
+        if Instant::now() > deadline {
+            let absent: Vec<(String, i64)> = seq
+                .iter()
+                .flat_map(|(agg, n)| (1..=*n).map(move |s| (agg.clone(), s)))
+                .filter(|e| !missing.contains(e) && !by_key.get(&e.0).is_some_and(|v| v.contains(&e.1)))
+                .collect();
+            panic!("{topic}: {unique} of {want} events after 180 s; absent: {absent:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
     assert_eq!(unique, want, "{topic}: nothing else");
     for (agg, n) in seq {
         let expected: Vec<i64> = (1..=*n)
@@ -753,6 +764,7 @@ async fn a_source_that_keeps_failing_costs_its_neighbours_one_purge() {
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    eprintln!("alpha: refused rows written {ahead:?}, per aggregate {sa:?}");
     let at_10s = at_10s.unwrap();
     let resent_at_10s = sourced(&at_10s, "outboxd_resent_records_total", "beta");
     arrive_in_order(&topic("alpha"), &sa, &ahead).await;

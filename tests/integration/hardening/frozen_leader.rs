@@ -106,9 +106,18 @@ async fn a_stopped_leader_is_replaced_within_its_lease_and_never_publishes_again
     .await;
     let published = frozen_at.elapsed();
     eprintln!("a frozen leader: the standby streamed after {takeover:?}, published after {published:?}");
+    // The documented bound: `leader_timeout` (8 s) + the standby's 1 s
+    // retry + session start. Reading the probe back from Kafka is the
+    // test's own latency, bounded apart so that a loaded machine's slow
+    // consumer start is not read as a slow takeover.
     assert!(
-        published < Duration::from_secs(10),
-        "took over in {published:?}: the bound is 10 s"
+        takeover < Duration::from_secs(10),
+        "the standby streamed after {takeover:?}: the bound is 10 s"
+    );
+    assert!(
+        published - takeover < Duration::from_secs(8),
+        "the probe reached Kafka {:?} after the takeover",
+        published - takeover
     );
 
     // The old leader wakes up: it sends nothing more, and waits as a standby.
