@@ -14,6 +14,7 @@ use serde_json::{json, Value};
 
 use super::harness::postgres::PgServer;
 use super::relays::{Kind, Setting};
+use super::ceiling::Spread;
 use super::{create_slot, drain_into, drop_slot, harness, recvlogical_on, write_rows, Shape};
 
 /// Aggregate types, each a topic.
@@ -33,8 +34,11 @@ pub async fn run(
     let many: Vec<String> = (0..TYPES).map(|t| format!("tp50-t{t}")).collect();
     let theirs: Vec<String> = (0..TYPES).map(|t| format!("tp50dbz-T{t}")).collect();
     let one = vec!["tp1-all".to_owned()];
+    let ceiling_topics: Vec<String> = (0..TYPES).map(|t| format!("tpceil-t{t}")).collect();
     {
         let mut topics = many.clone();
+        topics.extend(ceiling_topics.clone());
+        topics.push("tpceil".into());
         topics.extend(theirs.clone());
         topics.extend(one.clone());
         topics.push("warm-up-topics".into());
@@ -52,6 +56,27 @@ pub async fn run(
     for _ in 0..3 {
         let round = super::ceiling::run(&s.brokers, "warm-up-topics", n.min(200_000), &s.outboxd_kafka);
         eprintln!("bench: warm-up: {:.0} events/s", round.rate());
+    }
+    // The Kafka side alone (records built in memory): one topic, and 50
+    // topics × 3 partitions through one producer and through several,
+    // each owning a fixed share of the partitions.
+    let mut ceilings = Vec::new();
+    for spread in [
+        Spread::ONE,
+        Spread { topics: TYPES, producers: 1 },
+        Spread { topics: TYPES, producers: 2 },
+        Spread { topics: TYPES, producers: 3 },
+    ] {
+        let c = super::ceiling::run_spread(&s.brokers, "tpceil", n, &s.outboxd_kafka, spread);
+        eprintln!(
+            "bench: produce ceiling, {} topic(s), {} producer(s): {:.0} events/s, {:.2} core-s per 100k, {:.1} MiB",
+            spread.topics,
+            spread.producers,
+            c.rate(),
+            c.cpu_per_100k(),
+            c.rss_mib
+        );
+        ceilings.push((spread, c));
     }
     // With OUTBOXD_BENCH_REFERENCE, an earlier build drains the same rows
     // too, each of its runs right after this build's.
@@ -84,6 +109,15 @@ pub async fn run(
     let mut rows = Vec::new();
     let mut out = json!({"events": n, "types": TYPES, "partitions_each": super::PARTITIONS,
                          "pg_recvlogical": {"seconds": recv_secs, "events_per_second": recv_rate}});
+    out["produce_ceilings"] = json!(ceilings
+        .iter()
+        .map(|(spread, c)| {
+            let mut v = c.json();
+            v["topics"] = json!(spread.topics);
+            v["producers"] = json!(spread.producers);
+            v
+        })
+        .collect::<Vec<_>>());
     let mut runs: Vec<(&str, Kind, &str, String, Vec<String>)> = vec![(
         "outboxd, 1 topic",
         Kind::Outboxd,
@@ -141,6 +175,16 @@ pub async fn run(
         println!(
             "| {label} | {rate:.0} events/s | {:.2} | {cpu:.2} core-s | {rss:.1} MiB |",
             rate / recv_rate
+        );
+    }
+    for (spread, c) in &ceilings {
+        println!(
+            "| produce ceiling, {} topic(s), {} producer(s) (records in memory) | {:.0} events/s | | {:.2} core-s | {:.1} MiB |",
+            spread.topics,
+            spread.producers,
+            c.rate(),
+            c.cpu_per_100k(),
+            c.rss_mib
         );
     }
     let rate = |label: &str| rows.iter().find(|r| r.0 == label).map(|r| r.1);

@@ -16,6 +16,7 @@ use uuid::Uuid;
 use crate::harness::broker::{broker, consume_to_end, create_topics_with, Consumed};
 use crate::harness::{wait_for, TestDb};
 use crate::relay::{config_text, write_config, Daemon};
+use crate::sources::{slot_pid, streaming_pid};
 
 fn now_ms() -> i64 {
     SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as i64
@@ -396,17 +397,6 @@ fn threads_named(pid: u32, name: &str) -> usize {
         .count()
 }
 
-async fn slot_pid(client: &tokio_postgres::Client, slot: &str) -> Option<i32> {
-    client
-        .query_opt(
-            "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1",
-            &[&slot],
-        )
-        .await
-        .unwrap()
-        .and_then(|r| r.get(0))
-}
-
 /// The real binary with three sources on one producer: `alpha` and `beta`
 /// stream (CDC), `gamma` polls. Records linger 300 ms in the shared queue,
 /// so the others always have some queued when Kafka refuses alpha's row
@@ -732,10 +722,12 @@ async fn a_source_that_keeps_failing_costs_its_neighbours_one_purge() {
     let log = dir.path().join("outboxd.log");
     let _log_on_failure = crate::sources::LogOnFailure(log.clone());
     let daemon = Daemon::start_logging(&config, &log, "info");
-    wait_for("beta streaming", Duration::from_secs(60), || async {
-        slot_pid(&sql, &format!("sp_beta_{run}")).await
-    })
-    .await;
+    for name in ["alpha", "beta"] {
+        wait_for(&format!("{name} streaming"), Duration::from_secs(60), || async {
+            streaming_pid(&sql, &format!("sp_{name}_{run}")).await
+        })
+        .await;
+    }
     let (mut sa, mut sb) = (HashMap::new(), HashMap::new());
     let mut ahead = HashSet::new();
     // Beta writes every 20 ms; alpha a refused row every 5 s, for 30 s

@@ -171,10 +171,26 @@ async fn unique_count(src: &Src) -> usize {
     sequences(&got).1
 }
 
-async fn slot_pid(client: &tokio_postgres::Client, slot: &str) -> Option<i32> {
+/// The process that holds `slot` (a walsender, streaming or not).
+pub(crate) async fn slot_pid(client: &tokio_postgres::Client, slot: &str) -> Option<i32> {
     client
         .query_opt(
             "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .unwrap()
+        .and_then(|r| r.get(0))
+}
+
+/// The walsender streaming `slot`. A slot being created is active too,
+/// before its consistent point, and what commits then is never decoded:
+/// a test writes only once the walsender streams.
+pub(crate) async fn streaming_pid(client: &tokio_postgres::Client, slot: &str) -> Option<i32> {
+    client
+        .query_opt(
+            "SELECT s.active_pid FROM pg_replication_slots s JOIN pg_stat_replication r ON r.pid = s.active_pid
+              WHERE s.slot_name = $1 AND r.state = 'streaming'",
             &[&slot],
         )
         .await
@@ -392,7 +408,7 @@ async fn three_sources_stream_apart_and_change_without_a_restart() {
     .await;
     // A new source streams from the moment its slot exists.
     wait_for("delta streaming", Duration::from_secs(30), || async {
-        slot_pid(&sql, &delta.slot).await.map(|_| ())
+        streaming_pid(&sql, &delta.slot).await.map(|_| ())
     })
     .await;
     write(&sql, "outbox3", &mut sd, 25).await;
@@ -504,7 +520,7 @@ async fn three_sources_stream_apart_and_change_without_a_restart() {
     assert_eq!(code, 200, "{body}");
     all_arrive(&beta, &sb, Duration::from_secs(60)).await;
     wait_for("beta streams again", Duration::from_secs(30), || async {
-        slot_pid(&sql, &beta.slot).await.map(|_| ())
+        streaming_pid(&sql, &beta.slot).await.map(|_| ())
     })
     .await;
     let (code, body) = http("GET", listen, "/sources/beta", Some(TOKEN)).await;
@@ -549,7 +565,7 @@ async fn run_with_source_keeps_to_it_across_reloads() {
             .unwrap(),
     );
     wait_for("alpha streaming", Duration::from_secs(60), || async {
-        slot_pid(&sql, &a.slot).await.map(|_| ())
+        streaming_pid(&sql, &a.slot).await.map(|_| ())
     })
     .await;
     let sources = |body: String| -> Vec<String> {
@@ -645,7 +661,7 @@ async fn sigterm_during_a_pause_drain_stops_every_source_at_once() {
     let config = write_config(dir.path(), "outboxd.toml", &text);
     let mut daemon = Daemon::start_logging(&config, &log, "info");
     wait_for("healthy streaming", Duration::from_secs(60), || async {
-        slot_pid(&sql, &healthy.slot).await
+        streaming_pid(&sql, &healthy.slot).await
     })
     .await;
     let mut seq = HashMap::new();
