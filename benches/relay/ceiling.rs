@@ -19,28 +19,9 @@ use outboxd::kafka::records::KafkaRecord;
 use outboxd::kafka::sink::{KafkaSink, SendOutcome};
 use serde_json::{json, Value};
 
-/// Set in the child: `brokers|topic|events|topics|producers|kafka lines
+/// Set in the child: `brokers|topic|events|topics|kafka lines
 /// (\n-separated)`.
 pub const ENV: &str = "OUTBOXD_BENCH_CEILING";
-
-/// The shape of a ceiling run: how many topics the records spread over
-/// (`<topic>-t<i>`, each of [`PARTITIONS`] partitions, made beforehand)
-/// and how many producers send them. With several producers each
-/// partition is written by one of them only (partition `p` of topic `t`
-/// by producer `(3t + p) mod producers`), the partition picked here from
-/// the key, so every key keeps its order.
-#[derive(Clone, Copy, Debug)]
-pub struct Spread {
-    pub topics: usize,
-    pub producers: usize,
-}
-
-impl Spread {
-    pub const ONE: Spread = Spread { topics: 1, producers: 1 };
-}
-
-/// Partitions of each topic of a spread run.
-pub const PARTITIONS: usize = 3;
 
 /// A produce-only run.
 #[derive(Clone, Debug)]
@@ -69,17 +50,13 @@ impl Ceiling {
 /// Produces `events` records to `topic` in a child process and returns
 /// what it measured.
 pub fn run(brokers: &str, topic: &str, events: usize, kafka_lines: &[String]) -> Ceiling {
-    run_spread(brokers, topic, events, kafka_lines, Spread::ONE)
+    run_over(brokers, topic, events, kafka_lines, 1)
 }
 
-/// [`run`] over `spread.topics` topics and `spread.producers` producers.
-pub fn run_spread(brokers: &str, topic: &str, events: usize, kafka_lines: &[String], spread: Spread) -> Ceiling {
-    let spec = format!(
-        "{brokers}|{topic}|{events}|{}|{}|{}",
-        spread.topics,
-        spread.producers,
-        kafka_lines.join("\n")
-    );
+/// [`run`] over `topics` topics (`<topic>-t<i>`, made beforehand; one
+/// topic is `topic` itself).
+pub fn run_over(brokers: &str, topic: &str, events: usize, kafka_lines: &[String], topics: usize) -> Ceiling {
+    let spec = format!("{brokers}|{topic}|{events}|{topics}|{}", kafka_lines.join("\n"));
     let out = Command::new(std::env::current_exe().expect("the bench binary"))
         .env(ENV, spec)
         .output()
@@ -99,8 +76,7 @@ pub fn run_spread(brokers: &str, topic: &str, events: usize, kafka_lines: &[Stri
 }
 
 /// The records: as outboxd builds them from the backlog's rows; over
-/// several topics, record `i` goes to topic `i mod topics`, on the
-/// partition its key hashes to.
+/// several topics, record `i` goes to topic `i mod topics`.
 fn records(topic: &str, n: usize, topics: usize) -> Vec<KafkaRecord> {
     let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as i64;
     (0..n)
@@ -113,11 +89,10 @@ fn records(topic: &str, n: usize, topics: usize) -> Vec<KafkaRecord> {
                 i as u128 * 0x9e37_79b9_7f4a_7c15
             );
             let key = format!("order-{}", i % 5000);
-            let (topic, partition) = if topics == 1 {
-                (topic.to_owned(), None)
+            let topic = if topics == 1 {
+                topic.to_owned()
             } else {
-                let h = key.bytes().fold(0u32, |h, b| h.wrapping_mul(31).wrapping_add(u32::from(b)));
-                (format!("{topic}-t{}", i % topics), Some((h as usize % PARTITIONS) as i32))
+                format!("{topic}-t{}", i % topics)
             };
             KafkaRecord {
                 topic,
@@ -135,7 +110,7 @@ fn records(topic: &str, n: usize, topics: usize) -> Vec<KafkaRecord> {
                     ),
                 ],
                 timestamp_ms: now,
-                partition,
+                partition: None,
             }
         })
         .collect()
@@ -152,25 +127,12 @@ fn own_usage() -> (f64, f64) {
 /// stays that of 100,000 records.
 const POOL: usize = 100_000;
 
-/// The producer that owns a record's partition.
-fn owner(rec: &KafkaRecord, producers: usize) -> usize {
-    let t: usize = rec
-        .topic
-        .rsplit_once("-t")
-        .and_then(|(_, t)| t.parse().ok())
-        .unwrap_or(0);
-    (t * PARTITIONS + rec.partition.unwrap_or(0) as usize) % producers
-}
-
-/// The child's side: produce, then print the figures as JSON. The
-/// in-flight budget is outboxd's for the partitions written to, split
-/// evenly between the producers.
+/// The child's side: produce, then print the figures as JSON.
 pub async fn child(spec: &str) {
-    let mut parts = spec.splitn(6, '|');
-    let (brokers, topic, events, topics, producers, lines) = (
+    let mut parts = spec.splitn(5, '|');
+    let (brokers, topic, events, topics, lines) = (
         parts.next().unwrap(),
         parts.next().unwrap(),
-        parts.next().unwrap().parse::<usize>().unwrap(),
         parts.next().unwrap().parse::<usize>().unwrap(),
         parts.next().unwrap().parse::<usize>().unwrap(),
         parts.next().unwrap_or(""),
@@ -181,57 +143,41 @@ pub async fn child(spec: &str) {
     let (config, _) = outboxd::config::Config::from_toml(&text, |_| None).expect("the ceiling's config");
     let kafka = &config.kafka;
     let pool = records(topic, events.min(POOL), topics);
-    let mut sinks = Vec::new();
-    for _ in 0..producers {
-        let mut sink = KafkaSink::new(kafka, Duration::from_secs(10)).expect("the ceiling's producer");
-        for rec in pool.iter().take(topics) {
-            sink.ensure_topic(&rec.topic).await.expect("the ceiling's topic");
-        }
-        sinks.push(sink);
+    let mut sink = KafkaSink::new(kafka, Duration::from_secs(10)).expect("the ceiling's producer");
+    for rec in pool.iter().take(topics) {
+        sink.ensure_topic(&rec.topic).await.expect("the ceiling's topic");
     }
-    let queues: Vec<_> = sinks.iter().map(KafkaSink::reports).collect();
-    let partitions = if topics == 1 { sinks[0].partitions_in_use() } else { topics * PARTITIONS };
-    let (max_inflight, max_inflight_bytes) = kafka.inflight_budget(partitions);
-    let (max_inflight, max_inflight_bytes) = (max_inflight / producers, max_inflight_bytes / producers);
-    let mut in_flight: Vec<HashMap<_, usize>> = vec![HashMap::new(); producers];
-    let mut bytes = vec![0usize; producers];
+    let queue = sink.reports();
+    let (mut in_flight, mut bytes) = (HashMap::new(), 0usize);
     let mut ready = VecDeque::new();
     let (cpu_before, _) = own_usage();
     let start = Instant::now();
     let mut next = pool.iter().cycle().take(events);
     let mut pending = next.next();
-    while pending.is_some() || in_flight.iter().any(|f| !f.is_empty()) {
-        // outboxd's intake rule: read while under both bounds (of the
-        // producer the next record goes to).
-        while let Some(rec) = pending {
-            let k = owner(rec, producers);
-            if in_flight[k].len() >= max_inflight || bytes[k] >= max_inflight_bytes {
-                break;
-            }
-            match sinks[k].send_reported(rec).expect("the ceiling's send") {
+    let (max_inflight, max_inflight_bytes) = kafka.inflight_budget(sink.partitions_in_use());
+    while pending.is_some() || !in_flight.is_empty() {
+        // outboxd's intake rule: read while under both bounds.
+        while let Some(rec) = pending.filter(|_| in_flight.len() < max_inflight && bytes < max_inflight_bytes)
+        {
+            match sink.send_reported(rec).expect("the ceiling's send") {
                 SendOutcome::Sent(ticket) => {
-                    in_flight[k].insert(ticket, rec.size());
-                    bytes[k] += rec.size();
+                    in_flight.insert(ticket, rec.size());
+                    bytes += rec.size();
                     pending = next.next();
                 }
                 SendOutcome::QueueFull => break,
             }
         }
-        let mut heard = false;
-        for (k, queue) in queues.iter().enumerate() {
+        if ready.is_empty() {
+            queue.arrived().await;
             queue.take(&mut ready);
-            while let Some((ticket, report)) = ready.pop_front() {
-                assert!(
-                    matches!(report, Report::Stored { .. }),
-                    "the ceiling's record was not stored: {report:?}"
-                );
-                bytes[k] -= in_flight[k].remove(&ticket).unwrap_or(0);
-                heard = true;
-            }
         }
-        if !heard {
-            let arrivals: Vec<_> = queues.iter().map(|q| Box::pin(q.arrived())).collect();
-            futures::future::select_all(arrivals).await;
+        while let Some((ticket, report)) = ready.pop_front() {
+            assert!(
+                matches!(report, Report::Stored { .. }),
+                "the ceiling's record was not stored: {report:?}"
+            );
+            bytes -= in_flight.remove(&ticket).unwrap_or(0);
         }
     }
     let seconds = start.elapsed().as_secs_f64();

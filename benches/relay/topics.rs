@@ -6,15 +6,18 @@
 //! to its own topic (50 topics × 3 partitions), and by Debezium on the same
 //! 50 topics (its Java producer packs every partition of a broker into one
 //! request: the reference for what packing gives). Each relay has a slot
-//! of its own made before the backlog. Reported: drain rate, CPU per 100k
-//! events and peak RSS of each. With `OUTBOXD_BENCH_REFERENCE`, an earlier
-//! build drains both shapes too, each right after this build's.
+//! of its own made before the backlog. outboxd drains each shape twice,
+//! in alternating rounds, after both shapes warmed the broker. Beside
+//! them, the produce ceiling of each shape (records built in memory, no
+//! PostgreSQL: the Kafka side's own cost of 50 topics). Reported: drain
+//! rate, CPU per 100k events and peak RSS of each. With
+//! `OUTBOXD_BENCH_REFERENCE`, an earlier build drains both shapes too,
+//! each right after this build's.
 
 use serde_json::{json, Value};
 
 use super::harness::postgres::PgServer;
 use super::relays::{Kind, Setting};
-use super::ceiling::Spread;
 use super::{create_slot, drain_into, drop_slot, harness, recvlogical_on, write_rows, Shape};
 
 /// Aggregate types, each a topic.
@@ -53,35 +56,40 @@ pub async fn run(
         .await
         .unwrap();
     }
+    // The broker speeds up for minutes after it starts (the JVM compiles
+    // its hot paths): both shapes warm it, three rounds each, before
+    // anything is measured.
     for _ in 0..3 {
-        let round = super::ceiling::run(&s.brokers, "warm-up-topics", n.min(200_000), &s.outboxd_kafka);
-        eprintln!("bench: warm-up: {:.0} events/s", round.rate());
+        for topics in [1, TYPES] {
+            let round =
+                super::ceiling::run_over(&s.brokers, "tpceil", n.min(200_000), &s.outboxd_kafka, topics);
+            eprintln!("bench: warm-up, {topics} topic(s): {:.0} events/s", round.rate());
+        }
     }
     // The Kafka side alone (records built in memory): one topic, and 50
-    // topics × 3 partitions through one producer and through several,
-    // each owning a fixed share of the partitions.
+    // topics × 3 partitions.
     let mut ceilings = Vec::new();
-    for spread in [
-        Spread::ONE,
-        Spread { topics: TYPES, producers: 1 },
-        Spread { topics: TYPES, producers: 2 },
-        Spread { topics: TYPES, producers: 3 },
-    ] {
-        let c = super::ceiling::run_spread(&s.brokers, "tpceil", n, &s.outboxd_kafka, spread);
+    for topics in [1, TYPES] {
+        let c = super::ceiling::run_over(&s.brokers, "tpceil", n, &s.outboxd_kafka, topics);
         eprintln!(
-            "bench: produce ceiling, {} topic(s), {} producer(s): {:.0} events/s, {:.2} core-s per 100k, {:.1} MiB",
-            spread.topics,
-            spread.producers,
+            "bench: produce ceiling, {topics} topic(s): {:.0} events/s, {:.2} core-s per 100k, {:.1} MiB",
             c.rate(),
             c.cpu_per_100k(),
             c.rss_mib
         );
-        ceilings.push((spread, c));
+        ceilings.push((topics, c));
     }
     // With OUTBOXD_BENCH_REFERENCE, an earlier build drains the same rows
     // too, each of its runs right after this build's.
     let reference = super::relays::reference_binary().is_some();
-    let mut slots = vec!["tp_recv", "tp_one", "tp_many", "tp_debezium"];
+    let mut slots = vec![
+        "tp_recv",
+        "tp_one",
+        "tp_many",
+        "tp_one_2",
+        "tp_many_2",
+        "tp_debezium",
+    ];
     if reference {
         slots.extend(["tp_ref_one", "tp_ref_many"]);
     }
@@ -111,10 +119,9 @@ pub async fn run(
                          "pg_recvlogical": {"seconds": recv_secs, "events_per_second": recv_rate}});
     out["produce_ceilings"] = json!(ceilings
         .iter()
-        .map(|(spread, c)| {
+        .map(|(topics, c)| {
             let mut v = c.json();
-            v["topics"] = json!(spread.topics);
-            v["producers"] = json!(spread.producers);
+            v["topics"] = json!(topics);
             v
         })
         .collect::<Vec<_>>());
@@ -150,6 +157,22 @@ pub async fn run(
             many.clone(),
         ));
     }
+    // A second round of both shapes, in the same order: which of the two
+    // a slower moment of the machine falls on shows in the two rounds.
+    runs.push((
+        "outboxd, 1 topic, round 2",
+        Kind::Outboxd,
+        "tp_one_2",
+        "tp1-all".to_owned(),
+        one.clone(),
+    ));
+    runs.push((
+        "outboxd, 50 topics, round 2",
+        Kind::Outboxd,
+        "tp_many_2",
+        "tp50-{aggregate_type}".to_owned(),
+        many.clone(),
+    ));
     if debezium {
         runs.push((
             "Debezium, 50 topics",
@@ -177,23 +200,37 @@ pub async fn run(
             rate / recv_rate
         );
     }
-    for (spread, c) in &ceilings {
+    for (topics, c) in &ceilings {
         println!(
-            "| produce ceiling, {} topic(s), {} producer(s) (records in memory) | {:.0} events/s | | {:.2} core-s | {:.1} MiB |",
-            spread.topics,
-            spread.producers,
+            "| produce ceiling, {topics} topic(s) (records in memory, no PostgreSQL) | {:.0} events/s | | {:.2} core-s | {:.1} MiB |",
             c.rate(),
             c.cpu_per_100k(),
             c.rss_mib
         );
     }
+    if let [(_, one), (_, many)] = &ceilings[..] {
+        println!(
+            "| produce ceiling, 50 topics ÷ 1 topic | {:.2} | | | |",
+            many.rate() / one.rate()
+        );
+        out["ceiling_many_to_one"] = json!(many.rate() / one.rate());
+    }
     let rate = |label: &str| rows.iter().find(|r| r.0 == label).map(|r| r.1);
-    for (who, key) in [("outboxd", "many_to_one"), ("reference", "reference_many_to_one")] {
-        if let (Some(one), Some(many)) = (
-            rate(&format!("{who}, 1 topic")),
-            rate(&format!("{who}, 50 topics")),
-        ) {
-            println!("| 50 topics ÷ 1 topic ({who}) | {:.2} | | | |", many / one);
+    for (one_label, many_label, key) in [
+        ("outboxd, 1 topic", "outboxd, 50 topics", "many_to_one"),
+        (
+            "outboxd, 1 topic, round 2",
+            "outboxd, 50 topics, round 2",
+            "many_to_one_round_2",
+        ),
+        (
+            "reference, 1 topic",
+            "reference, 50 topics",
+            "reference_many_to_one",
+        ),
+    ] {
+        if let (Some(one), Some(many)) = (rate(one_label), rate(many_label)) {
+            println!("| {many_label} ÷ {one_label} | {:.2} | | | |", many / one);
             out[key] = json!(many / one);
         }
     }

@@ -128,7 +128,10 @@ async fn a_failed_delivery_purges_the_shared_queue_and_the_other_lanes_send_thei
     let a_reports = reports(&a.reports(), &[refused]).await;
     assert!(a_reports[&refused].is_failure(), "{:?}", a_reports[&refused]);
     let b_reports = reports(&b.reports(), &b_tickets).await;
-    // Read once the purge is over (its reports are in).
+    // Read once the purge is over (its reports are in). The relay reads
+    // the generation before it hears the reports (a second purge's
+    // reports could otherwise be adopted unheard); with the one purge of
+    // this test, reading after is the same.
     let seen = b.generation();
     let purged = b_tickets
         .iter()
