@@ -900,8 +900,13 @@ async fn waits_longer_than_wal_sender_timeout_keep_the_session() {
             .unwrap()
             .get::<_, Option<i32>>(0)
     };
-    // The slot exists before the session starts streaming from it.
-    let pid = wait_for("the relay streams", Duration::from_secs(30), walsender).await;
+    // The slot exists before the session starts streaming from it, and it
+    // is active while it is created, on the same connection: wait for the
+    // walsender to stream.
+    let pid = wait_for("the relay streams", Duration::from_secs(30), || async {
+        crate::sources::streaming_pid(&client, slot).await
+    })
+    .await;
     let applied: String = db
         .client()
         .await
