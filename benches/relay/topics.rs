@@ -44,7 +44,6 @@ pub async fn run(
         topics.push("tpceil".into());
         topics.extend(theirs.clone());
         topics.extend(one.clone());
-        topics.push("warm-up-topics".into());
         let brokers = s.brokers.clone();
         tokio::task::spawn_blocking(move || {
             harness::broker::create_topics_with(
