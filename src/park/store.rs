@@ -13,6 +13,14 @@ use crate::lsn::RowPos;
 use crate::postgres::admin::{self, AdminError};
 use crate::source::outbox::{CreatedAt, Extra, OutboxRow, Payload};
 
+/// The key of a sequence's advisory lock, of `$1` (the slot), `$2` (the
+/// topic) and `$3` (the key).
+macro_rules! sequence_lock {
+    () => {
+        "hashtextextended('outboxd_parked/' || $1 || '/' || $2 || '/' || $3, 0)"
+    };
+}
+
 /// Why the parked-event tables could not be used.
 #[derive(Debug, thiserror::Error)]
 pub enum ParkError {
@@ -311,14 +319,16 @@ impl ParkStore {
         let row = self
             .client
             .query_one(
-                "SELECT count(pg_terminate_backend(l.pid)) \
+                concat!(
+                    "SELECT count(pg_terminate_backend(l.pid)) \
                    FROM pg_catalog.pg_locks l JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid \
                   WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 \
-                    AND ((l.classid::bigint << 32) | l.objid::bigint) = \
-                        hashtextextended('outboxd_parked/' || $1 || '/' || $2 || '/' || $3, 0) \
-                    AND a.application_name = $4 AND l.pid <> pg_backend_pid() \
+                    AND ((l.classid::bigint << 32) | l.objid::bigint) = ",
+                    sequence_lock!(),
+                    " AND a.application_name = $4 AND l.pid <> pg_backend_pid() \
                     AND EXISTS (SELECT 1 FROM pg_catalog.pg_replication_slots \
-                                 WHERE slot_name = $1 AND active_pid = $5)",
+                                 WHERE slot_name = $1 AND active_pid = $5)"
+                ),
                 &[&self.slot, &topic, &key, &relay_name(&self.slot), &pid],
             )
             .await?;
@@ -357,7 +367,7 @@ impl ParkStore {
         Ok(self
             .client
             .query_one(
-                "SELECT pg_try_advisory_lock(hashtextextended('outboxd_parked/' || $1 || '/' || $2 || '/' || $3, 0))",
+                concat!("SELECT pg_try_advisory_lock(", sequence_lock!(), ")"),
                 &[&self.slot, &topic, &key],
             )
             .await?
@@ -388,6 +398,17 @@ impl ParkStore {
 
     /// Every parked sequence of the slot, oldest first, with its counts.
     pub async fn heads(&self) -> Result<Vec<SequenceHead>, ParkError> {
+        self.read_heads(None).await
+    }
+
+    /// One sequence's header, as [`ParkStore::heads`] reads it.
+    pub async fn head(&self, topic: &str, key: &str) -> Result<Option<SequenceHead>, ParkError> {
+        Ok(self.read_heads(Some((topic, key))).await?.pop())
+    }
+
+    /// The headers of the slot's sequences, or of one.
+    async fn read_heads(&self, one: Option<(&str, &str)>) -> Result<Vec<SequenceHead>, ParkError> {
+        let (topic, key) = one.unzip();
         let handback = if self.hands_back().await? {
             "s.handback"
         } else {
@@ -398,12 +419,12 @@ impl ParkStore {
                     count(p.position), coalesce(sum(p.bytes), 0)::bigint, {handback} \
                FROM {0}outboxd_parked_sequences s \
                LEFT JOIN {0}outboxd_parked p ON (p.slot, p.topic, p.key) = (s.slot, s.topic, s.key) \
-              WHERE s.slot = $1 \
+              WHERE s.slot = $1 AND ($2::text IS NULL OR (s.topic, s.key) = ($2, $3)) \
               GROUP BY s.slot, s.topic, s.key \
               ORDER BY s.parked_at, s.topic, s.key",
             self.schema
         );
-        let rows = self.client.query(&sql, &[&self.slot]).await?;
+        let rows = self.client.query(&sql, &[&self.slot, &topic, &key]).await?;
         rows.iter()
             .map(|r| {
                 Ok(SequenceHead {
@@ -422,15 +443,6 @@ impl ParkStore {
                 })
             })
             .collect()
-    }
-
-    /// One sequence's header, as [`ParkStore::heads`] reads it.
-    pub async fn head(&self, topic: &str, key: &str) -> Result<Option<SequenceHead>, ParkError> {
-        Ok(self
-            .heads()
-            .await?
-            .into_iter()
-            .find(|h| h.topic == topic && h.key == key))
     }
 
     /// Parks the first event of a sequence: opens its header (unless a
