@@ -17,6 +17,8 @@
 //!   producer ([`kafka::enqueue`]).
 //! * [`daemon`]: the supervisor, one relay per configured source
 //!   (`[[sources]]`), their lifecycle (failures, SIGHUP, pause/resume).
+//! * [`coordination`]: several replicas sharing the sources through a Kafka
+//!   consumer group (`[coordination]`).
 //! * [`ops`]: the HTTP endpoints, the sources' board, liveness and
 //!   readiness, logging, tracing.
 //! * [`cli`]: the commands built on the floors below: check, status,
@@ -33,6 +35,7 @@
 
 pub mod cli;
 pub mod config;
+pub mod coordination;
 pub mod daemon;
 pub mod kafka;
 pub mod lsn;

@@ -46,6 +46,9 @@ pub struct Metrics {
     pub resent_records: IntCounter,
     /// 1 while /readyz answers ready.
     pub ready: IntGauge,
+    /// 1 while this process may lead the source: always without
+    /// `[coordination]`, else while the replicas' group assigns it here.
+    pub assigned: IntGauge,
     /// Polling mode: age of the oldest row with published_at NULL (seed 000's query).
     pub oldest_unpublished_seconds: Gauge,
     /// 1, labelled with the version.
@@ -368,6 +371,15 @@ impl Metrics {
                 "Records sent again, in order, after the shared producer purged its unsent records because a delivery (of any source) failed.",
             )?,
             ready: gauge(&registry, "outboxd_ready", "1 while /readyz answers ready.")?,
+            assigned: {
+                let g = gauge(
+                    &registry,
+                    "outboxd_source_assigned",
+                    "1 while this replica may lead the source: always without [coordination], else while the replicas' group assigns it here.",
+                )?;
+                g.set(1);
+                g
+            },
             publish_errors,
             dead_letters,
             commit_to_ack_seconds,
@@ -446,6 +458,7 @@ mod tests {
             "outboxd_reconnects_total",
             "outboxd_build_info{version=",
             "outboxd_ready",
+            "outboxd_source_assigned 1",
             "outboxd_kafka_transactions_total{outcome=\"committed\"} 0",
             "outboxd_kafka_transactions_total{outcome=\"aborted\"} 0",
             "outboxd_kafka_commit_seconds_bucket",

@@ -50,6 +50,9 @@ pub struct StatusReport {
     pub inflight_events: Option<u64>,
     pub outboxd: Option<Snapshot>,
     pub outboxd_error: Option<String>,
+    /// `[coordination]`: this replica's name and group, and whether the
+    /// group assigns it the source (from the local outboxd's `/status`).
+    pub replica: Option<ReplicaView>,
     pub kafka_reachable: bool,
     pub kafka_error: Option<String>,
     /// Exactly-once: the last committed progress record, read from Kafka
@@ -63,6 +66,17 @@ pub struct StatusReport {
     pub parked_error: Option<String>,
 }
 
+/// The local replica's part in the replicas' group.
+#[derive(Clone, Debug, Serialize)]
+pub struct ReplicaView {
+    pub replica: String,
+    pub group: String,
+    pub assigned: bool,
+    /// Sources this replica is assigned, of every source of the file.
+    pub assigned_count: usize,
+    pub rebalances: u64,
+}
+
 /// The status could not be read at all.
 #[derive(Debug, thiserror::Error)]
 pub enum StatusError {
@@ -71,7 +85,11 @@ pub enum StatusError {
 }
 
 /// Asks the running outboxd for its `/status`, and takes `source`'s part.
-fn daemon_snapshot(config: &Config, v: &Validated, source: &str) -> Result<Snapshot, String> {
+fn daemon_snapshot(
+    config: &Config,
+    v: &Validated,
+    source: &str,
+) -> Result<(Snapshot, Option<ReplicaView>), String> {
     if v.listen.port() == 0 {
         return Err("http.listen uses port 0, so the daemon cannot be found".into());
     }
@@ -103,7 +121,19 @@ fn daemon_snapshot(config: &Config, v: &Validated, source: &str) -> Result<Snaps
             ))
         }
     };
-    serde_json::from_value(part).map_err(|e| format!("unexpected /status answer: {e}"))
+    let replica = all
+        .get_mut("coordination")
+        .map(serde_json::Value::take)
+        .and_then(|c| serde_json::from_value::<crate::coordination::Status>(c).ok())
+        .map(|c| ReplicaView {
+            assigned: c.assigned.contains(source),
+            assigned_count: c.assigned.len(),
+            replica: c.replica,
+            group: c.group,
+            rebalances: c.rebalances,
+        });
+    let snapshot = serde_json::from_value(part).map_err(|e| format!("unexpected /status answer: {e}"))?;
+    Ok((snapshot, replica))
 }
 
 /// Gathers the report.
@@ -145,6 +175,7 @@ pub async fn gather(config: &Config, v: &Validated, source: &str) -> Result<Stat
         inflight_events: None,
         outboxd: None,
         outboxd_error: None,
+        replica: None,
         kafka_reachable: false,
         kafka_error: None,
         progress: None,
@@ -170,7 +201,8 @@ pub async fn gather(config: &Config, v: &Validated, source: &str) -> Result<Stat
     let val = v.clone();
     let name = source.to_owned();
     match tokio::task::spawn_blocking(move || daemon_snapshot(&cfg, &val, &name)).await {
-        Ok(Ok(snap)) => {
+        Ok(Ok((snap, replica))) => {
+            r.replica = replica;
             r.received_lsn = Some(snap.received_lsn.clone());
             r.inflight_events = Some(snap.inflight_events);
             r.oldest_unconfirmed_event_age_seconds =
@@ -339,6 +371,21 @@ impl StatusReport {
             (None, None) => dash(),
         };
         let _ = writeln!(o, "outboxd         {daemon}");
+        if let Some(r) = &self.replica {
+            let _ = writeln!(
+                o,
+                "replica         {} of group {}: {} ({} source(s) assigned here, {} rebalance(s))",
+                r.replica,
+                r.group,
+                if r.assigned {
+                    "assigned here"
+                } else {
+                    "the group assigns this source to another replica"
+                },
+                r.assigned_count,
+                r.rebalances
+            );
+        }
         let kafka = match &self.kafka_error {
             None => "reachable".to_owned(),
             Some(e) => format!("UNREACHABLE: {e}"),

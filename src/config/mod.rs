@@ -23,6 +23,7 @@ use serde::{Deserialize, Deserializer};
 
 pub mod columns;
 pub mod conninfo;
+pub mod coordination;
 pub mod ident;
 pub mod kafka;
 pub mod ops;
@@ -32,6 +33,7 @@ pub mod registry;
 pub mod routing;
 pub mod sources;
 
+pub use coordination::CoordinationConfig;
 pub use kafka::{Delivery, ExactlyOnceConfig, KafkaConfig};
 pub use ops::{HealthConfig, HttpConfig, LogConfig, LogFormat, OtelConfig, ShutdownConfig, Thresholds};
 pub use polling::{Mode, PollingConfig};
@@ -172,6 +174,10 @@ pub struct Config {
     /// `json-schema`.
     #[serde(default)]
     pub schema_registry: Option<SchemaRegistryConfig>,
+    /// Several replicas sharing the file's sources through a Kafka
+    /// consumer group (off by default: every replica tries every source).
+    #[serde(default)]
+    pub coordination: Option<CoordinationConfig>,
 }
 
 /// A value that is never printed: `Debug` shows `***`, and a value of the
@@ -392,6 +398,9 @@ impl Config {
                 "postgres.leader_timeout",
                 "must be at least 2s: the leader renews the lease every quarter of it",
             ));
+        }
+        if let Some(c) = &self.coordination {
+            c.check().map_err(|(key, reason)| invalid(key, reason))?;
         }
         if self.kafka.brokers.trim().is_empty() {
             return Err(invalid("kafka.brokers", "must list at least one host:port"));

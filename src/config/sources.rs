@@ -31,6 +31,7 @@
 
 use std::collections::HashSet;
 
+use super::coordination::MAX_WEIGHT;
 use super::{interpolate_value, invalid, Config, ConfigError, Delivery, Validated};
 
 /// The sections a source owns; with `[[sources]]` they may not be at the top.
@@ -53,6 +54,9 @@ pub struct SourceConfig {
     /// A digest of the source's own table and the shared sections: a reload
     /// restarts the source when it changes.
     pub fingerprint: u64,
+    /// Its weight among the sources `[coordination]` spreads over replicas
+    /// (1 to 3, default 1; see [`crate::config::coordination`]).
+    pub weight: u32,
 }
 
 /// Checks a source name: it goes into metric labels, URLs and log fields.
@@ -87,7 +91,7 @@ pub fn from_toml(text: &str, env: impl Fn(&str) -> Option<String>) -> Result<Vec
     let mut out = Vec::with_capacity(sources.len());
     for s in sources {
         let fingerprint = fingerprint(&s.table);
-        let (name, index) = (s.name, s.index);
+        let (name, index, weight) = (s.name, s.index, s.weight);
         let (config, mut validated) = Config::from_table(s.table).map_err(|e| locate(&name, index, e))?;
         validated.source_name = index.map(|_| name.clone());
         out.push(SourceConfig {
@@ -96,6 +100,7 @@ pub fn from_toml(text: &str, env: impl Fn(&str) -> Option<String>) -> Result<Vec
             config,
             validated,
             fingerprint,
+            weight,
         });
     }
     check_apart(&out)?;
@@ -106,6 +111,7 @@ pub fn from_toml(text: &str, env: impl Fn(&str) -> Option<String>) -> Result<Vec
 struct Split {
     name: String,
     required: bool,
+    weight: u32,
     /// `None` for the single-source shape, else its index in `[[sources]]`.
     index: Option<usize>,
     table: toml::Table,
@@ -138,6 +144,7 @@ fn split(mut top: toml::Table) -> Result<Vec<Split>, ConfigError> {
         return Ok(vec![Split {
             name: DEFAULT_SOURCE.to_owned(),
             required: true,
+            weight: 1,
             index: None,
             table: top,
         }]);
@@ -183,6 +190,16 @@ fn split(mut top: toml::Table) -> Result<Vec<Split>, ConfigError> {
                 ))
             }
         };
+        let weight = match own.remove("weight") {
+            None => 1,
+            Some(toml::Value::Integer(w)) if (1..=i64::from(MAX_WEIGHT)).contains(&w) => w as u32,
+            Some(_) => {
+                return Err(invalid(
+                    &format!("sources[{i}].weight"),
+                    format!("must be a whole number from 1 to {MAX_WEIGHT}: [coordination] spreads the sources of each weight over the replicas apart"),
+                ))
+            }
+        };
         let mut table = top.clone();
         for (key, value) in own {
             if key == "kafka" {
@@ -202,6 +219,7 @@ fn split(mut top: toml::Table) -> Result<Vec<Split>, ConfigError> {
         out.push(Split {
             name,
             required,
+            weight,
             index: Some(i),
             table,
         });
@@ -240,13 +258,14 @@ fn merge_kafka(table: &mut toml::Table, own: toml::Value, i: usize) -> Result<()
 }
 
 /// A stable digest of a merged table (TOML tables are ordered maps),
-/// without `[http]` and `[log]`: a reload cannot apply those (they belong
-/// to the process), so they restart no relay.
+/// without `[http]`, `[log]` and `[coordination]`: those belong to the
+/// process, not to a relay, so they restart no relay.
 fn fingerprint(table: &toml::Table) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut relayed = table.clone();
     relayed.remove("http");
     relayed.remove("log");
+    relayed.remove("coordination");
     let mut h = std::collections::hash_map::DefaultHasher::new();
     relayed.to_string().hash(&mut h);
     h.finish()
@@ -347,6 +366,53 @@ table = "{table}"
 
     fn load(text: &str) -> Result<Vec<SourceConfig>, String> {
         from_toml(text, |_| None).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn coordination_and_weights_are_read_and_checked() {
+        // `weight` sits beside `name`; the postgres table follows it.
+        let text = |extra: &str, weight: &str| {
+            format!(
+                "{SHARED}{extra}\n[[sources]]\nname = \"a\"\nweight = {weight}\n[sources.postgres]\nurl = \"postgres://u@h/d\"\nslot = \"sa\"\npublication = \"sa\"\ntable = \"o1\"\n{}",
+                source("b", "postgres://u@h/d", "sb", "o2"),
+            )
+        };
+        let group = "[coordination]\ngroup = \"g\"\nreplica = \"r1\"\n";
+        let all = load(&text(group, "3")).unwrap();
+        assert_eq!(all[0].weight, 3);
+        assert_eq!(all[1].weight, 1);
+        let c = all[0].config.coordination.clone().unwrap();
+        assert_eq!(c.group, "g");
+        assert_eq!(c.replica_name(), "r1");
+        assert_eq!(c.session_timeout.0, std::time::Duration::from_secs(10));
+        // [coordination] is the process's: changing it restarts no relay.
+        let other = load(&text("[coordination]\ngroup = \"h\"\n", "3")).unwrap();
+        assert_eq!(all[0].fingerprint, other[0].fingerprint);
+        for (extra, weight, key) in [
+            (group, "0", "sources[0].weight"),
+            (group, "4", "sources[0].weight"),
+            (group, "\"heavy\"", "sources[0].weight"),
+            ("[coordination]\ngroup = \"a b\"\n", "1", "coordination.group"),
+            (
+                "[coordination]\ngroup = \"g\"\nreplica = \"\"\n",
+                "1",
+                "coordination.replica",
+            ),
+            (
+                "[coordination]\ngroup = \"g\"\nsession_timeout = \"6s\"\nheartbeat_interval = \"3s\"\n",
+                "1",
+                "coordination.heartbeat_interval",
+            ),
+            (
+                "[coordination]\ngroup = \"g\"\nsession_timeout = \"500ms\"\n",
+                "1",
+                "coordination.session_timeout",
+            ),
+            ("[coordination]\ngroup = \"g\"\ngroups = 2\n", "1", "coordination"),
+        ] {
+            let e = load(&text(extra, weight)).unwrap_err();
+            assert!(e.contains(key), "{extra} weight {weight}: {e}");
+        }
     }
 
     #[test]

@@ -44,6 +44,18 @@
 //!
 //! A stopping relay is drained before anything else starts on its slot, so
 //! two relays of one source never overlap.
+//!
+//! # Replicas
+//!
+//! With `[coordination]` and more than one source, the supervisor starts no
+//! source by itself: every source begins `unassigned`, and the replicas'
+//! group ([`crate::coordination`]) says which ones this replica leads. An
+//! assignment starts them; a revoke drains them (as a pause does) and
+//! leaves them `unassigned`, and only then is the revoke answered, so the
+//! group hands a source to its next replica once it is drained here. A
+//! reload that changes the set of sources, their weights or the section
+//! drains every source, leaves the group and joins the new one. Verbs act
+//! on this replica's sources only.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -57,6 +69,7 @@ use tracing::Instrument;
 
 use crate::config::sources::SourceConfig;
 use crate::config::{Config, Mode};
+use crate::coordination::{self, Class, Coordinator};
 use crate::kafka::clients::KafkaClients;
 use crate::metrics::Metrics;
 use crate::ops::board::{Board, Control, ControlError, Source, State, Verb};
@@ -154,6 +167,84 @@ pub struct Supervisor {
     kafka: Arc<KafkaClients>,
     /// Shutdown, as `run` was given it: waits for drains listen to it.
     shutdown: Option<watch::Receiver<bool>>,
+    /// `[coordination]`: the group's consumers, what they decide, and the
+    /// sources the group assigns this replica.
+    coordinator: Option<Coordinator>,
+    group_events: Option<mpsc::UnboundedReceiver<coordination::Event>>,
+    /// The plan the coordinator runs: its settings and classes.
+    plan: Option<Plan>,
+    assigned: std::collections::HashSet<String>,
+    /// Sources assigned in the group's first moments, started once the
+    /// group has settled (replicas started together join one by one).
+    settling: Settling,
+}
+
+/// The first assignment after joining waits a little: replicas started
+/// together join one after another, and the first to join is assigned
+/// every source until the others arrive. Starting them at once would start
+/// and drain most of them again within seconds.
+#[derive(Debug, Default)]
+struct Settling {
+    /// Set at the first assignment: until then, sources wait.
+    until: Option<tokio::time::Instant>,
+    waiting: std::collections::BTreeSet<String>,
+    done: bool,
+}
+
+/// What a coordinator is started with; a reload that changes it joins the
+/// group anew.
+#[derive(Debug, Clone)]
+struct Plan {
+    settings: coordination::Settings,
+    classes: Vec<Class>,
+}
+
+impl Plan {
+    /// The plan of `sources`, or `None` when each replica tries every
+    /// source: no `[coordination]`, or a single source (a standby takes it
+    /// over faster by its lease alone).
+    fn of(sources: &[&SourceConfig]) -> Option<Plan> {
+        let first = sources.first()?;
+        let config = first.config.coordination.clone()?;
+        if sources.len() < 2 {
+            tracing::info!("[coordination] is ignored for a single source: replicas stand by for its lease, as without it");
+            return None;
+        }
+        let named: Vec<(String, u32)> = sources.iter().map(|s| (s.name.clone(), s.weight)).collect();
+        let classes = coordination::classes(&config.group, &named);
+        Some(Plan {
+            settings: coordination::Settings {
+                config,
+                kafka: first.config.kafka.clone(),
+                drain_bound: drain_bound(sources.iter().copied()),
+            },
+            classes,
+        })
+    }
+
+    fn same(a: Option<&Plan>, b: Option<&Plan>) -> bool {
+        match (a, b) {
+            (None, None) => true,
+            (Some(a), Some(b)) => {
+                a.classes == b.classes
+                    && a.settings.config == b.settings.config
+                    && a.settings.kafka.brokers == b.settings.kafka.brokers
+                    && a.settings.kafka.options == b.settings.kafka.options
+            }
+            _ => false,
+        }
+    }
+}
+
+/// How long a drain of `sources` may take: the longest
+/// `shutdown.drain_timeout`, and a margin for a set-up step that ignores
+/// the stop (a connect).
+fn drain_bound<'a>(sources: impl Iterator<Item = &'a SourceConfig>) -> Duration {
+    sources
+        .map(|c| c.config.shutdown.drain_timeout.0)
+        .max()
+        .unwrap_or(Duration::from_secs(30))
+        + Duration::from_secs(30)
 }
 
 /// The supervisor could not set a source up.
@@ -197,6 +288,11 @@ impl Supervisor {
             control,
             kafka: KafkaClients::new(),
             shutdown: None,
+            coordinator: None,
+            group_events: None,
+            plan: None,
+            assigned: std::collections::HashSet::new(),
+            settling: Settling::default(),
         };
         for s in sources {
             supervisor.add(s, None)?;
@@ -225,8 +321,14 @@ impl Supervisor {
     pub async fn run(mut self, mut stop: watch::Receiver<bool>) -> Ending {
         self.shutdown = Some(stop.clone());
         let names: Vec<String> = self.board.sources().iter().map(|s| s.name.clone()).collect();
-        for name in &names {
-            self.start(name);
+        let plan = Plan::of(&self.configs.values().collect::<Vec<_>>());
+        match plan {
+            Some(plan) => self.join_group(plan),
+            None => {
+                for name in &names {
+                    self.start(name);
+                }
+            }
         }
         let mut hangup = self.hangup.take();
         loop {
@@ -249,14 +351,134 @@ impl Supervisor {
                 Some(()) = async { match hangup.as_mut() { Some(h) => h.recv().await, None => None } } => {
                     self.reload().await;
                 }
+                Some(event) = async { match self.group_events.as_mut() { Some(e) => e.recv().await, None => None } } => {
+                    self.on_group(event).await;
+                }
+                () = async { match self.settling.until { Some(t) => tokio::time::sleep_until(t).await, None => std::future::pending().await } } => {
+                    self.settled();
+                }
             }
         }
         let all: Vec<String> = self.tasks.keys().cloned().collect();
         self.stop_all(&all, State::Stopping).await;
+        // Drained: the group may hand every source to the others now.
+        self.leave_group().await;
         for (_, w) in self.watchers.drain() {
             w.abort();
         }
         Ending::Stopped
+    }
+
+    /// Joins the replicas' group: every source waits unassigned.
+    fn join_group(&mut self, plan: Plan) {
+        for source in self.board.sources() {
+            self.unwatch(&source.name);
+            source.set_state(State::Unassigned, None);
+            source.metrics.assigned.set(0);
+        }
+        let (events_tx, events) = mpsc::unbounded_channel();
+        let coordinator = Coordinator::spawn(&plan.settings, plan.classes.clone(), events_tx);
+        self.board.set_coordination(Some(coordinator.board()));
+        tracing::info!(
+            group = %plan.settings.config.group,
+            replica = %plan.settings.config.replica_name(),
+            "sources are spread over the replicas of group {}: each starts when the group assigns it here",
+            plan.settings.config.group
+        );
+        self.coordinator = Some(coordinator);
+        self.group_events = Some(events);
+        self.plan = Some(plan);
+        self.assigned.clear();
+        self.settling = Settling::default();
+    }
+
+    /// The group has settled: the sources assigned meanwhile start.
+    fn settled(&mut self) {
+        self.settling.until = None;
+        self.settling.done = true;
+        let waiting = std::mem::take(&mut self.settling.waiting);
+        for name in waiting {
+            if self.assigned.contains(&name)
+                && self
+                    .board
+                    .get(&name)
+                    .is_some_and(|s| s.state().0 == State::Unassigned)
+            {
+                self.start(&name);
+            }
+        }
+    }
+
+    /// Leaves the group (every source drained first).
+    async fn leave_group(&mut self) {
+        // Revokes waiting in the queue are answered (their sender dropped).
+        self.group_events = None;
+        if let Some(c) = self.coordinator.take() {
+            c.close().await;
+        }
+        self.board.set_coordination(None);
+        self.plan = None;
+        self.assigned.clear();
+        self.settling = Settling::default();
+    }
+
+    /// What the group decided.
+    async fn on_group(&mut self, event: coordination::Event) {
+        match event {
+            coordination::Event::Assigned(names) => {
+                if !self.settling.done && self.settling.until.is_none() {
+                    let heartbeat = self
+                        .plan
+                        .as_ref()
+                        .map_or(Duration::from_secs(1), |p| p.settings.config.heartbeat_interval.0);
+                    self.settling.until = Some(tokio::time::Instant::now() + heartbeat * 2);
+                }
+                for name in names {
+                    let Some(source) = self.board.get(&name) else {
+                        continue;
+                    };
+                    self.assigned.insert(name.clone());
+                    source.metrics.assigned.set(1);
+                    if self.settling.until.is_some() {
+                        self.settling.waiting.insert(name);
+                    } else if source.state().0 == State::Unassigned {
+                        self.start(&name);
+                    }
+                }
+            }
+            coordination::Event::Revoked { sources, lost, done } => {
+                for name in &sources {
+                    self.assigned.remove(name);
+                    self.settling.waiting.remove(name);
+                }
+                let running: Vec<String> = sources
+                    .iter()
+                    .filter(|n| self.tasks.contains_key(*n))
+                    .cloned()
+                    .collect();
+                if lost && !running.is_empty() {
+                    tracing::warn!(sources = ?running, "this replica lost its place in the group (its session expired): stopping its sources; their lease kept them from publishing once expired");
+                }
+                // Answered whether or not shutdown interrupted: the
+                // sources are stopped either way.
+                let _ = self.stop_all(&running, State::Unassigned).await;
+                for name in &sources {
+                    self.unwatch(name);
+                    if let Some(s) = self.board.get(name) {
+                        if s.state().0 != State::Stopping {
+                            s.set_state(State::Unassigned, None);
+                        }
+                        s.metrics.assigned.set(0);
+                    }
+                }
+                drop(done);
+            }
+        }
+    }
+
+    /// Whether this replica may run `name`: always without `[coordination]`.
+    fn may_run(&self, name: &str) -> bool {
+        self.plan.is_none() || self.assigned.contains(name)
     }
 
     /// No source runs or waits paused: everything failed.
@@ -268,6 +490,10 @@ impl Supervisor {
         let (Some(config), Some(source)) = (self.configs.get(name), self.board.get(name)) else {
             return;
         };
+        if !self.may_run(name) {
+            source.set_state(State::Unassigned, None);
+            return;
+        }
         if let Some(w) = self.watchers.remove(name) {
             w.abort();
         }
@@ -386,12 +612,7 @@ impl Supervisor {
         // shutdown.drain_timeout, and a set-up step that ignores the stop (a
         // connect) gets a margin: one deadline for them all.
         let bound = |configs: &HashMap<String, SourceConfig>, names: &mut dyn Iterator<Item = &String>| {
-            names
-                .filter_map(|n| configs.get(n))
-                .map(|c| c.config.shutdown.drain_timeout.0)
-                .max()
-                .unwrap_or(Duration::from_secs(30))
-                + Duration::from_secs(30)
+            drain_bound(names.filter_map(|n| configs.get(n)))
         };
         let waited = bound(&self.configs, &mut names.iter());
         let mut deadline = tokio::time::Instant::now() + waited;
@@ -486,6 +707,11 @@ impl Supervisor {
         };
         let state = source.state().0;
         match (verb, state) {
+            (_, State::Unassigned) => Err(ControlError::Conflict(
+                name.to_owned(),
+                "unassigned",
+                "the replicas' group assigns it to another replica: send the verb to that one (GET /status on each names what it leads)",
+            )),
             (Verb::Pause, State::Paused) => Ok(()),
             (Verb::Pause, State::Failed) => {
                 source.set_state(State::Paused, source.state().1);
@@ -578,10 +804,22 @@ impl Supervisor {
             .filter(|n| self.board.get(n).is_some_and(|s| s.state().0 == State::Paused))
             .cloned()
             .collect();
-        let draining: Vec<String> = removed.iter().chain(&changed).cloned().collect();
+        // Another set of sources, other weights or another [coordination]:
+        // every source drains here, and the group is joined anew.
+        let plan = Plan::of(&fresh.iter().collect::<Vec<_>>());
+        let regroup = !Plan::same(self.plan.as_ref(), plan.as_ref());
+        let draining: Vec<String> = if regroup {
+            tracing::info!("the sources' spread over replicas changes: every source drains, then the replicas' group is joined anew");
+            self.tasks.keys().cloned().collect()
+        } else {
+            removed.iter().chain(&changed).cloned().collect()
+        };
         if self.stop_all(&draining, State::Stopping).await == Drained::Interrupted {
             tracing::info!("reload not finished: outboxd is stopping");
             return;
+        }
+        if regroup {
+            self.leave_group().await;
         }
         for name in &removed {
             self.unwatch(name);
@@ -593,6 +831,10 @@ impl Supervisor {
             let name = config.name.clone();
             let is_changed = changed.contains(&name);
             if !is_changed && !added.contains(&name) {
+                // Drained for a new spread without a group: it starts again.
+                if regroup && plan.is_none() && draining.contains(&name) {
+                    self.start(&name);
+                }
                 // Only `required` may differ: readiness changes, the relay
                 // is untouched.
                 if self
@@ -615,7 +857,9 @@ impl Supervisor {
                 tracing::error!(error = %e, "source not started");
                 continue;
             }
-            if paused.contains(&name) {
+            if regroup && plan.is_some() {
+                // The group assigns it (below).
+            } else if paused.contains(&name) {
                 if let Some(s) = self.board.get(&name) {
                     s.set_state(State::Paused, None);
                 }
@@ -625,6 +869,9 @@ impl Supervisor {
             }
         }
         self.board.order(&names);
+        if let (true, Some(plan)) = (regroup, plan) {
+            self.join_group(plan);
+        }
     }
 }
 
@@ -647,5 +894,58 @@ async fn run_relay(
                 Err(e) => Err(e.to_string()),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(coordination: &str, sources: usize) -> Vec<SourceConfig> {
+        let mut text = format!("[kafka]\nbrokers = \"k:9092\"\n{coordination}\n");
+        for i in 0..sources {
+            text.push_str(&format!(
+                "[[sources]]\nname = \"s{i}\"\nweight = {w}\n[sources.postgres]\nurl = \"postgres://u@h/d\"\nslot = \"s{i}\"\npublication = \"s{i}\"\ntable = \"o{i}\"\n",
+                w = 1 + i % 2
+            ));
+        }
+        crate::config::sources::from_toml(&text, |_| None).unwrap()
+    }
+
+    fn plan(sources: &[SourceConfig]) -> Option<Plan> {
+        Plan::of(&sources.iter().collect::<Vec<_>>())
+    }
+
+    #[test]
+    fn the_group_is_joined_only_with_coordination_and_several_sources() {
+        let group = "[coordination]\ngroup = \"g\"";
+        assert!(
+            plan(&file("", 4)).is_none(),
+            "no [coordination]: every source, as before"
+        );
+        assert!(
+            plan(&file(group, 1)).is_none(),
+            "one source: a hot standby, as before"
+        );
+        let p = plan(&file(group, 4)).unwrap();
+        assert_eq!(p.classes.len(), 2, "one group per weight");
+        assert_eq!(p.classes[0].sources, ["s0", "s2"]);
+        assert_eq!(p.classes[1].group, "g.w2");
+        // drain_timeout (30s by default) and a margin.
+        assert_eq!(p.settings.drain_bound, Duration::from_secs(60));
+        assert!(Plan::same(Some(&p), plan(&file(group, 4)).as_ref()));
+        assert!(
+            !Plan::same(Some(&p), plan(&file(group, 5)).as_ref()),
+            "another source"
+        );
+        assert!(!Plan::same(
+            Some(&p),
+            plan(&file(
+                "[coordination]\ngroup = \"g\"\nsession_timeout = \"20s\"",
+                4
+            ))
+            .as_ref()
+        ));
+        assert!(!Plan::same(Some(&p), None));
     }
 }

@@ -210,6 +210,37 @@ pub(crate) fn describe_config_error(e: &KafkaError, cfg: &KafkaConfig) -> String
     text
 }
 
+/// Properties only a producer knows, which a consumer would warn about.
+pub(crate) const PRODUCER_ONLY: &[&str] = &[
+    "acks",
+    "request.required.acks",
+    "enable.idempotence",
+    "enable.gapless.guarantee",
+    "transactional.id",
+    "transaction.timeout.ms",
+    "linger.ms",
+    "queue.buffering.max.ms",
+    "queue.buffering.max.messages",
+    "queue.buffering.max.kbytes",
+    "queue.buffering.backpressure.threshold",
+    "batch.num.messages",
+    "batch.size",
+    "compression.codec",
+    "compression.type",
+    "compression.level",
+    "message.timeout.ms",
+    "delivery.timeout.ms",
+    "request.timeout.ms",
+    "message.send.max.retries",
+    "retries",
+    "partitioner",
+    "sticky.partitioning.linger.ms",
+    "delivery.report.only.error",
+    "queuing.strategy",
+    "produce.offset.report",
+    "enable.sparse.connections",
+];
+
 /// The librdkafka settings for a config.
 pub fn client_config(cfg: &KafkaConfig) -> ClientConfig {
     let mut c = ClientConfig::new();

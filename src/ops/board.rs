@@ -26,6 +26,9 @@ pub enum State {
     Failed,
     /// Draining, on its way to paused, restarted or removed.
     Stopping,
+    /// `[coordination]`: the replicas' group assigns it to another replica
+    /// (or has not assigned it yet); this one runs no relay for it.
+    Unassigned,
 }
 
 /// An operator's verb for one source.
@@ -129,6 +132,8 @@ impl Source {
             (State::Running, _) => self.health.not_ready_reasons(),
             (State::Paused, _) => vec!["paused by an operator (POST /sources/<name>/resume)".to_owned()],
             (State::Stopping, _) => vec!["stopping".to_owned()],
+            // A healthy member of the group: the source is another's.
+            (State::Unassigned, _) => Vec::new(),
             (State::Failed, e) => vec![format!(
                 "stopped on an error: {}",
                 e.unwrap_or_else(|| "unknown".into())
@@ -164,6 +169,8 @@ impl Source {
 pub struct Board {
     sources: RwLock<Vec<Arc<Source>>>,
     control: mpsc::Sender<Control>,
+    /// The replicas' group, with `[coordination]`.
+    coordination: RwLock<Option<Arc<crate::coordination::Board>>>,
 }
 
 impl Board {
@@ -171,6 +178,21 @@ impl Board {
         Board {
             sources: RwLock::new(Vec::new()),
             control,
+            coordination: RwLock::new(None),
+        }
+    }
+
+    /// The replicas' group this process is a member of, if any.
+    pub fn coordination(&self) -> Option<crate::coordination::Status> {
+        self.coordination
+            .read()
+            .ok()
+            .and_then(|c| c.as_ref().map(|b| b.status()))
+    }
+
+    pub fn set_coordination(&self, board: Option<Arc<crate::coordination::Board>>) {
+        if let Ok(mut c) = self.coordination.write() {
+            *c = board;
         }
     }
 
@@ -213,7 +235,11 @@ impl Board {
         for s in &sources {
             s.metrics.ready.set(i64::from(s.not_ready_reasons().is_empty()));
         }
-        crate::metrics::encode_all(sources.iter().map(|s| &*s.metrics))
+        let mut text = crate::metrics::encode_all(sources.iter().map(|s| &*s.metrics));
+        if let Some(c) = self.coordination.read().ok().and_then(|c| c.clone()) {
+            text.push_str(&c.metrics_text());
+        }
+        text
     }
 
     /// Live when every running source's loop is.
@@ -258,7 +284,11 @@ impl Board {
             // standing by for another replica fails neither pod. Alone, a
             // standby is not ready, as before.
             let standing_by = !one && s.state().0 == State::Running && s.health.snapshot().standby;
-            if standing_by {
+            if s.state().0 == State::Unassigned {
+                notes.push(name(
+                    "unassigned: the replicas' group assigns it to another replica",
+                ));
+            } else if standing_by {
                 notes.push(name("standby: another outboxd leads this slot"));
             } else if reasons.is_empty() {
                 notes.extend(s.health.degraded_reasons().iter().map(|r| name(r)));

@@ -81,6 +81,9 @@ async fn status(State(s): State<AppState>) -> Response {
     };
     if let Some(t) = top.as_object_mut() {
         t.insert("sources".into(), serde_json::Value::Object(by_name));
+        if let Some(c) = s.board.coordination() {
+            t.insert("coordination".into(), serde_json::to_value(c).unwrap_or_default());
+        }
     }
     Json(top).into_response()
 }

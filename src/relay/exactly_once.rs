@@ -183,37 +183,6 @@ fn topic_error(topic: &str, error: RDKafkaErrorCode) -> Option<ProgressError> {
     }
 }
 
-/// Properties only a producer knows, which a consumer would warn about.
-const PRODUCER_ONLY: &[&str] = &[
-    "acks",
-    "request.required.acks",
-    "enable.idempotence",
-    "enable.gapless.guarantee",
-    "transactional.id",
-    "transaction.timeout.ms",
-    "linger.ms",
-    "queue.buffering.max.ms",
-    "queue.buffering.max.messages",
-    "queue.buffering.max.kbytes",
-    "queue.buffering.backpressure.threshold",
-    "batch.num.messages",
-    "batch.size",
-    "compression.codec",
-    "compression.type",
-    "compression.level",
-    "message.timeout.ms",
-    "delivery.timeout.ms",
-    "request.timeout.ms",
-    "message.send.max.retries",
-    "retries",
-    "partitioner",
-    "sticky.partitioning.linger.ms",
-    "delivery.report.only.error",
-    "queuing.strategy",
-    "produce.offset.report",
-    "enable.sparse.connections",
-];
-
 /// A `read_committed` consumer with the connection settings of
 /// `kafka.options` (security, SASL, TLS), and no group.
 fn consumer_config(cfg: &KafkaConfig) -> ClientConfig {
@@ -225,7 +194,7 @@ fn consumer_config(cfg: &KafkaConfig) -> ClientConfig {
         .set("enable.auto.offset.store", "false")
         .set("enable.partition.eof", "false");
     for (k, v) in &cfg.options {
-        if !PRODUCER_ONLY.contains(&k.as_str()) {
+        if !crate::kafka::sink::PRODUCER_ONLY.contains(&k.as_str()) {
             c.set(k, v);
         }
     }

@@ -23,6 +23,7 @@ mod park;
 mod relay;
 mod reliability;
 mod replay;
+mod replicas;
 mod schema_registry;
 mod sdk;
 mod shared_producer;

@@ -94,7 +94,12 @@ drain_timeout = "10s"
 
 /// Writes `n` events in one transaction: aggregates `a0`..`a4`, each
 /// carrying its per-aggregate sequence number.
-async fn write(client: &tokio_postgres::Client, table: &str, seq: &mut HashMap<String, i64>, n: usize) {
+pub(crate) async fn write(
+    client: &tokio_postgres::Client,
+    table: &str,
+    seq: &mut HashMap<String, i64>,
+    n: usize,
+) {
     let mut sql = String::from("BEGIN;");
     for i in 0..n {
         let agg = format!("a{}", i % 5);
@@ -113,7 +118,7 @@ async fn write(client: &tokio_postgres::Client, table: &str, seq: &mut HashMap<S
 /// each event once (by its `id` header: a PostgreSQL restart can replay
 /// what the slot had not yet saved as confirmed, and consumers deduplicate
 /// by id).
-fn sequences(records: &[Consumed]) -> (BTreeMap<String, Vec<i64>>, usize) {
+pub(crate) fn sequences(records: &[Consumed]) -> (BTreeMap<String, Vec<i64>>, usize) {
     let mut by_key: BTreeMap<String, Vec<i64>> = BTreeMap::new();
     let mut seen = std::collections::HashSet::new();
     for r in records {

@@ -1,0 +1,402 @@
+//! Sources spread over replicas (`[coordination]`), with the real binary:
+//! three replicas of one file of twelve sources (six at-least-once, six
+//! exactly-once) on one PostgreSQL and Apache Kafka, writers running
+//! throughout. The group spreads the sources 4/4/4; a SIGKILLed replica's
+//! sources are led again by the others; a replica that joins takes a share
+//! and only the moved sources restart; a SIGSTOPped replica's sources move,
+//! and it rejoins when it wakes. Nothing is lost, each aggregate keeps its
+//! order, and the exactly-once topics hold each event once.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::harness::broker::{broker, consume, consume_to_end};
+use crate::harness::postgres::free_port;
+use crate::harness::TestDb;
+use crate::relay::{write_config, Daemon};
+use crate::sources::{http, sequences, streaming_pid, write};
+
+const SOURCES: usize = 12;
+const SESSION: Duration = Duration::from_secs(6);
+const LEASE: Duration = Duration::from_secs(4);
+
+fn name(i: usize) -> String {
+    format!("s{i:02}")
+}
+
+fn exactly_once(i: usize) -> bool {
+    i % 2 == 1
+}
+
+struct Replica {
+    listen: SocketAddr,
+    config: PathBuf,
+    log: PathBuf,
+    daemon: Option<Daemon>,
+}
+
+fn file(run: &str, url: &str, listen: SocketAddr, replica: &str) -> String {
+    let mut text = format!(
+        r#"
+[kafka]
+brokers = "{brokers}"
+topic_partitions = 3
+topic_replication_factor = 1
+admin_timeout = "5s"
+progress_topic = "rp{run}.progress"
+
+[http]
+listen = "{listen}"
+
+[health]
+poll_interval = "300ms"
+
+[shutdown]
+drain_timeout = "10s"
+
+[coordination]
+group = "rp{run}"
+replica = "{replica}"
+session_timeout = "{session}s"
+heartbeat_interval = "1s"
+"#,
+        brokers = broker().brokers,
+        session = SESSION.as_secs(),
+    );
+    for i in 0..SOURCES {
+        let delivery = if exactly_once(i) {
+            "[sources.kafka]\ndelivery = \"exactly-once\"\n"
+        } else {
+            ""
+        };
+        text.push_str(&format!(
+            r#"
+[[sources]]
+name = "{name}"
+[sources.postgres]
+url = "{url}"
+table = "ob{i}"
+slot = "rp{run}_{name}"
+publication = "rp{run}_{name}"
+status_interval = "100ms"
+reconnect_backoff_max = "1s"
+leader_timeout = "{lease}s"
+[sources.routing]
+topic = "rp{run}{name}.{{aggregate_type}}"
+{delivery}"#,
+            name = name(i),
+            lease = LEASE.as_secs(),
+        ));
+    }
+    text
+}
+
+/// Which sources each live replica leads (streams, not standing by), and
+/// its assignment, from its `/status`.
+async fn leaders(replicas: &[Replica]) -> Vec<Option<(Vec<String>, Vec<String>)>> {
+    let mut out = Vec::new();
+    for r in replicas {
+        if r.daemon.is_none() {
+            out.push(None);
+            continue;
+        }
+        let (code, body) = http("GET", r.listen, "/status", None).await;
+        if code != 200 {
+            out.push(None);
+            continue;
+        }
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        let leading = v["sources"]
+            .as_object()
+            .unwrap()
+            .iter()
+            .filter(|(_, s)| s["state"] == "running" && s["standby"] == false)
+            .map(|(n, _)| n.clone())
+            .collect();
+        let assigned = v["coordination"]["assigned"]
+            .as_array()
+            .map(|a| a.iter().map(|n| n.as_str().unwrap().to_owned()).collect())
+            .unwrap_or_default();
+        out.push(Some((leading, assigned)));
+    }
+    out
+}
+
+/// Waits until every source is led by exactly one of the replicas in
+/// `live`, each leading `SOURCES / live.len()` ± 1, and every slot streams;
+/// the leader of each source and its walsender.
+async fn balanced(
+    replicas: &[Replica],
+    live: &[usize],
+    sql: &tokio_postgres::Client,
+    run: &str,
+    within: Duration,
+) -> BTreeMap<String, (usize, i32)> {
+    let share = SOURCES / live.len();
+    let deadline = Instant::now() + within;
+    loop {
+        let seen = leaders(replicas).await;
+        let mut led: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+        let mut counts = Vec::new();
+        for &r in live {
+            let leading = seen[r].as_ref().map(|(l, _)| l.clone()).unwrap_or_default();
+            counts.push(leading.len());
+            for n in leading {
+                led.entry(n).or_default().push(r);
+            }
+        }
+        let mut pids = BTreeMap::new();
+        for i in 0..SOURCES {
+            if let (Some([r]), Some(pid)) = (
+                led.get(&name(i)).map(Vec::as_slice),
+                streaming_pid(sql, &format!("rp{run}_{}", name(i))).await,
+            ) {
+                pids.insert(name(i), (*r, pid));
+            }
+        }
+        let even = counts.iter().all(|c| c.abs_diff(share) <= 1);
+        if pids.len() == SOURCES && even {
+            return pids;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not spread within {within:?}: leading per replica {counts:?}; led once and streaming: {}",
+            pids.len()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Three replicas, twelve sources, writers throughout: spread, SIGKILL,
+/// a replica added, SIGSTOP; nothing lost, order kept in both modes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twelve_sources_spread_over_three_replicas_and_move_when_one_fails() {
+    let db = TestDb::new("replicas").await;
+    let sql = db.client().await;
+    let run = format!("{:08x}", rand_suffix());
+    let mut ddl = String::new();
+    for i in 0..SOURCES {
+        ddl.push_str(&format!("CREATE TABLE ob{i} (LIKE outbox INCLUDING ALL);"));
+    }
+    sql.batch_execute(&ddl).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let url = db.superuser_url();
+    let mut replicas: Vec<Replica> = (0..3)
+        .map(|r| {
+            let listen: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+            let config = write_config(
+                dir.path(),
+                &format!("r{r}.toml"),
+                &file(&run, &url, listen, &format!("replica-{r}")),
+            );
+            Replica {
+                listen,
+                config,
+                log: dir.path().join(format!("r{r}.log")),
+                daemon: None,
+            }
+        })
+        .collect();
+    let _logs = LogsOnFailure(replicas.iter().map(|r| r.log.clone()).collect());
+    for r in &mut replicas {
+        r.daemon = Some(Daemon::start_logging(&r.config, &r.log, "info"));
+    }
+
+    // (a) Spread 4/4/4.
+    let started = Instant::now();
+    let before = balanced(&replicas, &[0, 1, 2], &sql, &run, Duration::from_secs(60)).await;
+    eprintln!(
+        "spread over three replicas after {:?}; sources started per replica {:?}",
+        started.elapsed(),
+        starts(&replicas)
+    );
+    // Each source started once: the first assignment waits for the group
+    // to settle, so no source is started and moved in the first moments.
+    assert_eq!(
+        starts(&replicas).iter().sum::<usize>(),
+        SOURCES,
+        "each source started once"
+    );
+
+    // Writers, once every slot exists (a slot decodes only what commits
+    // after it was made): every table, one transaction of 3 events a round.
+    let seqs: Arc<Mutex<Vec<HashMap<String, i64>>>> = Arc::new(Mutex::new(vec![HashMap::new(); SOURCES]));
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let (seqs, stop, client) = (seqs.clone(), stop.clone(), db.client().await);
+        tokio::spawn(async move {
+            while !stop.load(Ordering::SeqCst) {
+                for i in 0..SOURCES {
+                    let mut seq = seqs.lock().unwrap()[i].clone();
+                    write(&client, &format!("ob{i}"), &mut seq, 3).await;
+                    seqs.lock().unwrap()[i] = seq;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+
+    // (b) SIGKILL replica 2: its sources are led by 0 and 1.
+    replicas[2].daemon.as_mut().unwrap().kill9();
+    replicas[2].daemon = None;
+    let killed = Instant::now();
+    let after_kill = balanced(
+        &replicas,
+        &[0, 1],
+        &sql,
+        &run,
+        SESSION + LEASE + Duration::from_secs(20),
+    )
+    .await;
+    let took = killed.elapsed();
+    eprintln!(
+        "a SIGKILLed replica's sources led again after {took:?} (session {SESSION:?}, lease {LEASE:?})"
+    );
+    assert!(
+        took < SESSION + LEASE + Duration::from_secs(10),
+        "takeover took {took:?}"
+    );
+    for (n, (r, _)) in &before {
+        if *r != 2 {
+            assert_eq!(after_kill[n].0, *r, "{n} stays with its replica");
+        }
+    }
+
+    // (c) A replica joins: it takes a share, and only moved sources restart.
+    replicas[2].daemon = Some(Daemon::start_logging(
+        &replicas[2].config,
+        &replicas[2].log,
+        "info",
+    ));
+    let joined = Instant::now();
+    let after_join = balanced(&replicas, &[0, 1, 2], &sql, &run, Duration::from_secs(60)).await;
+    eprintln!("a joining replica took its share after {:?}", joined.elapsed());
+    let mut moved = 0;
+    for (n, (r, pid)) in &after_join {
+        let (was, old_pid) = after_kill[n];
+        if was == *r {
+            assert_eq!(*pid, old_pid, "{n} did not move, so its walsender is the same");
+        } else {
+            moved += 1;
+        }
+    }
+    assert!(
+        (3..=5).contains(&moved),
+        "moved {moved} sources to the new replica"
+    );
+
+    // (d) SIGSTOP replica 1: its sources move; it rejoins when it wakes.
+    replicas[1].daemon.as_ref().unwrap().signal("STOP");
+    let frozen = Instant::now();
+    let stopped = std::mem::take(&mut replicas[1].daemon);
+    let after_stop = balanced(
+        &replicas,
+        &[0, 2],
+        &sql,
+        &run,
+        SESSION + LEASE + Duration::from_secs(20),
+    )
+    .await;
+    eprintln!(
+        "a SIGSTOPped replica's sources led again after {:?}",
+        frozen.elapsed()
+    );
+    for (n, (r, _)) in &after_join {
+        if *r != 1 {
+            assert_eq!(after_stop[n].0, *r, "{n} stays with its replica");
+        }
+    }
+    replicas[1].daemon = stopped;
+    replicas[1].daemon.as_ref().unwrap().signal("CONT");
+    let _ = balanced(&replicas, &[0, 1, 2], &sql, &run, Duration::from_secs(60)).await;
+    eprintln!("the woken replica took a share again");
+
+    // Everything written arrives, each aggregate in order; the
+    // exactly-once topics hold each event once.
+    stop.store(true, Ordering::SeqCst);
+    writer.await.unwrap();
+    let seqs = seqs.lock().unwrap().clone();
+    for (i, seq) in seqs.iter().enumerate() {
+        let want: usize = seq.values().map(|n| *n as usize).sum();
+        let topic = format!("rp{run}{}.order", name(i));
+        let brokers = broker().brokers.clone();
+        let eo = exactly_once(i);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let (by_key, unique, total) = loop {
+            let (t, b) = (topic.clone(), brokers.clone());
+            let got = tokio::task::spawn_blocking(move || {
+                if eo {
+                    consume(&b, &[&t], want, Duration::from_secs(20))
+                } else {
+                    consume_to_end(&b, &[&t], Duration::from_secs(20))
+                }
+            })
+            .await
+            .unwrap();
+            let total = got.len();
+            let (by_key, unique) = sequences(&got);
+            if unique >= want || Instant::now() > deadline {
+                break (by_key, unique, total);
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        };
+        for (agg, n) in seq {
+            let expected: Vec<i64> = (1..=*n).collect();
+            assert_eq!(
+                by_key.get(agg),
+                Some(&expected),
+                "{}: aggregate {agg}, every event in order",
+                name(i)
+            );
+        }
+        assert_eq!(unique, want, "{}: nothing else", name(i));
+        if eo {
+            assert_eq!(total, want, "{}: exactly-once, each event once", name(i));
+        }
+        eprintln!("{}: {want} events, {} duplicates", name(i), total - unique);
+    }
+    for r in &mut replicas {
+        if let Some(d) = r.daemon.take() {
+            assert!(d.sigterm().success());
+        }
+    }
+}
+
+/// How many sources each replica's log says it started.
+fn starts(replicas: &[Replica]) -> Vec<usize> {
+    replicas
+        .iter()
+        .map(|r| {
+            std::fs::read_to_string(&r.log)
+                .unwrap_or_default()
+                .matches("source starting")
+                .count()
+        })
+        .collect()
+}
+
+fn rand_suffix() -> u32 {
+    uuid::Uuid::new_v4().as_u128() as u32
+}
+
+/// Prints the replicas' logs when the test fails.
+struct LogsOnFailure(Vec<PathBuf>);
+
+impl Drop for LogsOnFailure {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            for log in &self.0 {
+                let text = std::fs::read_to_string(log).unwrap_or_default();
+                let lines: Vec<&str> = text.lines().collect();
+                eprintln!("--- {} (last 80 lines) ---", log.display());
+                for l in &lines[lines.len().saturating_sub(80)..] {
+                    eprintln!("{l}");
+                }
+            }
+        }
+    }
+}
