@@ -49,13 +49,16 @@ sources:
     kafka: {delivery: exactly-once}
 YAML
 helm template t helm/outboxd --set secrets.PGPASSWORD=x -f "$render/sources-values.yaml" >"$render/sources.yaml"
+# Three pods of those sources: they share them through a consumer group.
+helm template t helm/outboxd --set secrets.PGPASSWORD=x -f "$render/sources-values.yaml" --set replicas=3 \
+  --set 'sources[1].weight=2' >"$render/replicas.yaml"
 
 log "kubernetes-validate --strict (core kinds)"
 "$py" - "$render" <<'PY'
 import sys, yaml, pathlib
 out = pathlib.Path(sys.argv[1]) / "core"
 out.mkdir()
-for f in ("default.yaml", "existing.yaml", "full.yaml", "ha.yaml"):
+for f in ("default.yaml", "existing.yaml", "full.yaml", "ha.yaml", "replicas.yaml"):
     docs = [d for d in yaml.safe_load_all(open(pathlib.Path(sys.argv[1]) / f)) if d]
     core = [d for d in docs if not d["apiVersion"].startswith("monitoring.coreos.com/")]
     for i, d in enumerate(core):
@@ -120,6 +123,21 @@ for s in orders billing; do
   PGPASSWORD=x "$binary" check --config-only --source "$s" --config "$render/sources.toml" \
     || fail "the chart's config of source $s does not validate"
 done
+! grep -q '^\[coordination\]' "$render/sources.toml" || fail "one pod of several sources needs no [coordination]"
+"$py" -c 'import sys,yaml; print([d for d in yaml.safe_load_all(open(sys.argv[1])) if d and d["kind"]=="ConfigMap"][0]["data"]["outboxd.toml"])' \
+  "$render/replicas.yaml" >"$render/replicas.toml"
+grep -q '^\[coordination\]' "$render/replicas.toml" || fail "replicas: 3 of several sources rendered no [coordination]"
+grep -q '^weight = 2' "$render/replicas.toml" || fail "a source's weight is not rendered"
+PGPASSWORD=x POD_NAME=t-0 "$binary" check --config-only --config "$render/replicas.toml" \
+  || fail "the chart's config of three replicas does not validate"
+"$py" - "$render/replicas.yaml" <<'PY' || fail "three replicas: the Deployment is not set up for a group"
+import sys, yaml
+dep = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d and d["kind"] == "Deployment"][0]
+assert dep["spec"]["replicas"] == 3, dep["spec"]["replicas"]
+assert dep["spec"]["strategy"]["type"] == "RollingUpdate", dep["spec"]["strategy"]
+env = dep["spec"]["template"]["spec"]["containers"][0]["env"]
+assert any(e["name"] == "POD_NAME" and e["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name" for e in env), env
+PY
 
 log "image: the whole Dockerfile, checked as the chart runs it"
 scripts/lib/image.sh "$target/debug/outboxd-consume"

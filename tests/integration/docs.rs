@@ -398,8 +398,9 @@ fn exported_metrics() -> BTreeSet<String> {
     let m = Metrics::new().unwrap();
     m.kafka_transactions.with_label_values(&["committed"]).inc();
     m.build_info.with_label_values(&["test"]).set(1);
-    let names: BTreeSet<String> = m
-        .encode()
+    // With [coordination], the replica's group has a few of its own.
+    let text = m.encode() + &outboxd::coordination::Board::default().metrics_text();
+    let names: BTreeSet<String> = text
         .lines()
         .filter_map(|l| l.strip_prefix("# TYPE "))
         .filter_map(|l| l.split_whitespace().next())

@@ -52,6 +52,9 @@ required = {{ $src.required | toJson }}
 {{- with $src.mode }}
 mode = {{ . | toJson }}
 {{- end }}
+{{- with $src.weight }}
+weight = {{ . | toJson }}
+{{- end }}
 {{- range $section := list "postgres" "columns" "routing" "polling" "kafka" }}
 {{- with index $src $section }}
 [sources.{{ $section }}]
@@ -81,4 +84,30 @@ mode = {{ . | toJson }}
 {{- end }}
 {{- end }}
 {{- end }}
+{{- end }}
+
+{{/*
+The number of pods: `replicas`, else the older `replicaCount`.
+*/}}
+{{- define "outboxd.replicas" -}}
+{{- if kindIs "invalid" .Values.replicas }}{{ .Values.replicaCount }}{{ else }}{{ .Values.replicas }}{{ end }}
+{{- end }}
+
+{{/*
+Whether the pods share the sources through a Kafka consumer group
+(docs/sources.md, "Several replicas"): several pods and several sources.
+*/}}
+{{- define "outboxd.coordinated" -}}
+{{- if and (gt (int (include "outboxd.replicas" .)) 1) (gt (len .Values.sources) 1) .Values.coordination.enabled }}true{{ end }}
+{{- end }}
+
+{{/*
+The [coordination] section of a coordinated release.
+*/}}
+{{- define "outboxd.coordination" -}}
+[coordination]
+group = {{ .Values.coordination.group | default (printf "outboxd.%s.%s" .Release.Namespace (include "outboxd.fullname" .)) | toJson }}
+replica = "${POD_NAME}"
+session_timeout = {{ .Values.coordination.sessionTimeout | toJson }}
+heartbeat_interval = {{ .Values.coordination.heartbeatInterval | toJson }}
 {{- end }}
