@@ -7,6 +7,7 @@
 # 200000), --rate N (default 2000), --latency-secs N (default 30),
 # --warmup-secs N (default 10), --startup-rounds N (default 3), --sources
 # (three sources in one process beside one), --only-sources (that table alone),
+# --only-replicas (twelve sources drained by one, two and three replicas),
 # --skip-debezium, --skip-exactly-once (no exactly-once run beside
 # at-least-once), --skip-tracing (no run with a span per event), --exactly-once-setting 'key = value' (a line for its
 # [kafka.exactly_once] table), --outboxd-kafka 'key = value' (a line for outboxd's

@@ -40,6 +40,8 @@
 //! i. `--only-mapping`: the drain of a table read through `[columns]`
 //!    (renamed columns, two header placements) beside the default table's,
 //!    alternating, on backlogs of the same rows (`mapping`).
+//! k. `--only-replicas`: twelve sources drained by one outboxd, then by
+//!    two and three replicas of one file with `[coordination]` (`replicas`).
 //!
 //! Results: markdown tables on stdout and JSON in target/bench/results.json
 //! (`vs_debezium` holds the side-by-side figures). All measures run side by
@@ -55,6 +57,7 @@ mod harness;
 mod mapping;
 mod measure;
 mod relays;
+mod replicas;
 mod scaling;
 mod sources;
 mod topics;
@@ -94,6 +97,7 @@ struct Args {
     /// nothing else.
     sources: bool,
     only_sources: bool,
+    only_replicas: bool,
     /// Only the drain through a column map beside the default one
     /// (`mapping`).
     only_mapping: bool,
@@ -117,6 +121,7 @@ fn args() -> Args {
         scaling: false,
         sources: false,
         only_sources: false,
+        only_replicas: false,
         only_mapping: false,
         only_topics: false,
         outboxd_kafka: Vec::new(),
@@ -143,6 +148,7 @@ fn args() -> Args {
             "--scaling" => a.scaling = true,
             "--sources" => a.sources = true,
             "--only-sources" => a.only_sources = true,
+            "--only-replicas" => a.only_replicas = true,
             "--only-mapping" => a.only_mapping = true,
             "--only-topics" => a.only_topics = true,
             "--exactly-once-setting" => {
@@ -804,6 +810,18 @@ async fn main() {
         let results = json!({"mapping": mapping::run(&mut client, &s, n).await});
         std::fs::write(
             out_dir.join("mapping.json"),
+            serde_json::to_string_pretty(&results).unwrap(),
+        )
+        .unwrap();
+        broker.kill();
+        return;
+    }
+    if a.only_replicas {
+        let out_dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench");
+        std::fs::create_dir_all(&out_dir).unwrap();
+        let results = json!({"replicas": replicas::run(&mut client, &s, n).await});
+        std::fs::write(
+            out_dir.join("replicas.json"),
             serde_json::to_string_pretty(&results).unwrap(),
         )
         .unwrap();

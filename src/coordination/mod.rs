@@ -126,6 +126,10 @@ pub enum Event {
         lost: bool,
         done: std::sync::mpsc::SyncSender<()>,
     },
+    /// The group cannot be joined with these settings (the consumer could
+    /// not be made, or not subscribe): this replica would never lead
+    /// anything, so its sources fail with the error.
+    Failed(String),
 }
 
 /// The group as this replica sees it, for `/status` and the metrics.
@@ -139,6 +143,24 @@ pub struct Status {
     /// that changed what it holds), since it started.
     pub rebalances: u64,
     pub classes: Vec<ClassStatus>,
+}
+
+impl Status {
+    /// Why this replica is not a healthy member of its group: a group it
+    /// holds no place in while its consumer reports an error (Kafka
+    /// unreachable, access denied). Empty when it is, including while it
+    /// joins, and while it leads nothing because others lead every source.
+    pub fn not_ready_reasons(&self) -> Vec<String> {
+        self.classes
+            .iter()
+            .filter(|c| !c.member)
+            .filter_map(|c| {
+                c.error
+                    .as_ref()
+                    .map(|e| format!("not a member of the replicas' group {}: {e}", c.group))
+            })
+            .collect()
+    }
 }
 
 /// One class's group.
@@ -319,14 +341,18 @@ fn member(
 ) {
     let closing = context.closing.clone();
     let board = context.board.clone();
+    let events = context.events.clone();
     let consumer: BaseConsumer<GroupContext> = match consumer_config(settings, replica, class)
         .create_with_context(context)
     {
         Ok(c) => c,
         Err(e) => {
-            let error = format!("cannot create the group's consumer: {e}");
-            tracing::error!(group = %class.group, %error, "coordination disabled: this replica leads none of its sources; fix the [coordination] or [kafka] settings and restart");
-            board.class(&class.group, |c| c.error = Some(error));
+            let error = format!(
+                "cannot join the replicas' group {}: {e}; fix [coordination] or kafka.options and start outboxd again",
+                class.group
+            );
+            board.class(&class.group, |c| c.error = Some(error.clone()));
+            let _ = events.send(Event::Failed(error));
             return;
         }
     };
@@ -346,9 +372,12 @@ fn member(
         }
     }
     if let Err(e) = consumer.subscribe(&[&class.topic]) {
-        let error = format!("cannot subscribe to {}: {e}", class.topic);
-        tracing::error!(group = %class.group, %error, "coordination disabled for these sources on this replica");
-        board.class(&class.group, |c| c.error = Some(error));
+        let error = format!(
+            "cannot join the replicas' group {} over {}: {e}",
+            class.group, class.topic
+        );
+        board.class(&class.group, |c| c.error = Some(error.clone()));
+        let _ = events.send(Event::Failed(error));
         return;
     }
     tracing::info!(group = %class.group, topic = %class.topic, replica, sources = ?class.sources, "joined the replicas' group; waiting for an assignment");
@@ -500,6 +529,9 @@ impl GroupContext {
 impl ClientContext for GroupContext {
     fn error(&self, error: KafkaError, reason: &str) {
         tracing::warn!(group = %self.class.group, %error, reason, "the replicas' group's consumer reported an error");
+        self.board.class(&self.class.group, |c| {
+            c.error = Some(format!("{error}: {reason}"))
+        });
     }
 }
 

@@ -446,6 +446,15 @@ impl Supervisor {
                     }
                 }
             }
+            coordination::Event::Failed(error) => {
+                tracing::error!(%error, "this replica cannot join its group, so it would lead nothing: every source stops");
+                let all: Vec<String> = self.tasks.keys().cloned().collect();
+                let _ = self.stop_all(&all, State::Failed).await;
+                for source in self.board.sources() {
+                    self.unwatch(&source.name);
+                    source.set_state(State::Failed, Some(error.clone()));
+                }
+            }
             coordination::Event::Revoked { sources, lost, done } => {
                 for name in &sources {
                     self.assigned.remove(name);

@@ -305,6 +305,9 @@ impl Board {
         if sources.is_empty() {
             failing.push("no source is configured".to_owned());
         }
+        if let Some(c) = self.coordination() {
+            failing.extend(c.not_ready_reasons());
+        }
         if failing.is_empty() {
             Ok(notes)
         } else {

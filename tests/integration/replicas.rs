@@ -400,3 +400,58 @@ impl Drop for LogsOnFailure {
         }
     }
 }
+
+/// A replica that cannot reach the group's broker is not a healthy member:
+/// `/readyz` says so (a replica that leads nothing because the others lead
+/// every source is ready), and no source starts on it meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_cannot_reach_its_group_is_not_ready_and_starts_nothing() {
+    let db = TestDb::new("replicas_nokafka").await;
+    let sql = db.client().await;
+    sql.batch_execute(
+        "CREATE TABLE ob0 (LIKE outbox INCLUDING ALL); CREATE TABLE ob1 (LIKE outbox INCLUDING ALL);",
+    )
+    .await
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let listen: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let closed = free_port();
+    let mut text = format!(
+        "[kafka]\nbrokers = \"127.0.0.1:{closed}\"\n[http]\nlisten = \"{listen}\"\n[coordination]\ngroup = \"nokafka\"\nsession_timeout = \"6s\"\n"
+    );
+    for i in 0..2 {
+        text.push_str(&format!(
+            "[[sources]]\nname = \"s{i}\"\n[sources.postgres]\nurl = \"{}\"\ntable = \"ob{i}\"\nslot = \"nokafka_{i}\"\npublication = \"nokafka_{i}\"\n",
+            db.superuser_url()
+        ));
+    }
+    let config = write_config(dir.path(), "n.toml", &text);
+    let log = dir.path().join("n.log");
+    let _logs = LogsOnFailure(vec![log.clone()]);
+    let daemon = Daemon::start_logging(&config, &log, "info");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let body = loop {
+        let (code, body) = http("GET", listen, "/readyz", None).await;
+        if code == 503 && body.contains("not a member of the replicas' group nokafka") {
+            break body;
+        }
+        assert!(Instant::now() < deadline, "/readyz: {code} {body}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    eprintln!("{body}");
+    let (_, status) = http("GET", listen, "/status", None).await;
+    let v: serde_json::Value = serde_json::from_str(&status).unwrap();
+    for i in 0..2 {
+        assert_eq!(v["sources"][format!("s{i}")]["state"], "unassigned", "{status}");
+    }
+    let slots: i64 = sql
+        .query_one(
+            "SELECT count(*) FROM pg_replication_slots WHERE slot_name LIKE 'nokafka_%'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(slots, 0, "no source started");
+    assert!(daemon.sigterm().success());
+}
