@@ -80,10 +80,10 @@ impl CoordinationConfig {
             ));
         }
         let (session, heartbeat) = (self.session_timeout.0, self.heartbeat_interval.0);
-        if session.as_millis() < 1000 || session.as_millis() > i32::MAX as u128 {
+        if session.as_millis() < 6000 || session.as_millis() > 1_800_000 {
             return Err((
                 "coordination.session_timeout",
-                "must be between 1s and 24 days (the broker's group.min.session.timeout.ms, 6s by default, bounds it too)".into(),
+                "must be between 6s and 30m: a broker refuses a member outside group.min.session.timeout.ms and group.max.session.timeout.ms (6s and 30m by default)".into(),
             ));
         }
         if heartbeat.is_zero() || heartbeat * 3 > session {

@@ -115,10 +115,14 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 /// What the group decided, for the supervisor.
 #[derive(Debug)]
 pub enum Event {
-    /// These sources are this replica's now: start them.
-    Assigned(Vec<String>),
-    /// These sources are no longer this replica's: drain them, then drop
-    /// `done` (or send on it). The group assigns them elsewhere only after.
+    /// These sources of the group `group` are this replica's now: start
+    /// them. Sent after every rebalance of the group, also when it assigns
+    /// nothing new (after a lost session, that says which sources are no
+    /// longer this replica's).
+    Assigned { group: String, sources: Vec<String> },
+    /// These sources are no longer this replica's: send on `done` when the
+    /// event is picked up, drain them, then drop `done`. The group assigns
+    /// them elsewhere only after.
     Revoked {
         sources: Vec<String>,
         /// The session had expired: the group may have assigned them to
@@ -328,6 +332,16 @@ impl Coordinator {
 const POLL: Duration = Duration::from_millis(200);
 /// How long to wait before trying again to set the group up.
 const RETRY: Duration = Duration::from_secs(5);
+/// How long a revoke may wait, beyond a drain's bound, for the supervisor
+/// to pick it up.
+const PICK_UP_MARGIN: Duration = Duration::from_secs(30);
+
+/// `max.poll.interval.ms`: a revoke waits for its pick-up and its drain,
+/// and the group must not expel a replica meanwhile (librdkafka also wants
+/// it at least `session.timeout.ms`).
+fn max_poll_interval(settings: &Settings) -> Duration {
+    (settings.drain_bound * 2 + PICK_UP_MARGIN * 2).max(settings.config.session_timeout.0)
+}
 
 /// One class's member: creates its topic, joins the group, polls until
 /// closing. Errors are logged and retried: a replica that cannot join leads
@@ -381,12 +395,31 @@ fn member(
         return;
     }
     tracing::info!(group = %class.group, topic = %class.topic, replica, sources = ?class.sources, "joined the replicas' group; waiting for an assignment");
+    let mut recreated: Option<Instant> = None;
     while !closing.load(Ordering::SeqCst) {
         match consumer.poll(POLL) {
             None | Some(Ok(_)) => {}
             Some(Err(e)) => {
                 tracing::warn!(group = %class.group, error = %e, "the replicas' group reported an error");
                 board.class(&class.group, |c| c.error = Some(e.to_string()));
+                // The topic was deleted (an operator cleaning up old
+                // coordination topics): the group assigns nothing until it
+                // is back, so it is made again.
+                let gone = matches!(
+                    e.rdkafka_error_code(),
+                    Some(RDKafkaErrorCode::UnknownTopicOrPartition | RDKafkaErrorCode::UnknownTopic)
+                );
+                if gone && recreated.is_none_or(|t| t.elapsed() >= RETRY) {
+                    recreated = Some(Instant::now());
+                    match ensure_topic(settings, class, &consumer, &runtime) {
+                        Ok(()) => {
+                            tracing::warn!(group = %class.group, topic = %class.topic, "the coordination topic was gone and is made again; the group assigns the sources anew")
+                        }
+                        Err(error) => {
+                            tracing::warn!(group = %class.group, %error, "the coordination topic is gone and cannot be made again yet; retrying")
+                        }
+                    }
+                }
             }
         }
     }
@@ -428,12 +461,7 @@ fn consumer_config(settings: &Settings, replica: &str, class: &Class) -> ClientC
         .set("partition.assignment.strategy", "cooperative-sticky")
         .set("session.timeout.ms", ms(settings.config.session_timeout.0))
         .set("heartbeat.interval.ms", ms(settings.config.heartbeat_interval.0))
-        // A revoke waits for its drain: the group must not expel a
-        // replica for draining.
-        .set(
-            "max.poll.interval.ms",
-            ms(settings.drain_bound + Duration::from_secs(30)),
-        )
+        .set("max.poll.interval.ms", ms(max_poll_interval(settings)))
         .set("enable.auto.commit", "false")
         .set("enable.auto.offset.store", "false")
         .set("enable.partition.eof", "false")
@@ -564,11 +592,19 @@ impl ConsumerContext for GroupContext {
             return; // the supervisor is gone: nothing runs
         }
         let started = Instant::now();
-        match drained.recv_timeout(self.drain_bound) {
-            Ok(()) | Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+        // The supervisor may be draining something else first (a pause, a
+        // reload, another weight's revoke): the drain's bound counts from
+        // when it picks the event up.
+        use std::sync::mpsc::RecvTimeoutError::{Disconnected, Timeout};
+        let answered = match drained.recv_timeout(self.drain_bound + PICK_UP_MARGIN) {
+            Ok(()) => drained.recv_timeout(self.drain_bound),
+            other => other,
+        };
+        match answered {
+            Ok(()) | Err(Disconnected) => {
                 tracing::info!(group = %self.class.group, took = ?started.elapsed(), "revoke answered");
             }
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+            Err(Timeout) => {
                 tracing::warn!(group = %self.class.group, "a revoked source did not drain in time; the group moves it anyway (its lease keeps the next owner standing by until it ends)");
             }
         }
@@ -578,6 +614,7 @@ impl ConsumerContext for GroupContext {
         match rebalance {
             Rebalance::Assign(tpl) => {
                 let sources = self.names(tpl);
+                let group = self.class.group.clone();
                 {
                     let mut s = self.board.lock();
                     s.assigned.extend(sources.iter().cloned());
@@ -591,8 +628,8 @@ impl ConsumerContext for GroupContext {
                 }
                 if !sources.is_empty() {
                     tracing::info!(group = %self.class.group, ?sources, "assigned: leading these sources");
-                    let _ = self.events.send(Event::Assigned(sources));
                 }
+                let _ = self.events.send(Event::Assigned { group, sources });
             }
             Rebalance::Revoke(_) => {}
             Rebalance::Error(e) => {

@@ -177,6 +177,10 @@ pub struct Supervisor {
     /// Sources assigned in the group's first moments, started once the
     /// group has settled (replicas started together join one by one).
     settling: Settling,
+    /// Sources still streaming here after the replica lost its place in
+    /// the group (its session expired while their leases stayed fresh):
+    /// the group's next assignment of their weight says whether they stay.
+    orphans: std::collections::BTreeSet<String>,
 }
 
 /// The first assignment after joining waits a little: replicas started
@@ -228,6 +232,7 @@ impl Plan {
             (Some(a), Some(b)) => {
                 a.classes == b.classes
                     && a.settings.config == b.settings.config
+                    && a.settings.drain_bound == b.settings.drain_bound
                     && a.settings.kafka.brokers == b.settings.kafka.brokers
                     && a.settings.kafka.options == b.settings.kafka.options
             }
@@ -293,6 +298,7 @@ impl Supervisor {
             plan: None,
             assigned: std::collections::HashSet::new(),
             settling: Settling::default(),
+            orphans: std::collections::BTreeSet::new(),
         };
         for s in sources {
             supervisor.add(s, None)?;
@@ -337,6 +343,9 @@ impl Supervisor {
                 break;
             }
             if self.nothing_left() {
+                // The others need not wait a session timeout for this
+                // replica's share.
+                self.leave_group().await;
                 return Ending::Failed;
             }
             tokio::select! {
@@ -420,32 +429,16 @@ impl Supervisor {
         self.plan = None;
         self.assigned.clear();
         self.settling = Settling::default();
+        self.orphans.clear();
+        for source in self.board.sources() {
+            source.metrics.assigned.set(1);
+        }
     }
 
     /// What the group decided.
     async fn on_group(&mut self, event: coordination::Event) {
         match event {
-            coordination::Event::Assigned(names) => {
-                if !self.settling.done && self.settling.until.is_none() {
-                    let heartbeat = self
-                        .plan
-                        .as_ref()
-                        .map_or(Duration::from_secs(1), |p| p.settings.config.heartbeat_interval.0);
-                    self.settling.until = Some(tokio::time::Instant::now() + heartbeat * 2);
-                }
-                for name in names {
-                    let Some(source) = self.board.get(&name) else {
-                        continue;
-                    };
-                    self.assigned.insert(name.clone());
-                    source.metrics.assigned.set(1);
-                    if self.settling.until.is_some() {
-                        self.settling.waiting.insert(name);
-                    } else if source.state().0 == State::Unassigned {
-                        self.start(&name);
-                    }
-                }
-            }
+            coordination::Event::Assigned { group, sources } => self.on_assigned(&group, sources).await,
             coordination::Event::Failed(error) => {
                 tracing::error!(%error, "this replica cannot join its group, so it would lead nothing: every source stops");
                 let all: Vec<String> = self.tasks.keys().cloned().collect();
@@ -456,32 +449,95 @@ impl Supervisor {
                 }
             }
             coordination::Event::Revoked { sources, lost, done } => {
+                // Picked up: the drain's bound counts from here.
+                let _ = done.try_send(());
                 for name in &sources {
                     self.assigned.remove(name);
                     self.settling.waiting.remove(name);
+                    if let Some(s) = self.board.get(name) {
+                        s.metrics.assigned.set(0);
+                    }
                 }
                 let running: Vec<String> = sources
                     .iter()
                     .filter(|n| self.tasks.contains_key(*n))
                     .cloned()
                     .collect();
-                if lost && !running.is_empty() {
-                    tracing::warn!(sources = ?running, "this replica lost its place in the group (its session expired): stopping its sources; their lease kept them from publishing once expired");
+                if lost {
+                    // The session expired (Kafka out of reach, or this
+                    // replica was frozen). Relays whose lease is fresh go
+                    // on: the lease keeps any other owner standing by, and
+                    // a lost group must not stop publishing. The group's
+                    // next assignment says which stay.
+                    if !running.is_empty() {
+                        tracing::warn!(sources = ?running, "this replica lost its place in the group (its session expired): its sources stream on under their leases until the group assigns them again");
+                    }
+                    self.orphans.extend(running.iter().cloned());
+                } else {
+                    let _ = self.stop_all(&running, State::Unassigned).await;
                 }
-                // Answered whether or not shutdown interrupted: the
-                // sources are stopped either way.
-                let _ = self.stop_all(&running, State::Unassigned).await;
                 for name in &sources {
+                    if self.orphans.contains(name) {
+                        continue;
+                    }
                     self.unwatch(name);
                     if let Some(s) = self.board.get(name) {
-                        if s.state().0 != State::Stopping {
-                            s.set_state(State::Unassigned, None);
+                        let (state, error) = s.state();
+                        if state != State::Stopping {
+                            // A failed source keeps its error in /status.
+                            s.set_state(State::Unassigned, error);
                         }
-                        s.metrics.assigned.set(0);
                     }
                 }
                 drop(done);
             }
+        }
+    }
+
+    /// The group assigned `names` of `group`'s sources here.
+    async fn on_assigned(&mut self, group: &str, names: Vec<String>) {
+        if !names.is_empty() && !self.settling.done && self.settling.until.is_none() {
+            let heartbeat = self
+                .plan
+                .as_ref()
+                .map_or(Duration::from_secs(1), |p| p.settings.config.heartbeat_interval.0);
+            self.settling.until = Some(tokio::time::Instant::now() + heartbeat * 2);
+        }
+        for name in &names {
+            let Some(source) = self.board.get(name) else {
+                continue;
+            };
+            self.assigned.insert(name.clone());
+            source.metrics.assigned.set(1);
+            if self.orphans.remove(name) && self.tasks.contains_key(name) {
+                continue; // it streamed on, and stays
+            }
+            if self.settling.until.is_some() {
+                self.settling.waiting.insert(name.clone());
+            } else if source.state().0 == State::Unassigned {
+                self.start(name);
+            }
+        }
+        // Orphans of this group that it did not assign here are another
+        // replica's now: they drain, and its relay takes their leases.
+        let class: Vec<String> = self
+            .plan
+            .as_ref()
+            .and_then(|p| p.classes.iter().find(|c| c.group == group))
+            .map(|c| c.sources.clone())
+            .unwrap_or_default();
+        let moved: Vec<String> = self
+            .orphans
+            .iter()
+            .filter(|n| class.contains(n) && !self.assigned.contains(*n))
+            .cloned()
+            .collect();
+        if !moved.is_empty() {
+            tracing::info!(sources = ?moved, "the group assigned these sources to another replica while this one was out of it: draining them");
+            for name in &moved {
+                self.orphans.remove(name);
+            }
+            let _ = self.stop_all(&moved, State::Unassigned).await;
         }
     }
 
@@ -716,6 +772,17 @@ impl Supervisor {
         };
         let state = source.state().0;
         match (verb, state) {
+            // Assigned here, waiting for the group to settle: start now.
+            (Verb::Resume | Verb::Restart, State::Unassigned) if self.assigned.contains(name) => {
+                self.settling.waiting.remove(name);
+                self.start(name);
+                Ok(())
+            }
+            (Verb::Pause, State::Unassigned) if self.assigned.contains(name) => {
+                self.settling.waiting.remove(name);
+                source.set_state(State::Paused, None);
+                Ok(())
+            }
             (_, State::Unassigned) => Err(ControlError::Conflict(
                 name.to_owned(),
                 "unassigned",
@@ -840,8 +907,13 @@ impl Supervisor {
             let name = config.name.clone();
             let is_changed = changed.contains(&name);
             if !is_changed && !added.contains(&name) {
-                // Drained for a new spread without a group: it starts again.
-                if regroup && plan.is_none() && draining.contains(&name) {
+                // Drained for a new spread without a group, or assigned to
+                // another replica until now: it starts here.
+                let unassigned = self
+                    .board
+                    .get(&name)
+                    .is_some_and(|s| s.state().0 == State::Unassigned);
+                if regroup && plan.is_none() && (draining.contains(&name) || unassigned) {
                     self.start(&name);
                 }
                 // Only `required` may differ: readiness changes, the relay

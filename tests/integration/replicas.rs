@@ -136,7 +136,19 @@ async fn balanced(
     run: &str,
     within: Duration,
 ) -> BTreeMap<String, (usize, i32)> {
-    let share = SOURCES / live.len();
+    balanced_n(replicas, live, sql, run, SOURCES, within).await
+}
+
+/// [`balanced`] over the first `sources` sources.
+async fn balanced_n(
+    replicas: &[Replica],
+    live: &[usize],
+    sql: &tokio_postgres::Client,
+    run: &str,
+    sources: usize,
+    within: Duration,
+) -> BTreeMap<String, (usize, i32)> {
+    let share = sources / live.len();
     let deadline = Instant::now() + within;
     loop {
         let seen = leaders(replicas).await;
@@ -150,7 +162,7 @@ async fn balanced(
             }
         }
         let mut pids = BTreeMap::new();
-        for i in 0..SOURCES {
+        for i in 0..sources {
             if let (Some([r]), Some(pid)) = (
                 led.get(&name(i)).map(Vec::as_slice),
                 streaming_pid(sql, &format!("rp{run}_{}", name(i))).await,
@@ -159,7 +171,7 @@ async fn balanced(
             }
         }
         let even = counts.iter().all(|c| c.abs_diff(share) <= 1);
-        if pids.len() == SOURCES && even {
+        if pids.len() == sources && even {
             return pids;
         }
         assert!(
@@ -383,17 +395,19 @@ fn rand_suffix() -> u32 {
     uuid::Uuid::new_v4().as_u128() as u32
 }
 
-/// Prints the replicas' logs when the test fails.
+/// Prints the replicas' logs when the test fails (always with
+/// `OUTBOXD_TEST_SHOW_LOGS` set).
 struct LogsOnFailure(Vec<PathBuf>);
 
 impl Drop for LogsOnFailure {
     fn drop(&mut self) {
-        if std::thread::panicking() {
+        if std::thread::panicking() || std::env::var_os("OUTBOXD_TEST_SHOW_LOGS").is_some() {
             for log in &self.0 {
                 let text = std::fs::read_to_string(log).unwrap_or_default();
                 let lines: Vec<&str> = text.lines().collect();
-                eprintln!("--- {} (last 80 lines) ---", log.display());
-                for l in &lines[lines.len().saturating_sub(80)..] {
+                let keep = if std::thread::panicking() { 80 } else { 400 };
+                eprintln!("--- {} (last {keep} lines) ---", log.display());
+                for l in &lines[lines.len().saturating_sub(keep)..] {
                     eprintln!("{l}");
                 }
             }
@@ -454,4 +468,177 @@ async fn a_replica_that_cannot_reach_its_group_is_not_ready_and_starts_nothing()
         .get(0);
     assert_eq!(slots, 0, "no source started");
     assert!(daemon.sigterm().success());
+}
+
+/// Deletes `topic` (an operator cleaning up coordination topics).
+async fn delete_topic(topic: String) {
+    use rdkafka::admin::{AdminClient, AdminOptions};
+    use rdkafka::client::DefaultClientContext;
+    use rdkafka::config::ClientConfig;
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", &broker().brokers)
+        .create()
+        .unwrap();
+    for r in admin
+        .delete_topics(&[&topic], &AdminOptions::new())
+        .await
+        .unwrap()
+    {
+        r.unwrap();
+    }
+}
+
+/// `/status` of the replica at `listen`.
+async fn status(listen: SocketAddr) -> serde_json::Value {
+    let (code, body) = http("GET", listen, "/status", None).await;
+    assert_eq!(code, 200, "{body}");
+    serde_json::from_str(&body).unwrap()
+}
+
+/// Two replicas of four sources. The live coordination topic deleted: it
+/// is made again and the group assigns every source anew, none stopping
+/// meanwhile. Then one replica's file drops `[coordination]`: a reload
+/// there takes every source (also those the group had given the other),
+/// and when the other dies, it leads all four. Events written at the end
+/// all arrive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_group_topic_comes_back_and_a_reload_without_coordination_takes_every_source() {
+    const N: usize = 4;
+    let db = TestDb::new("replicas_reload").await;
+    let sql = db.client().await;
+    let run = format!("{:08x}", rand_suffix());
+    let mut ddl = String::new();
+    for i in 0..N {
+        ddl.push_str(&format!("CREATE TABLE ob{i} (LIKE outbox INCLUDING ALL);"));
+    }
+    sql.batch_execute(&ddl).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let url = db.superuser_url();
+    // The twelve-source file, cut to four sources.
+    let text = |listen: SocketAddr, replica: &str, coordination: bool| {
+        let full = file(&run, &url, listen, replica);
+        let mut out = String::new();
+        for (k, part) in full.split("\n[[sources]]").enumerate() {
+            if k == 0 {
+                let head = if coordination {
+                    part.to_owned()
+                } else {
+                    part.split("\n[coordination]").next().unwrap().to_owned()
+                };
+                out.push_str(&head);
+            } else if k <= N {
+                out.push_str("\n[[sources]]");
+                out.push_str(part);
+            }
+        }
+        out
+    };
+    let mut replicas: Vec<Replica> = (0..2)
+        .map(|r| {
+            let listen: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+            Replica {
+                listen,
+                config: write_config(
+                    dir.path(),
+                    &format!("r{r}.toml"),
+                    &text(listen, &format!("replica-{r}"), true),
+                ),
+                log: dir.path().join(format!("r{r}.log")),
+                daemon: None,
+            }
+        })
+        .collect();
+    let _logs = LogsOnFailure(replicas.iter().map(|r| r.log.clone()).collect());
+    for r in &mut replicas {
+        r.daemon = Some(Daemon::start_logging(&r.config, &r.log, "info"));
+    }
+    let led = |m: &BTreeMap<String, (usize, i32)>| m.len();
+    let spread = balanced_n(&replicas, &[0, 1], &sql, &run, N, Duration::from_secs(60)).await;
+    assert_eq!(led(&spread), N);
+
+    // The live topic deleted: made again, every source assigned anew.
+    let topic = status(replicas[0].listen).await["coordination"]["classes"][0]["topic"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let rebalances = |v: &serde_json::Value| v["coordination"]["rebalances"].as_u64().unwrap();
+    let before = rebalances(&status(replicas[0].listen).await);
+    delete_topic(topic.clone()).await;
+    let deleted = Instant::now();
+    let deadline = deleted + Duration::from_secs(60);
+    loop {
+        let mut assigned = 0;
+        let mut moved = false;
+        for r in &replicas {
+            let v = status(r.listen).await;
+            assigned += v["coordination"]["assigned"].as_array().unwrap().len();
+            moved |= rebalances(&v) > before;
+        }
+        if moved && assigned == N {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the group did not come back: {assigned} assigned"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let _ = balanced_n(&replicas, &[0, 1], &sql, &run, N, Duration::from_secs(30)).await;
+    eprintln!(
+        "the deleted coordination topic {topic} was made again; every source assigned after {:?}",
+        deleted.elapsed()
+    );
+
+    // Replica 0 without [coordination]: it takes every source.
+    let listen = replicas[0].listen;
+    std::fs::write(&replicas[0].config, text(listen, "replica-0", false)).unwrap();
+    replicas[0].daemon.as_ref().unwrap().signal("HUP");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let v = status(listen).await;
+        let running = (0..N)
+            .filter(|i| v["sources"][name(*i)]["state"] == "running")
+            .count();
+        if running == N && v.get("coordination").is_none() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "after the reload: {v}");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    replicas[1].daemon.as_mut().unwrap().kill9();
+    replicas[1].daemon = None;
+    let _ = balanced_n(&replicas, &[0], &sql, &run, N, Duration::from_secs(60)).await;
+    eprintln!("the replica without [coordination] leads every source");
+
+    // Events written now all arrive.
+    let mut seqs = vec![HashMap::new(); N];
+    for (i, seq) in seqs.iter_mut().enumerate() {
+        write(&sql, &format!("ob{i}"), seq, 10).await;
+    }
+    for (i, seq) in seqs.iter().enumerate() {
+        let topic = format!("rp{run}{}.order", name(i));
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let t = topic.clone();
+            let got = tokio::task::spawn_blocking(move || {
+                consume(&broker().brokers, &[&t], 10, Duration::from_secs(20))
+            })
+            .await
+            .unwrap();
+            let (by_key, _) = sequences(&got);
+            if seq
+                .iter()
+                .all(|(agg, n)| by_key.get(agg).is_some_and(|v| v.contains(n)))
+            {
+                break;
+            }
+            assert!(Instant::now() < deadline, "{}: the events written last", name(i));
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+    for r in &mut replicas {
+        if let Some(d) = r.daemon.take() {
+            assert!(d.sigterm().success());
+        }
+    }
 }
