@@ -13,15 +13,15 @@
 //! the figure says what the spread costs, not what more machines give.
 
 use std::path::Path;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
 
 use serde_json::{json, Value};
 
 use super::harness::postgres::free_port;
 use super::measure::{started_at, unix_now, usage};
 use super::relays::Setting;
-use super::{confirmed, create_slot, drop_slot, harness, watch, write_rows_into, Shape, PARTITIONS};
+use super::sources::{backlogs, start, wait_drained};
+use super::{drop_slot, PARTITIONS};
 
 const SOURCES: usize = 12;
 
@@ -60,19 +60,6 @@ topic = "rep{tag}-{i}-{{aggregate_type}}"
     text
 }
 
-fn start(s: &Setting, path: &Path, log: &str) -> std::process::Child {
-    let log = std::fs::File::create(s.dir.join(log)).unwrap();
-    Command::new(env!("CARGO_BIN_EXE_outboxd"))
-        .args(["run", "--config"])
-        .arg(path)
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null())
-        .stdout(log.try_clone().unwrap())
-        .stderr(log)
-        .spawn()
-        .unwrap()
-}
-
 /// How many sources the replica on `port` streams.
 fn leading(port: u16) -> usize {
     ureq::get(&format!("http://127.0.0.1:{port}/status"))
@@ -97,6 +84,8 @@ struct Run {
     replicas: usize,
     events: usize,
     secs: f64,
+    /// From the first start until every source was led.
+    startup: f64,
     cpu_s: f64,
     rss_mib: f64,
     led: Vec<usize>,
@@ -110,25 +99,10 @@ async fn drain(
     per_source: usize,
 ) -> Run {
     let topics: Vec<String> = (0..SOURCES).map(|i| format!("rep{tag}-{i}-order")).collect();
-    {
-        let (brokers, topics) = (s.brokers.clone(), topics.clone());
-        tokio::task::spawn_blocking(move || harness::broker::create_topics_with(&brokers, &topics, &[]))
-            .await
-            .unwrap();
-    }
-    let mut targets = Vec::new();
-    for i in 0..SOURCES {
-        client
-            .batch_execute(&format!("TRUNCATE {}", table(i)))
-            .await
-            .unwrap();
-        let slot = format!("rep_{tag}_{i}");
-        create_slot(client, &slot).await;
-        targets.push((
-            slot,
-            write_rows_into(client, &table(i), per_source, Shape::STANDARD).await,
-        ));
-    }
+    let tables: Vec<(String, String)> = (0..SOURCES)
+        .map(|i| (table(i), format!("rep_{tag}_{i}")))
+        .collect();
+    let targets = backlogs(client, s, &tables, &topics, per_source).await;
     eprintln!("bench: replicas: {replicas} replica(s), {SOURCES} sources of {per_source} events each");
     let coordinated = replicas > 1;
     let mut children = Vec::new();
@@ -136,39 +110,37 @@ async fn drain(
         let port = free_port();
         let path = s.dir.join(format!("rep-{tag}-{r}.toml"));
         std::fs::write(&path, config(s, tag, port, coordinated, r)).unwrap();
-        children.push((start(s, &path, &format!("rep-{tag}-{r}.log")), port));
+        children.push((
+            start(
+                Path::new(env!("CARGO_BIN_EXE_outboxd")),
+                s,
+                &path,
+                &format!("rep-{tag}-{r}.log"),
+            ),
+            port,
+        ));
     }
-    let wm = watch::client(&s.brokers);
-    let deadline = Instant::now() + Duration::from_secs(3600);
     let mut led = vec![0; replicas];
-    loop {
-        for (r, (_, port)) in children.iter().enumerate() {
-            led[r] = led[r].max(tokio::task::block_in_place(|| leading(*port)));
+    let mut all_led: Option<f64> = None;
+    wait_drained(client, s, &targets, &topics, per_source * SOURCES, || {
+        let now: Vec<usize> = children
+            .iter()
+            .map(|(_, port)| tokio::task::block_in_place(|| leading(*port)))
+            .collect();
+        for (r, n) in now.iter().enumerate() {
+            led[r] = led[r].max(*n);
         }
-        let mut done = true;
-        for (slot, target) in &targets {
-            done &= confirmed(client, slot).await >= *target;
+        if all_led.is_none() && now.iter().sum::<usize>() == SOURCES {
+            all_led = Some(unix_now());
         }
-        let in_kafka: i64 = tokio::task::block_in_place(|| {
-            topics
-                .iter()
-                .map(|t| watch::high_watermarks(&wm, t, PARTITIONS).iter().sum::<i64>())
-                .sum()
-        });
-        if done && in_kafka >= (per_source * SOURCES) as i64 {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{replicas} replicas did not drain within an hour"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    })
+    .await;
     let first = children
         .iter()
         .map(|(c, _)| started_at(c.id()))
         .fold(f64::INFINITY, f64::min);
     let secs = unix_now() - first;
+    let startup = all_led.map_or(secs, |t| t - first);
     let (mut cpu_s, mut rss_mib) = (0.0, 0.0_f64);
     for (c, _) in &children {
         let (rss, cpu) = usage(c.id());
@@ -188,6 +160,7 @@ async fn drain(
         replicas,
         events: per_source * SOURCES,
         secs,
+        startup,
         cpu_s,
         rss_mib,
         led,
@@ -210,14 +183,16 @@ pub async fn run(client: &mut tokio_postgres::Client, s: &Setting, n: usize) -> 
     for (tag, replicas) in [("1a", 1), ("2", 2), ("3", 3), ("1b", 1)] {
         runs.push(drain(client, s, replicas, tag, per_source).await);
     }
-    println!("| replicas | events | drain (total) | CPU per 100k events (all replicas) | largest peak RSS | sources led per replica |");
-    println!("|---|---|---|---|---|---|");
+    println!("| replicas | events | drain (total) | every source led after | drain once led | CPU per 100k events (all replicas) | largest peak RSS | sources led per replica |");
+    println!("|---|---|---|---|---|---|---|---|");
     for r in &runs {
         println!(
-            "| {} | {} | {:.0} events/s | {:.2} core-s | {:.1} MiB | {:?} |",
+            "| {} | {} | {:.0} events/s | {:.1} s | {:.0} events/s | {:.2} core-s | {:.1} MiB | {:?} |",
             r.replicas,
             r.events,
             r.events as f64 / r.secs,
+            r.startup,
+            r.events as f64 / (r.secs - r.startup).max(0.001),
             r.cpu_s / (r.events as f64 / 100_000.0),
             r.rss_mib,
             r.led
@@ -236,7 +211,7 @@ pub async fn run(client: &mut tokio_postgres::Client, s: &Setting, n: usize) -> 
     }
     json!({"drains": runs.iter().map(|r| json!({
         "replicas": r.replicas, "events": r.events, "seconds": r.secs,
-        "events_per_second": rate(r), "cpu_seconds": r.cpu_s,
+        "events_per_second": rate(r), "cpu_seconds": r.cpu_s, "startup_seconds": r.startup,
         "cpu_seconds_per_100k_events": r.cpu_s / (r.events as f64 / 100_000.0),
         "largest_peak_rss_mib": r.rss_mib, "sources_led": r.led,
     })).collect::<Vec<_>>()})

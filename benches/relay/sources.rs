@@ -126,7 +126,7 @@ fn threads(pid: u32, prefix: &str) -> usize {
         .unwrap_or(0)
 }
 
-fn start(binary: &Path, s: &Setting, path: &Path, log: &str) -> std::process::Child {
+pub(super) fn start(binary: &Path, s: &Setting, path: &Path, log: &str) -> std::process::Child {
     let log = std::fs::File::create(s.dir.join(log)).unwrap();
     Command::new(binary)
         .args(["run", "--config"])
@@ -149,50 +149,17 @@ async fn drain(
 ) -> Run {
     let (name, binary) = binary(reference);
     let topics: Vec<String> = (0..sources).map(|i| format!("many{tag}-{i}-order")).collect();
-    {
-        let (brokers, topics) = (s.brokers.clone(), topics.clone());
-        tokio::task::spawn_blocking(move || harness::broker::create_topics_with(&brokers, &topics, &[]))
-            .await
-            .unwrap();
-    }
-    let mut targets = Vec::new();
-    for i in 0..sources {
-        client
-            .batch_execute(&format!("TRUNCATE {}", table(i)))
-            .await
-            .unwrap();
-        let slot = format!("many_{tag}_{i}");
-        create_slot(client, &slot).await;
-        targets.push((slot, write_rows_into(client, &table(i), n, Shape::STANDARD).await));
-    }
+    let tables: Vec<(String, String)> = (0..sources)
+        .map(|i| (table(i), format!("many_{tag}_{i}")))
+        .collect();
+    let targets = backlogs(client, s, &tables, &topics, n).await;
     eprintln!("bench: sources: {sources} source(s) of {n} events each");
     let http_port = free_port();
     let path = s.dir.join(format!("many-{tag}.toml"));
     std::fs::write(&path, config(s, sources, tag, http_port)).unwrap();
     let mut child = start(&binary, s, &path, &format!("many-{tag}.log"));
     let pid = child.id();
-    let wm = watch::client(&s.brokers);
-    let deadline = Instant::now() + Duration::from_secs(3600);
-    loop {
-        let mut done = true;
-        for (slot, target) in &targets {
-            done &= confirmed(client, slot).await >= *target;
-        }
-        let in_kafka: i64 = tokio::task::block_in_place(|| {
-            topics
-                .iter()
-                .map(|t| watch::high_watermarks(&wm, t, PARTITIONS).iter().sum::<i64>())
-                .sum()
-        });
-        if done && in_kafka >= (n * sources) as i64 {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{sources} sources did not drain within an hour"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_drained(client, s, &targets, &topics, n * sources, || ()).await;
     let secs = unix_now() - started_at(pid);
     let (rss_mib, cpu_s) = usage(pid);
     let (clients, producers) = (threads(pid, "rdk:main"), threads(pid, "outboxd-produce"));
@@ -210,6 +177,71 @@ async fn drain(
         cpu_s,
         clients,
         producers,
+    }
+}
+
+/// Backlogs of `n` events in each of `tables` (a table and the slot made
+/// for it before its rows), and their topics made: the LSN each slot must
+/// be confirmed past.
+pub(super) async fn backlogs(
+    client: &mut tokio_postgres::Client,
+    s: &Setting,
+    tables: &[(String, String)],
+    topics: &[String],
+    n: usize,
+) -> Vec<(String, outboxd::Lsn)> {
+    {
+        let (brokers, topics) = (s.brokers.clone(), topics.to_vec());
+        tokio::task::spawn_blocking(move || harness::broker::create_topics_with(&brokers, &topics, &[]))
+            .await
+            .unwrap();
+    }
+    let mut targets = Vec::new();
+    for (table, slot) in tables {
+        client.batch_execute(&format!("TRUNCATE {table}")).await.unwrap();
+        create_slot(client, slot).await;
+        targets.push((
+            slot.clone(),
+            write_rows_into(client, table, n, Shape::STANDARD).await,
+        ));
+    }
+    targets
+}
+
+/// Waits until every slot of `targets` is confirmed past its backlog and
+/// `topics` hold `events` records (an hour at most), calling `tick` each
+/// round.
+pub(super) async fn wait_drained(
+    client: &tokio_postgres::Client,
+    s: &Setting,
+    targets: &[(String, outboxd::Lsn)],
+    topics: &[String],
+    events: usize,
+    mut tick: impl FnMut(),
+) {
+    let wm = watch::client(&s.brokers);
+    let deadline = Instant::now() + Duration::from_secs(3600);
+    loop {
+        tick();
+        let mut done = true;
+        for (slot, target) in targets {
+            done &= confirmed(client, slot).await >= *target;
+        }
+        let in_kafka: i64 = tokio::task::block_in_place(|| {
+            topics
+                .iter()
+                .map(|t| watch::high_watermarks(&wm, t, PARTITIONS).iter().sum::<i64>())
+                .sum()
+        });
+        if done && in_kafka >= events as i64 {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} slots did not drain within an hour",
+            targets.len()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 

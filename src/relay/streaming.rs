@@ -35,6 +35,13 @@ impl Relay {
             return Ok(());
         }
         loop {
+            // A lease lost before this loop subscribed (its renewal failed
+            // while the session was being set up) is never reported as a
+            // change: read it each round, or the session would stand still
+            // for good, reading nothing.
+            if lease.borrow().lost() {
+                return Err(RelayError::LeadershipLost);
+            }
             // Backpressure counts records librdkafka holds (its memory),
             // not events waiting for a Kafka commit: a PostgreSQL
             // transaction larger than max_inflight must still be read to

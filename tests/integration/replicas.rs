@@ -39,7 +39,16 @@ struct Replica {
     daemon: Option<Daemon>,
 }
 
-fn file(run: &str, url: &str, listen: SocketAddr, replica: &str) -> String {
+/// A replica's file: the first `sources` of the twelve sources, with or
+/// without `[coordination]`.
+fn file(
+    run: &str,
+    url: &str,
+    listen: SocketAddr,
+    replica: &str,
+    sources: usize,
+    coordination: bool,
+) -> String {
     let mut text = format!(
         r#"
 [kafka]
@@ -57,17 +66,16 @@ poll_interval = "300ms"
 
 [shutdown]
 drain_timeout = "10s"
-
-[coordination]
-group = "rp{run}"
-replica = "{replica}"
-session_timeout = "{session}s"
-heartbeat_interval = "1s"
 "#,
         brokers = broker().brokers,
-        session = SESSION.as_secs(),
     );
-    for i in 0..SOURCES {
+    if coordination {
+        text.push_str(&format!(
+            "\n[coordination]\ngroup = \"rp{run}\"\nreplica = \"{replica}\"\nsession_timeout = \"{}s\"\nheartbeat_interval = \"1s\"\n",
+            SESSION.as_secs()
+        ));
+    }
+    for i in 0..sources {
         let delivery = if exactly_once(i) {
             "[sources.kafka]\ndelivery = \"exactly-once\"\n"
         } else {
@@ -183,36 +191,59 @@ async fn balanced_n(
     }
 }
 
-/// Three replicas, twelve sources, writers throughout: spread, SIGKILL,
-/// a replica added, SIGSTOP; nothing lost, order kept in both modes.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn twelve_sources_spread_over_three_replicas_and_move_when_one_fails() {
-    let db = TestDb::new("replicas").await;
+/// A database with the outbox tables `ob0`.. of `sources` sources, a run
+/// id, and `count` replicas of their file (not started).
+struct Setup {
+    db: TestDb,
+    sql: tokio_postgres::Client,
+    run: String,
+    dir: tempfile::TempDir,
+    replicas: Vec<Replica>,
+}
+
+async fn setup(name: &str, sources: usize, count: usize) -> Setup {
+    let db = TestDb::new(name).await;
     let sql = db.client().await;
     let run = format!("{:08x}", rand_suffix());
     let mut ddl = String::new();
-    for i in 0..SOURCES {
+    for i in 0..sources {
         ddl.push_str(&format!("CREATE TABLE ob{i} (LIKE outbox INCLUDING ALL);"));
     }
     sql.batch_execute(&ddl).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     let url = db.superuser_url();
-    let mut replicas: Vec<Replica> = (0..3)
+    let replicas = (0..count)
         .map(|r| {
             let listen: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-            let config = write_config(
-                dir.path(),
-                &format!("r{r}.toml"),
-                &file(&run, &url, listen, &format!("replica-{r}")),
-            );
+            let text = file(&run, &url, listen, &format!("replica-{r}"), sources, true);
             Replica {
                 listen,
-                config,
+                config: write_config(dir.path(), &format!("r{r}.toml"), &text),
                 log: dir.path().join(format!("r{r}.log")),
                 daemon: None,
             }
         })
         .collect();
+    Setup {
+        db,
+        sql,
+        run,
+        dir,
+        replicas,
+    }
+}
+
+/// Three replicas, twelve sources, writers throughout: spread, SIGKILL,
+/// a replica added, SIGSTOP; nothing lost, order kept in both modes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twelve_sources_spread_over_three_replicas_and_move_when_one_fails() {
+    let Setup {
+        db,
+        sql,
+        run,
+        dir: _dir,
+        mut replicas,
+    } = setup("replicas", SOURCES, 3).await;
     let _logs = LogsOnFailure(replicas.iter().map(|r| r.log.clone()).collect());
     for r in &mut replicas {
         r.daemon = Some(Daemon::start_logging(&r.config, &r.log, "info"));
@@ -504,50 +535,13 @@ async fn status(listen: SocketAddr) -> serde_json::Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deleted_group_topic_comes_back_and_a_reload_without_coordination_takes_every_source() {
     const N: usize = 4;
-    let db = TestDb::new("replicas_reload").await;
-    let sql = db.client().await;
-    let run = format!("{:08x}", rand_suffix());
-    let mut ddl = String::new();
-    for i in 0..N {
-        ddl.push_str(&format!("CREATE TABLE ob{i} (LIKE outbox INCLUDING ALL);"));
-    }
-    sql.batch_execute(&ddl).await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let url = db.superuser_url();
-    // The twelve-source file, cut to four sources.
-    let text = |listen: SocketAddr, replica: &str, coordination: bool| {
-        let full = file(&run, &url, listen, replica);
-        let mut out = String::new();
-        for (k, part) in full.split("\n[[sources]]").enumerate() {
-            if k == 0 {
-                let head = if coordination {
-                    part.to_owned()
-                } else {
-                    part.split("\n[coordination]").next().unwrap().to_owned()
-                };
-                out.push_str(&head);
-            } else if k <= N {
-                out.push_str("\n[[sources]]");
-                out.push_str(part);
-            }
-        }
-        out
-    };
-    let mut replicas: Vec<Replica> = (0..2)
-        .map(|r| {
-            let listen: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-            Replica {
-                listen,
-                config: write_config(
-                    dir.path(),
-                    &format!("r{r}.toml"),
-                    &text(listen, &format!("replica-{r}"), true),
-                ),
-                log: dir.path().join(format!("r{r}.log")),
-                daemon: None,
-            }
-        })
-        .collect();
+    let Setup {
+        db,
+        sql,
+        run,
+        dir: _dir,
+        mut replicas,
+    } = setup("replicas_reload", N, 2).await;
     let _logs = LogsOnFailure(replicas.iter().map(|r| r.log.clone()).collect());
     for r in &mut replicas {
         r.daemon = Some(Daemon::start_logging(&r.config, &r.log, "info"));
@@ -591,7 +585,11 @@ async fn a_deleted_group_topic_comes_back_and_a_reload_without_coordination_take
 
     // Replica 0 without [coordination]: it takes every source.
     let listen = replicas[0].listen;
-    std::fs::write(&replicas[0].config, text(listen, "replica-0", false)).unwrap();
+    std::fs::write(
+        &replicas[0].config,
+        file(&run, &db.superuser_url(), listen, "replica-0", N, false),
+    )
+    .unwrap();
     replicas[0].daemon.as_ref().unwrap().signal("HUP");
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {

@@ -166,3 +166,103 @@ async fn a_stopped_leader_is_replaced_within_its_lease_and_never_publishes_again
         let _ = d.sigterm();
     }
 }
+
+/// A lease lost while the session is still being set up (here: the lock's
+/// session ended while the new slot waits for an open transaction to reach
+/// its consistent point) must end the session. The streaming loop used to
+/// hear only lease *changes* after it subscribed, so a loss before that
+/// was never heard: the relay streamed on reading nothing, live and ready,
+/// holding the slot. Found by twelve sources under load in the replicas
+/// bench: one slot stood 300 MB behind for ten minutes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_lost_while_the_session_is_set_up_ends_the_session() {
+    let db = TestDb::new("hard_leaselost").await;
+    let client = db.client().await;
+    let dir = tempfile::tempdir().unwrap();
+    let brokers = &broker().brokers;
+    let p = prefix("leaselost");
+    let topic = format!("{p}.order");
+    let cfg = daemon_config(
+        dir.path(),
+        "l.toml",
+        &db.superuser_url(),
+        "leaselost",
+        brokers,
+        &p,
+        "",
+        "",
+        "",
+    );
+    // A short lease: the renewer pings every second and gives up after 2 s.
+    let text = std::fs::read_to_string(&cfg)
+        .unwrap()
+        .replace("[postgres]\n", "[postgres]\nleader_timeout = \"4s\"\n");
+    std::fs::write(&cfg, text).unwrap();
+    // An open transaction with an xid: the slot's creation waits for it.
+    let holder = db.client().await;
+    holder
+        .batch_execute("BEGIN; CREATE TEMP TABLE hold_xid (x int); INSERT INTO hold_xid VALUES (1)")
+        .await
+        .unwrap();
+    let log = dir.path().join("l.log");
+    let _log_on_failure = crate::sources::LogOnFailure(log.clone());
+    let daemon = Daemon::start_logging(&cfg, &log, "info");
+    // The lease is taken, and the slot's creation waits.
+    let lock_pid: i32 = wait_for("the leader lock", Duration::from_secs(30), || async {
+        client
+            .query_opt(
+                "SELECT l.pid FROM pg_locks l WHERE l.locktype = 'advisory' AND l.objid = hashtext('outboxd slot leaselost')::oid AND l.granted",
+                &[],
+            )
+            .await
+            .unwrap()
+            .map(|r| r.get(0))
+    })
+    .await;
+    wait_for("the slot's creation to wait", Duration::from_secs(30), || async {
+        client
+            .query_opt(
+                "SELECT 1 FROM pg_replication_slots WHERE slot_name = 'leaselost'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .map(|_| ())
+    })
+    .await;
+    // The lease's session ends; its renewer finds out within a second or two.
+    client
+        .execute("SELECT pg_terminate_backend($1)", &[&lock_pid])
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    holder.batch_execute("COMMIT").await.unwrap();
+    // The session that set up under a lost lease ends, and the next one
+    // streams: events written now arrive.
+    crate::harness::wait_for(
+        "a session streaming under a held lock",
+        Duration::from_secs(60),
+        || async {
+            let locked = client
+                .query_opt(
+                    "SELECT 1 FROM pg_locks l JOIN pg_stat_replication r ON true
+                  WHERE l.locktype = 'advisory' AND l.objid = hashtext('outboxd slot leaselost')::oid
+                    AND l.granted AND r.state = 'streaming'",
+                    &[],
+                )
+                .await
+                .unwrap();
+            locked.map(|_| ())
+        },
+    )
+    .await;
+    let (events, _) = write_events(&client, 3, 2, 2, &["Order"], 0).await;
+    let want: HashSet<Uuid> = events.iter().map(|e: &Event| e.id).collect();
+    let got = wait_ids(brokers, &[&topic], &want).await;
+    assert!(want.is_subset(&ids(&got)));
+    assert!(
+        log_text(&log).contains("leadership is lost"),
+        "the lease was lost during set-up"
+    );
+    drop(daemon);
+}
