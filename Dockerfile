@@ -10,8 +10,20 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends g++ make pkg-config libssl-dev \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
+# The dependencies first, in a layer of their own, built against
+# placeholder sources: a change to outboxd's own code rebuilds only its
+# crates, not librdkafka and the rest.
+COPY Cargo.toml Cargo.lock ./
+COPY sdk/Cargo.toml sdk/
+RUN mkdir -p src sdk/src \
+ && echo 'fn main() {}' >src/main.rs && touch src/lib.rs sdk/src/lib.rs \
+ && cargo build --release --locked --bin outboxd \
+ && rm -rf src sdk/src
 COPY . .
-RUN cargo build --release --locked --bin outboxd \
+# Newer than the placeholders whatever their own times, so cargo rebuilds
+# outboxd's crates from them.
+RUN find src sdk/src migrations -type f -exec touch {} + \
+ && cargo build --release --locked --bin outboxd \
  && strip target/release/outboxd
 
 FROM debian:bookworm-slim AS runtime

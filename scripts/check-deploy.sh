@@ -49,6 +49,9 @@ sources:
     kafka: {delivery: exactly-once}
 YAML
 helm template t helm/outboxd --set secrets.PGPASSWORD=x -f "$render/sources-values.yaml" >"$render/sources.yaml"
+# Two pods of one source stay Recreate (a standby is never ready, so a
+# surge pod would stall a rolling update).
+helm template t helm/outboxd --set secrets.PGPASSWORD=x --set replicas=2 >"$render/standby.yaml"
 # Three pods of those sources: they share them through a consumer group.
 helm template t helm/outboxd --set secrets.PGPASSWORD=x -f "$render/sources-values.yaml" --set replicas=3 \
   --set 'sources[1].weight=2' >"$render/replicas.yaml"
@@ -134,6 +137,9 @@ PGPASSWORD=x POD_NAME=t-0 "$binary" check --config-only --config "$render/replic
 import sys, yaml
 dep = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d and d["kind"] == "Deployment"][0]
 assert dep["spec"]["replicas"] == 3, dep["spec"]["replicas"]
+standby = [d for d in yaml.safe_load_all(open(sys.argv[1].replace("replicas.yaml", "standby.yaml"))) if d and d["kind"] == "Deployment"][0]
+assert standby["spec"]["replicas"] == 2 and standby["spec"]["strategy"]["type"] == "Recreate", standby["spec"]
+assert "env" not in standby["spec"]["template"]["spec"]["containers"][0], "no POD_NAME without coordination"
 assert dep["spec"]["strategy"]["type"] == "RollingUpdate", dep["spec"]["strategy"]
 env = dep["spec"]["template"]["spec"]["containers"][0]["env"]
 assert any(e["name"] == "POD_NAME" and e["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name" for e in env), env

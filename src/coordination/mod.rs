@@ -151,17 +151,18 @@ pub struct Status {
 
 impl Status {
     /// Why this replica is not a healthy member of its group: a group it
-    /// holds no place in while its consumer reports an error (Kafka
-    /// unreachable, access denied). Empty when it is, including while it
-    /// joins, and while it leads nothing because others lead every source.
+    /// holds no place in (yet: a replica is ready once the group has
+    /// assigned it its share, so a rollout waits for it; or no longer: its
+    /// session expired), with the consumer's last error. Empty when it is a
+    /// member, also while it leads nothing because others lead every
+    /// source.
     pub fn not_ready_reasons(&self) -> Vec<String> {
         self.classes
             .iter()
             .filter(|c| !c.member)
-            .filter_map(|c| {
-                c.error
-                    .as_ref()
-                    .map(|e| format!("not a member of the replicas' group {}: {e}", c.group))
+            .map(|c| match &c.error {
+                Some(e) => format!("not a member of the replicas' group {}: {e}", c.group),
+                None => format!("not a member of the replicas' group {} (joining)", c.group),
             })
             .collect()
     }
@@ -395,30 +396,36 @@ fn member(
         return;
     }
     tracing::info!(group = %class.group, topic = %class.topic, replica, sources = ?class.sources, "joined the replicas' group; waiting for an assignment");
-    let mut recreated: Option<Instant> = None;
+    // Set when the topic was reported gone (an operator cleaning up old
+    // coordination topics): librdkafka says so once, and the group assigns
+    // nothing until it is back, so it is made again every RETRY until it
+    // shows in the metadata.
+    let mut missing: Option<Instant> = None;
     while !closing.load(Ordering::SeqCst) {
         match consumer.poll(POLL) {
             None | Some(Ok(_)) => {}
             Some(Err(e)) => {
                 tracing::warn!(group = %class.group, error = %e, "the replicas' group reported an error");
                 board.class(&class.group, |c| c.error = Some(e.to_string()));
-                // The topic was deleted (an operator cleaning up old
-                // coordination topics): the group assigns nothing until it
-                // is back, so it is made again.
                 let gone = matches!(
                     e.rdkafka_error_code(),
                     Some(RDKafkaErrorCode::UnknownTopicOrPartition | RDKafkaErrorCode::UnknownTopic)
                 );
-                if gone && recreated.is_none_or(|t| t.elapsed() >= RETRY) {
-                    recreated = Some(Instant::now());
-                    match ensure_topic(settings, class, &consumer, &runtime) {
-                        Ok(()) => {
-                            tracing::warn!(group = %class.group, topic = %class.topic, "the coordination topic was gone and is made again; the group assigns the sources anew")
-                        }
-                        Err(error) => {
-                            tracing::warn!(group = %class.group, %error, "the coordination topic is gone and cannot be made again yet; retrying")
-                        }
-                    }
+                if gone && missing.is_none() {
+                    missing = Some(Instant::now() - RETRY);
+                }
+            }
+        }
+        if missing.is_some_and(|t| t.elapsed() >= RETRY) {
+            match ensure_topic(settings, class, &consumer, &runtime) {
+                Ok(()) => {
+                    tracing::warn!(group = %class.group, topic = %class.topic, "the coordination topic was gone and is there again; the group assigns the sources anew");
+                    missing = None;
+                }
+                Err(error) => {
+                    tracing::warn!(group = %class.group, %error, "the coordination topic is gone and cannot be made again yet; retrying in 5s");
+                    board.class(&class.group, |c| c.error = Some(error));
+                    missing = Some(Instant::now());
                 }
             }
         }
@@ -586,8 +593,16 @@ impl ConsumerContext for GroupContext {
         if sources.is_empty() || self.closing.load(Ordering::SeqCst) {
             return;
         }
-        tracing::info!(group = %self.class.group, ?sources, lost, "revoked: draining these sources before the group moves them");
         let (done, drained) = std::sync::mpsc::sync_channel(1);
+        if lost {
+            // The group may have moved them already; the supervisor keeps
+            // them streaming under their leases and drains nothing now, so
+            // the rejoin does not wait.
+            tracing::info!(group = %self.class.group, ?sources, "this replica's session in the group expired; rejoining");
+            let _ = self.events.send(Event::Revoked { sources, lost, done });
+            return;
+        }
+        tracing::info!(group = %self.class.group, ?sources, "revoked: draining these sources before the group moves them");
         if self.events.send(Event::Revoked { sources, lost, done }).is_err() {
             return; // the supervisor is gone: nothing runs
         }

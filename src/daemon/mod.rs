@@ -193,6 +193,10 @@ struct Settling {
     until: Option<tokio::time::Instant>,
     waiting: std::collections::BTreeSet<String>,
     done: bool,
+    /// The replica lost its session: the first assignment after it is
+    /// only the group's first round (sources another replica holds come
+    /// in the next one), so the orphans are judged once it has settled.
+    after_lost: bool,
 }
 
 /// What a coordinator is started with; a reload that changes it joins the
@@ -364,7 +368,7 @@ impl Supervisor {
                     self.on_group(event).await;
                 }
                 () = async { match self.settling.until { Some(t) => tokio::time::sleep_until(t).await, None => std::future::pending().await } } => {
-                    self.settled();
+                    self.settled().await;
                 }
             }
         }
@@ -401,10 +405,12 @@ impl Supervisor {
         self.settling = Settling::default();
     }
 
-    /// The group has settled: the sources assigned meanwhile start.
-    fn settled(&mut self) {
+    /// The group has settled: the sources assigned meanwhile start, and
+    /// orphans it did not give back to this replica drain.
+    async fn settled(&mut self) {
         self.settling.until = None;
         self.settling.done = true;
+        self.settling.after_lost = false;
         let waiting = std::mem::take(&mut self.settling.waiting);
         for name in waiting {
             if self.assigned.contains(&name)
@@ -414,6 +420,41 @@ impl Supervisor {
                     .is_some_and(|s| s.state().0 == State::Unassigned)
             {
                 self.start(&name);
+            }
+        }
+        let moved: Vec<String> = self
+            .orphans
+            .iter()
+            .filter(|n| !self.assigned.contains(*n))
+            .cloned()
+            .collect();
+        self.release_orphans(moved).await;
+    }
+
+    /// Orphans the group gave another replica: drained (a relay that
+    /// ended on its own, or a paused one, only leaves the board's state),
+    /// left `unassigned` with their last error.
+    async fn release_orphans(&mut self, moved: Vec<String>) {
+        if moved.is_empty() {
+            return;
+        }
+        tracing::info!(sources = ?moved, "the group assigned these sources to another replica while this one was out of it: draining them");
+        for name in &moved {
+            self.orphans.remove(name);
+        }
+        let running: Vec<String> = moved
+            .iter()
+            .filter(|n| self.tasks.contains_key(*n))
+            .cloned()
+            .collect();
+        let _ = self.stop_all(&running, State::Unassigned).await;
+        for name in &moved {
+            self.unwatch(name);
+            if let Some(s) = self.board.get(name) {
+                let (state, error) = s.state();
+                if state != State::Stopping {
+                    s.set_state(State::Unassigned, error);
+                }
             }
         }
     }
@@ -473,6 +514,11 @@ impl Supervisor {
                         tracing::warn!(sources = ?running, "this replica lost its place in the group (its session expired): its sources stream on under their leases until the group assigns them again");
                     }
                     self.orphans.extend(running.iter().cloned());
+                    // Judged once the group has settled again.
+                    self.settling = Settling {
+                        after_lost: true,
+                        ..Settling::default()
+                    };
                 } else {
                     let _ = self.stop_all(&running, State::Unassigned).await;
                 }
@@ -496,12 +542,16 @@ impl Supervisor {
 
     /// The group assigned `names` of `group`'s sources here.
     async fn on_assigned(&mut self, group: &str, names: Vec<String>) {
-        if !names.is_empty() && !self.settling.done && self.settling.until.is_none() {
+        let first = !self.settling.done && self.settling.until.is_none();
+        if first && (!names.is_empty() || self.settling.after_lost) {
             let heartbeat = self
                 .plan
                 .as_ref()
                 .map_or(Duration::from_secs(1), |p| p.settings.config.heartbeat_interval.0);
-            self.settling.until = Some(tokio::time::Instant::now() + heartbeat * 2);
+            // After a lost session, sources held by others come in the
+            // group's next round, after they answered their revoke.
+            let rounds = if self.settling.after_lost { 5 } else { 2 };
+            self.settling.until = Some(tokio::time::Instant::now() + heartbeat * rounds);
         }
         for name in &names {
             let Some(source) = self.board.get(name) else {
@@ -519,7 +569,11 @@ impl Supervisor {
             }
         }
         // Orphans of this group that it did not assign here are another
-        // replica's now: they drain, and its relay takes their leases.
+        // replica's now: they drain, and its relay takes their leases
+        // (after a lost session, once the group has settled).
+        if self.settling.until.is_some() {
+            return;
+        }
         let class: Vec<String> = self
             .plan
             .as_ref()
@@ -532,18 +586,14 @@ impl Supervisor {
             .filter(|n| class.contains(n) && !self.assigned.contains(*n))
             .cloned()
             .collect();
-        if !moved.is_empty() {
-            tracing::info!(sources = ?moved, "the group assigned these sources to another replica while this one was out of it: draining them");
-            for name in &moved {
-                self.orphans.remove(name);
-            }
-            let _ = self.stop_all(&moved, State::Unassigned).await;
-        }
+        self.release_orphans(moved).await;
     }
 
     /// Whether this replica may run `name`: always without `[coordination]`.
     fn may_run(&self, name: &str) -> bool {
-        self.plan.is_none() || self.assigned.contains(name)
+        // An orphan restarted by a verb or a reload streams on until the
+        // group says where it goes.
+        self.plan.is_none() || self.assigned.contains(name) || self.orphans.contains(name)
     }
 
     /// No source runs or waits paused: everything failed.
@@ -781,6 +831,7 @@ impl Supervisor {
             (Verb::Pause, State::Unassigned) if self.assigned.contains(name) => {
                 self.settling.waiting.remove(name);
                 source.set_state(State::Paused, None);
+                self.watch(name);
                 Ok(())
             }
             (_, State::Unassigned) => Err(ControlError::Conflict(

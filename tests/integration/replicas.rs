@@ -267,21 +267,7 @@ async fn twelve_sources_spread_over_three_replicas_and_move_when_one_fails() {
 
     // Writers, once every slot exists (a slot decodes only what commits
     // after it was made): every table, one transaction of 3 events a round.
-    let seqs: Arc<Mutex<Vec<HashMap<String, i64>>>> = Arc::new(Mutex::new(vec![HashMap::new(); SOURCES]));
-    let stop = Arc::new(AtomicBool::new(false));
-    let writer = {
-        let (seqs, stop, client) = (seqs.clone(), stop.clone(), db.client().await);
-        tokio::spawn(async move {
-            while !stop.load(Ordering::SeqCst) {
-                for i in 0..SOURCES {
-                    let mut seq = seqs.lock().unwrap()[i].clone();
-                    write(&client, &format!("ob{i}"), &mut seq, 3).await;
-                    seqs.lock().unwrap()[i] = seq;
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        })
-    };
+    let writers = Writers::start(&db, SOURCES).await;
 
     // (b) SIGKILL replica 2: its sources are led by 0 and 1.
     replicas[2].daemon.as_mut().unwrap().kill9();
@@ -360,17 +346,78 @@ async fn twelve_sources_spread_over_three_replicas_and_move_when_one_fails() {
 
     // Everything written arrives, each aggregate in order; the
     // exactly-once topics hold each event once.
-    stop.store(true, Ordering::SeqCst);
-    writer.await.unwrap();
-    let seqs = seqs.lock().unwrap().clone();
+    all_arrive(&broker().brokers, &run, &writers.stop().await).await;
+    for r in &mut replicas {
+        if let Some(d) = r.daemon.take() {
+            assert!(d.sigterm().success());
+        }
+    }
+}
+
+/// How many sources each replica's log says it started.
+fn starts(replicas: &[Replica]) -> Vec<usize> {
+    replicas
+        .iter()
+        .map(|r| {
+            std::fs::read_to_string(&r.log)
+                .unwrap_or_default()
+                .matches("source starting")
+                .count()
+        })
+        .collect()
+}
+
+fn rand_suffix() -> u32 {
+    uuid::Uuid::new_v4().as_u128() as u32
+}
+
+/// Writers on every table `ob0`.., one transaction of 3 events a round,
+/// each event carrying its aggregate's sequence number.
+struct Writers {
+    seqs: Arc<Mutex<Vec<HashMap<String, i64>>>>,
+    stop: Arc<AtomicBool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Writers {
+    async fn start(db: &TestDb, tables: usize) -> Writers {
+        let seqs = Arc::new(Mutex::new(vec![HashMap::new(); tables]));
+        let stop = Arc::new(AtomicBool::new(false));
+        let task = {
+            let (seqs, stop, client) = (seqs.clone(), stop.clone(), db.client().await);
+            tokio::spawn(async move {
+                while !stop.load(Ordering::SeqCst) {
+                    for i in 0..tables {
+                        let mut seq = seqs.lock().unwrap()[i].clone();
+                        write(&client, &format!("ob{i}"), &mut seq, 3).await;
+                        seqs.lock().unwrap()[i] = seq;
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            })
+        };
+        Writers { seqs, stop, task }
+    }
+
+    /// Stops writing; what each table was given.
+    async fn stop(self) -> Vec<HashMap<String, i64>> {
+        self.stop.store(true, Ordering::SeqCst);
+        self.task.await.unwrap();
+        let seqs = self.seqs.lock().unwrap().clone();
+        seqs
+    }
+}
+
+/// Everything written arrives, each aggregate in order; the exactly-once
+/// topics hold each event once.
+async fn all_arrive(brokers: &str, run: &str, seqs: &[HashMap<String, i64>]) {
     for (i, seq) in seqs.iter().enumerate() {
         let want: usize = seq.values().map(|n| *n as usize).sum();
         let topic = format!("rp{run}{}.order", name(i));
-        let brokers = broker().brokers.clone();
         let eo = exactly_once(i);
         let deadline = Instant::now() + Duration::from_secs(60);
         let (by_key, unique, total) = loop {
-            let (t, b) = (topic.clone(), brokers.clone());
+            let (t, b) = (topic.clone(), brokers.to_owned());
             let got = tokio::task::spawn_blocking(move || {
                 if eo {
                     consume(&b, &[&t], want, Duration::from_secs(20))
@@ -402,28 +449,93 @@ async fn twelve_sources_spread_over_three_replicas_and_move_when_one_fails() {
         }
         eprintln!("{}: {want} events, {} duplicates", name(i), total - unique);
     }
+}
+
+/// Kafka hangs past the group's session timeout (the broker SIGSTOPped):
+/// every replica loses its place in the group. Its relays stream on under
+/// their leases (losing the group stops no source), and when Kafka is back
+/// the group assigns again, each source moving at most once. Writers run
+/// throughout: nothing lost, each aggregate in order, the exactly-once
+/// topics hold each event once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_lost_with_kafka_stops_no_source_and_moves_each_at_most_once() {
+    const N: usize = 4;
+    let own = crate::harness::broker::dedicated();
+    let Setup {
+        db,
+        sql,
+        run,
+        dir: _dir,
+        mut replicas,
+    } = setup("replicas_lost", N, 2).await;
+    for r in &replicas {
+        let text = std::fs::read_to_string(&r.config)
+            .unwrap()
+            .replace(&broker().brokers, &own.brokers);
+        std::fs::write(&r.config, text).unwrap();
+    }
+    let _logs = LogsOnFailure(replicas.iter().map(|r| r.log.clone()).collect());
+    for r in &mut replicas {
+        r.daemon = Some(Daemon::start_logging(&r.config, &r.log, "info"));
+    }
+    let before = balanced_n(&replicas, &[0, 1], &sql, &run, N, Duration::from_secs(60)).await;
+    let writers = Writers::start(&db, N).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    own.signal("STOP");
+    tokio::time::sleep(SESSION + Duration::from_secs(4)).await;
+    // Out of the group, each replica keeps its sources (their sessions
+    // restart while Kafka does not answer, on the same replica).
+    for (r, replica) in replicas.iter().enumerate() {
+        let v = status(replica.listen).await;
+        for (n, (owner, _)) in &before {
+            if *owner == r {
+                assert_eq!(
+                    v["sources"][n]["state"], "running",
+                    "{n} stays on replica {r}: {v}"
+                );
+            }
+        }
+    }
+    own.signal("CONT");
+    let back = Instant::now();
+    // Who leads each source while the group assigns again: the owner
+    // before, and at most one more.
+    let mut owners: BTreeMap<String, Vec<usize>> =
+        before.iter().map(|(n, (r, _))| (n.clone(), vec![*r])).collect();
+    let deadline = back + Duration::from_secs(60);
+    loop {
+        let seen = leaders(&replicas).await;
+        let mut members = true;
+        for (r, part) in seen.iter().enumerate() {
+            let Some((leading, _)) = part else {
+                members = false;
+                continue;
+            };
+            for n in leading {
+                let o = owners.entry(n.clone()).or_default();
+                if o.last() != Some(&r) {
+                    o.push(r);
+                }
+            }
+            members &= status(replicas[r].listen).await["coordination"]["classes"][0]["member"] == true;
+        }
+        if members && back.elapsed() > SESSION * 2 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the replicas did not rejoin");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let _ = balanced_n(&replicas, &[0, 1], &sql, &run, N, Duration::from_secs(60)).await;
+    eprintln!("leaders of each source across the outage and the rejoin: {owners:?}");
+    for (n, o) in &owners {
+        assert!(o.len() <= 2, "{n} moved more than once: {o:?}");
+    }
+    all_arrive(&own.brokers, &run, &writers.stop().await).await;
     for r in &mut replicas {
         if let Some(d) = r.daemon.take() {
             assert!(d.sigterm().success());
         }
     }
-}
-
-/// How many sources each replica's log says it started.
-fn starts(replicas: &[Replica]) -> Vec<usize> {
-    replicas
-        .iter()
-        .map(|r| {
-            std::fs::read_to_string(&r.log)
-                .unwrap_or_default()
-                .matches("source starting")
-                .count()
-        })
-        .collect()
-}
-
-fn rand_suffix() -> u32 {
-    uuid::Uuid::new_v4().as_u128() as u32
 }
 
 /// Prints the replicas' logs when the test fails (always with

@@ -365,6 +365,21 @@ impl Broker {
         }
     }
 
+    /// Sends `signal` (`STOP`, `CONT`) to every broker process: a broker
+    /// that hangs without closing its connections.
+    pub fn signal(&self, signal: &str) {
+        for n in self.nodes.iter().filter(|n| n.port.is_some()) {
+            let pid = n.child.lock().ok().and_then(|c| c.as_ref().map(Child::id));
+            if let Some(pid) = pid {
+                let status = Command::new("kill")
+                    .args([format!("-{signal}"), pid.to_string()])
+                    .status()
+                    .expect("kill");
+                assert!(status.success(), "kill -{signal} {pid}");
+            }
+        }
+    }
+
     /// SIGKILL to one broker of a cluster.
     pub fn kill_node(&self, node_id: u32) {
         self.broker_node(node_id).kill();
