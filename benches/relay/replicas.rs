@@ -72,7 +72,7 @@ fn leading(port: u16) -> usize {
                 .as_object()
                 .map(|m| {
                     m.values()
-                        .filter(|s| s["state"] == "running" && s["standby"] == false)
+                        .filter(|s| s["state"] == "running" && s["streaming"] == true)
                         .count()
                 })
                 .unwrap_or(0)

@@ -122,7 +122,7 @@ async fn leaders(replicas: &[Replica]) -> Vec<Option<(Vec<String>, Vec<String>)>
             .as_object()
             .unwrap()
             .iter()
-            .filter(|(_, s)| s["state"] == "running" && s["standby"] == false)
+            .filter(|(_, s)| s["state"] == "running" && s["streaming"] == true)
             .map(|(n, _)| n.clone())
             .collect();
         let assigned = v["coordination"]["assigned"]
