@@ -64,6 +64,7 @@ use serde::Serialize;
 use tokio::sync::mpsc;
 
 use crate::config::{CoordinationConfig, KafkaConfig};
+use crate::kafka::sink::describe_config_error;
 
 /// The sources of one weight: one consumer group over one topic.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -363,8 +364,9 @@ fn member(
         Ok(c) => c,
         Err(e) => {
             let error = format!(
-                "cannot join the replicas' group {}: {e}; fix [coordination] or kafka.options and start outboxd again",
-                class.group
+                "cannot join the replicas' group {}: {}; fix [coordination] or kafka.options and start outboxd again",
+                class.group,
+                describe_config_error(&e, &settings.kafka)
             );
             board.class(&class.group, |c| c.error = Some(error.clone()));
             let _ = events.send(Event::Failed(error));
@@ -500,9 +502,12 @@ fn ensure_topic(
             .filter(|n| *n > 0))
     };
     if partitions(consumer)?.is_none() {
-        let admin: AdminClient<DefaultClientContext> = connection(&settings.kafka)
-            .create()
-            .map_err(|e| format!("cannot create an admin client: {e}"))?;
+        let admin: AdminClient<DefaultClientContext> = connection(&settings.kafka).create().map_err(|e| {
+            format!(
+                "cannot create an admin client: {}",
+                describe_config_error(&e, &settings.kafka)
+            )
+        })?;
         let topic = NewTopic::new(
             &class.topic,
             i32::try_from(want).unwrap_or(i32::MAX),

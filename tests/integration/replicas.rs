@@ -752,3 +752,40 @@ async fn a_deleted_group_topic_comes_back_and_a_reload_without_coordination_take
         }
     }
 }
+
+/// A `kafka.options` value librdkafka refuses fails every source with the
+/// reason, and the value (a secret, perhaps) is not in the log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_consumer_librdkafka_refuses_fails_the_sources_without_printing_the_value() {
+    let db = TestDb::new("replicas_badopt").await;
+    let sql = db.client().await;
+    sql.batch_execute(
+        "CREATE TABLE ob0 (LIKE outbox INCLUDING ALL); CREATE TABLE ob1 (LIKE outbox INCLUDING ALL);",
+    )
+    .await
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let listen: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let mut text = format!(
+        "[kafka]\nbrokers = \"{}\"\n[kafka.options]\n\"security.protocol\" = \"hunter2-not-a-protocol\"\n[http]\nlisten = \"{listen}\"\n[coordination]\ngroup = \"badopt\"\n",
+        broker().brokers
+    );
+    for i in 0..2 {
+        text.push_str(&format!(
+            "[[sources]]\nname = \"s{i}\"\n[sources.postgres]\nurl = \"{}\"\ntable = \"ob{i}\"\nslot = \"badopt_{i}\"\npublication = \"badopt_{i}\"\n",
+            db.superuser_url()
+        ));
+    }
+    let config = write_config(dir.path(), "b.toml", &text);
+    let log = dir.path().join("b.log");
+    let _logs = LogsOnFailure(vec![log.clone()]);
+    let mut daemon = Daemon::start_logging(&config, &log, "info");
+    let code = crate::hardening::exits(&mut daemon, Duration::from_secs(30), &log).await;
+    assert_eq!(code, Some(1));
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.contains("cannot join the replicas' group badopt"), "{text}");
+    assert!(
+        !text.contains("hunter2"),
+        "the option's value is in the log:\n{text}"
+    );
+}
