@@ -244,10 +244,7 @@ async fn twelve_sources_spread_over_three_replicas_and_move_when_one_fails() {
         dir: _dir,
         mut replicas,
     } = setup("replicas", SOURCES, 3).await;
-    let _logs = LogsOnFailure(replicas.iter().map(|r| r.log.clone()).collect());
-    for r in &mut replicas {
-        r.daemon = Some(Daemon::start_logging(&r.config, &r.log, "info"));
-    }
+    let _logs = start_all(&mut replicas);
 
     // (a) Spread 4/4/4.
     let started = Instant::now();
@@ -371,6 +368,15 @@ fn rand_suffix() -> u32 {
     uuid::Uuid::new_v4().as_u128() as u32
 }
 
+/// Starts every replica (logging at info); their logs are printed if the
+/// test fails.
+fn start_all(replicas: &mut [Replica]) -> LogsOnFailure {
+    for r in replicas.iter_mut() {
+        r.daemon = Some(Daemon::start_logging(&r.config, &r.log, "info"));
+    }
+    LogsOnFailure(replicas.iter().map(|r| r.log.clone()).collect())
+}
+
 /// Writers on every table `ob0`.., one transaction of 3 events a round,
 /// each event carrying its aggregate's sequence number.
 struct Writers {
@@ -474,10 +480,7 @@ async fn a_group_lost_with_kafka_stops_no_source_and_moves_each_at_most_once() {
             .replace(&broker().brokers, &own.brokers);
         std::fs::write(&r.config, text).unwrap();
     }
-    let _logs = LogsOnFailure(replicas.iter().map(|r| r.log.clone()).collect());
-    for r in &mut replicas {
-        r.daemon = Some(Daemon::start_logging(&r.config, &r.log, "info"));
-    }
+    let _logs = start_all(&mut replicas);
     let before = balanced_n(&replicas, &[0, 1], &sql, &run, N, Duration::from_secs(60)).await;
     let writers = Writers::start(&db, N).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -654,10 +657,7 @@ async fn a_deleted_group_topic_comes_back_and_a_reload_without_coordination_take
         dir: _dir,
         mut replicas,
     } = setup("replicas_reload", N, 2).await;
-    let _logs = LogsOnFailure(replicas.iter().map(|r| r.log.clone()).collect());
-    for r in &mut replicas {
-        r.daemon = Some(Daemon::start_logging(&r.config, &r.log, "info"));
-    }
+    let _logs = start_all(&mut replicas);
     let led = |m: &BTreeMap<String, (usize, i32)>| m.len();
     let spread = balanced_n(&replicas, &[0, 1], &sql, &run, N, Duration::from_secs(60)).await;
     assert_eq!(led(&spread), N);
