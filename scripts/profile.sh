@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Profiles outboxd draining a backlog against the real broker (Apache Kafka,
-# scripts/lib/services.sh). Usage: scripts/profile.sh [ROWS] [callgrind|perf]
+# scripts/lib/services.sh). Usage: scripts/profile.sh [ROWS] [callgrind|perf|heaptrack|rss]
 # (default 20000 rows, callgrind). PROFILE_TYPES=N spreads the rows over N
 # aggregate types, each its own topic of 3 partitions (default 1).
 # * callgrind counts instructions: repeatable on a busy machine, but it
@@ -9,6 +9,11 @@
 # * perf samples the drain at full speed (call graphs through frame
 #   pointers and DWARF) and also counts context switches and CPU time per
 #   thread (`perf stat --per-thread`), which is where wake-ups show.
+# * heaptrack records every allocation with its stack and prints the
+#   peak's consumers: where the memory held at the peak RSS was allocated.
+# * rss runs outboxd at full speed and prints, once drained, where its
+#   resident memory sits (the binary's pages, the heap, other anonymous
+#   mappings: glibc's thread arenas and the threads' stacks).
 # Prints the functions with the most samples or instructions and leaves the
 # full profile in target/profile/.
 set -euo pipefail
@@ -18,7 +23,9 @@ tool=${2:-callgrind}
 case "$tool" in
   callgrind) command -v valgrind >/dev/null || { sudo apt-get install -y valgrind || apt-get install -y valgrind; } ;;
   perf) command -v perf >/dev/null || { sudo apt-get install -y linux-perf || apt-get install -y linux-perf; } ;;
-  *) echo "profile.sh: unknown profiler $tool (callgrind or perf)" >&2; exit 2 ;;
+  heaptrack) command -v heaptrack >/dev/null || { sudo apt-get install -y heaptrack || apt-get install -y heaptrack; } ;;
+  rss) ;;
+  *) echo "profile.sh: unknown profiler $tool (callgrind, perf, heaptrack or rss)" >&2; exit 2 ;;
 esac
 cargo build --quiet --release --bin outboxd
 bin=${CARGO_TARGET_DIR:-target}/release/outboxd
@@ -74,6 +81,14 @@ case "$tool" in
     until pid=$(pgrep -P "$rec" -x outboxd); do sleep 0.01; done
     perf stat --per-thread -e task-clock,context-switches,cpu-migrations,syscalls:sys_enter_poll -p "$pid" -o $out/perf-stat.txt &
     stat=$! ;;
+  heaptrack)
+    rm -f $out/heaptrack.*
+    heaptrack -o $out/heaptrack "$bin" run --config "$WORK/outboxd.toml" >"$WORK/heaptrack.log" 2>&1 &
+    rec=$!
+    until pid=$(pgrep -P "$rec" -x outboxd); do sleep 0.01; done ;;
+  rss)
+    "$bin" run --config "$WORK/outboxd.toml" 2>"$WORK/outboxd.log" &
+    pid=$! ;;
 esac
 until [ "$("${PSQL[@]}" -At -c "SELECT confirmed_flush_lsn >= '$end' FROM pg_replication_slots WHERE slot_name = 'outboxd'")" = t ]; do
   sleep 0.2
@@ -83,6 +98,18 @@ if [ "$tool" = perf ]; then
   cpu=$(awk '{print ($14 + $15) / 100}' "/proc/$pid/stat")
   rss=$(awk '/^VmHWM/ {print $2 / 1024}' "/proc/$pid/status")
   kill -INT "$stat"; wait "$stat" 2>/dev/null || true
+  kill -TERM "$pid"; wait "$rec" || true; pid=
+elif [ "$tool" = rss ]; then
+  cpu=$(awk '{print ($14 + $15) / 100}' "/proc/$pid/stat")
+  rss=$(awk '/^VmHWM/ {print $2 / 1024}' "/proc/$pid/status")
+  # Resident KiB per kind of mapping.
+  awk '/^[0-9a-f]+-[0-9a-f]+ / { name = ($6 == "") ? "[anonymous]" : $6; sub(/.*\//, "", name) }
+       /^Rss:/ { kb[name] += $2 } END { for (n in kb) if (kb[n] >= 256) printf "%8.1f MiB  %s\n", kb[n] / 1024, n }' \
+    "/proc/$pid/smaps" | sort -rn >$out/rss.txt
+  echo "outboxd threads: $(ls /proc/$pid/task | wc -l)" >>$out/rss.txt
+  kill -TERM "$pid"; wait "$pid" || true; pid=
+elif [ "$tool" = heaptrack ]; then
+  rss=$(awk '/^VmHWM/ {print $2 / 1024}' "/proc/$pid/status")
   kill -TERM "$pid"; wait "$rec" || true; pid=
 else
   kill -TERM "$pid"; wait "$pid" || true; pid=
@@ -116,4 +143,13 @@ case "$tool" in
     cat $out/threads.txt | head -20
     grep -E '^ +[0-9.]+%' $out/report.txt | head -40
     cat $out/perf-stat.txt ;;
+  rss)
+    echo "outboxd peak RSS: ${rss} MiB"
+    echo "outboxd CPU: ${cpu}s ($(echo "$cpu * 100000 / $rows" | bc -l | cut -c1-5) core-s per 100k events)"
+    echo "resident once drained:"; cat $out/rss.txt ;;
+  heaptrack)
+    echo "outboxd peak RSS: ${rss} MiB (under heaptrack)"
+    heaptrack_print -f $out/heaptrack*.zst --print-peaks 1 --print-allocators 0 --print-temporary 0 \
+      --print-leaks 0 --peak-limit 25 >$out/heaptrack.txt 2>/dev/null || true
+    sed -n '/PEAK MEMORY CONSUMERS/,$p' $out/heaptrack.txt | grep -vE '^\s+at |^\s+in ' | head -80 ;;
 esac
