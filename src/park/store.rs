@@ -40,6 +40,12 @@ pub enum ParkError {
     Fenced,
     #[error("a parked row cannot be read back: {0}")]
     Unreadable(String),
+    #[error("{sequences} parked sequence(s) of slot {slot:?} wait in outboxd_parked, but routing.on_poison is now \"{mode}\": their aggregates' later events would be published ahead of them. Redrive them (`outboxd parked redrive --all`) or discard them (`outboxd parked discard --all --confirm`) first, or set routing.on_poison = \"park\" again")]
+    LeftParked {
+        sequences: i64,
+        slot: String,
+        mode: &'static str,
+    },
     #[error("the parked sequence of topic {topic:?} key {key:?} would now go to topic {now:?} (routing.topic or routing.lowercase_aggregate_type changed while it was parked): its later events would overtake it. Redrive it first with the new configuration while outboxd is stopped (`outboxd parked redrive --key {key}` publishes to {now:?}), or restore the old setting")]
     Renamed { topic: String, key: String, now: String },
 }
@@ -288,6 +294,33 @@ impl ParkStore {
             fenced_by: None,
             sequences,
         })
+    }
+
+    /// The number of `slot`'s parked sequences, for a relay that does not
+    /// park (`routing.on_poison` changed away from `"park"`): their later
+    /// events must not overtake them. `None` without the tables, or when
+    /// outboxd may not read them (a deployment that never parked).
+    pub async fn waiting(client: &Client, table: &TableName, slot: &str) -> Result<Option<i64>, ParkError> {
+        let readable: Option<bool> = client
+            .query_one(
+                "SELECT CASE WHEN to_regclass(quote_ident($1) || '.outboxd_parked_sequences') IS NULL THEN NULL \
+                        ELSE has_table_privilege(quote_ident($1) || '.outboxd_parked_sequences', 'SELECT') END",
+                &[&table.schema],
+            )
+            .await?
+            .get(0);
+        if readable != Some(true) {
+            return Ok(None);
+        }
+        let schema = format!("\"{}\".", table.schema.replace('"', "\"\""));
+        let sequences: i64 = client
+            .query_one(
+                &format!("SELECT count(*) FROM {schema}outboxd_parked_sequences WHERE slot = $1"),
+                &[&slot],
+            )
+            .await?
+            .get(0);
+        Ok(Some(sequences))
     }
 
     /// Parks only while the walsender `pid` streams the slot.

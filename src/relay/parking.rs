@@ -113,7 +113,7 @@ impl Relay {
     /// parked sequences.
     pub(super) async fn start_parking(&mut self, walsender_pid: i32) -> Result<(), RelayError> {
         let Some(parking) = self.parking.as_mut() else {
-            return Ok(());
+            return self.refuse_left_parked().await;
         };
         if parking.store.as_ref().is_none_or(ParkStore::is_closed) {
             let store = ParkStore::connect(
@@ -172,6 +172,32 @@ impl Relay {
             publish_parked(&self.metrics, &self.health, &parking.set, &heads);
         }
         Ok(())
+    }
+
+    /// Without `park`, at a session's start: sequences parked under it
+    /// earlier (`routing.on_poison` changed since) would be overtaken by
+    /// their aggregates' later events, which this relay publishes as they
+    /// come. It refuses to stream while any is left
+    /// ([`crate::park::ParkError::LeftParked`]).
+    async fn refuse_left_parked(&self) -> Result<(), RelayError> {
+        let client = crate::postgres::admin::connect(&self.validated.pg)
+            .await
+            .map_err(crate::park::ParkError::from)?;
+        let waiting =
+            ParkStore::waiting(&client, &self.validated.table, self.validated.slot.as_str()).await?;
+        match waiting {
+            Some(sequences) if sequences > 0 => Err(crate::park::ParkError::LeftParked {
+                sequences,
+                slot: self.validated.slot.as_str().to_owned(),
+                mode: match self.config.routing.on_poison {
+                    crate::config::OnPoison::Stop => "stop",
+                    crate::config::OnPoison::DeadLetter => "dead-letter",
+                    crate::config::OnPoison::Park => "park",
+                },
+            }
+            .into()),
+            _ => Ok(()),
+        }
     }
 
     /// The sequence (topic, key) of an outbox row.

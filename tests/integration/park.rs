@@ -755,6 +755,82 @@ async fn a_relay_whose_topic_template_changed_under_a_parked_sequence_refuses_to
     );
 }
 
+/// With `routing.on_poison` changed away from `park` while a sequence is
+/// parked, the relay would publish the aggregate's later events ahead of
+/// its parked ones. It refuses to start, saying how to go on, and starts
+/// once the sequence is redriven: the aggregate's events arrive in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_that_no_longer_parks_refuses_to_start_while_a_sequence_is_parked() {
+    let b = broker();
+    let db = TestDb::new("park_left").await;
+    let client = db.client().await;
+    let slot = "park_left";
+    let prefix = "park-left";
+    let topic = format!("{prefix}.order");
+    let config = |on_poison: &str| {
+        config_text(
+            &db.superuser_url(),
+            slot,
+            &b.brokers,
+            &format!("topic = \"{prefix}.{{aggregate_type}}\"\non_poison = \"{on_poison}\""),
+            "",
+        )
+    };
+    let (handle, tx) = spawn_relay_with_slot(&client, slot, &config("park")).await;
+    // n = 1 has unreadable headers: it parks, and n = 2 behind it.
+    client
+        .batch_execute(&format!(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload, headers) VALUES
+               (gen_random_uuid(), 'Order', '{prefix}-A', 'E', '{{\"n\": 1}}', '[1]'),
+               (gen_random_uuid(), 'Order', '{prefix}-A', 'E', '{{\"n\": 2}}', '{{}}')"
+        ))
+        .await
+        .unwrap();
+    wait_confirmed_past(&client, slot).await;
+    assert_eq!(parked_count(&client, slot).await, 2);
+    stop_relay(handle, tx).await;
+    write(&client, prefix, &[("A", 3, 3)]).await;
+    for mode in ["dead-letter", "stop"] {
+        let (handle, _tx) = crate::relay::spawn_relay(&config(mode));
+        let err = tokio::time::timeout(Duration::from_secs(30), handle)
+            .await
+            .expect("the relay stops")
+            .unwrap()
+            .unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains(&format!("routing.on_poison is now \"{mode}\""))
+                && text.contains("outboxd parked redrive"),
+            "{text}"
+        );
+    }
+    assert!(
+        consume(&b.brokers, &[&topic], 1, Duration::from_secs(3)).is_empty(),
+        "nothing was published ahead of the parked sequence"
+    );
+    // `skip` sends the head to the dead-letter topic and redrives n = 2;
+    // the relay that no longer parks then starts and publishes n = 3
+    // behind it.
+    let head: String = client
+        .query_one(
+            "SELECT head_id FROM outboxd_parked_sequences WHERE slot = $1",
+            &[&slot],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("outboxd.toml");
+    std::fs::write(&path, config("dead-letter")).unwrap();
+    let out = outboxd(&path, &["skip", "--id", &head]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(parked_count(&client, slot).await, 0);
+    let (handle, tx) = crate::relay::spawn_relay(&config("dead-letter"));
+    let got = consume(&b.brokers, &[&topic], 2, Duration::from_secs(30));
+    assert_eq!(sequence(&got, &format!("{prefix}-A")), vec![2, 3]);
+    stop_relay(handle, tx).await;
+}
+
 /// `discard` deletes a parked sequence once the slot has passed it, and the
 /// aggregate's next event is published again; without `--confirm` nothing
 /// is deleted.
