@@ -683,7 +683,34 @@ async fn postgres_checks(config: &Config, v: &Validated) -> Vec<CheckLine> {
         Err(e) => line("slot", false, e.to_string()),
     });
     out.push(failover_check(config, v, &client).await);
+    out.extend(left_parked_check(config, v, &client).await);
     out
+}
+
+/// Without `park`: sequences parked under it earlier make the relay refuse
+/// to start (see `crate::relay`'s parking), so `check` says so first.
+async fn left_parked_check(
+    config: &Config,
+    v: &Validated,
+    client: &tokio_postgres::Client,
+) -> Option<CheckLine> {
+    if config.routing.on_poison == crate::config::OnPoison::Park {
+        return None;
+    }
+    match crate::park::ParkStore::waiting(client, &v.table, v.slot.as_str()).await {
+        Ok(Some(sequences)) if sequences > 0 => Some(line(
+            "parked",
+            false,
+            crate::park::ParkError::LeftParked {
+                sequences,
+                slot: v.slot.as_str().to_owned(),
+                mode: config.routing.on_poison.name(),
+            }
+            .to_string(),
+        )),
+        Ok(_) => None,
+        Err(e) => Some(line("parked", false, e.to_string())),
+    }
 }
 
 /// Whether the slot would survive a promotion ([`failover::inspect`]): a

@@ -106,6 +106,17 @@ pub enum OnPoison {
     Park,
 }
 
+impl OnPoison {
+    /// Its name in the configuration file.
+    pub fn name(self) -> &'static str {
+        match self {
+            OnPoison::Stop => "stop",
+            OnPoison::DeadLetter => "dead-letter",
+            OnPoison::Park => "park",
+        }
+    }
+}
+
 /// `[routing]`
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -189,11 +189,7 @@ impl Relay {
             Some(sequences) if sequences > 0 => Err(crate::park::ParkError::LeftParked {
                 sequences,
                 slot: self.validated.slot.as_str().to_owned(),
-                mode: match self.config.routing.on_poison {
-                    crate::config::OnPoison::Stop => "stop",
-                    crate::config::OnPoison::DeadLetter => "dead-letter",
-                    crate::config::OnPoison::Park => "park",
-                },
+                mode: self.config.routing.on_poison.name(),
             }
             .into()),
             _ => Ok(()),

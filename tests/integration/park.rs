@@ -808,6 +808,21 @@ async fn a_relay_that_no_longer_parks_refuses_to_start_while_a_sequence_is_parke
         consume(&b.brokers, &[&topic], 1, Duration::from_secs(3)).is_empty(),
         "nothing was published ahead of the parked sequence"
     );
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("outboxd.toml");
+    std::fs::write(&path, config("dead-letter")).unwrap();
+    // `check` says so before a start does.
+    let check = std::process::Command::new(env!("CARGO_BIN_EXE_outboxd"))
+        .args(["check", "--config"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&check.stdout).to_string() + &String::from_utf8_lossy(&check.stderr);
+    assert!(!check.status.success(), "{said}");
+    assert!(
+        said.contains("1 parked sequence(s) of slot \"park_left\""),
+        "{said}"
+    );
     // `skip` sends the head to the dead-letter topic and redrives n = 2;
     // the relay that no longer parks then starts and publishes n = 3
     // behind it.
@@ -819,9 +834,6 @@ async fn a_relay_that_no_longer_parks_refuses_to_start_while_a_sequence_is_parke
         .await
         .unwrap()
         .get(0);
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("outboxd.toml");
-    std::fs::write(&path, config("dead-letter")).unwrap();
     let out = outboxd(&path, &["skip", "--id", &head]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(parked_count(&client, slot).await, 0);
