@@ -208,30 +208,57 @@ impl Board {
 
     /// The coordination metrics, in the text exposition format.
     pub fn metrics_text(&self) -> String {
-        let s = self.status();
-        let mut out = String::new();
-        out.push_str("# HELP outboxd_coordination_rebalances_total Rebalances of the replicas' group that changed what this replica leads.\n");
-        out.push_str("# TYPE outboxd_coordination_rebalances_total counter\n");
-        out.push_str(&format!(
-            "outboxd_coordination_rebalances_total {}\n",
-            s.rebalances
-        ));
-        out.push_str("# HELP outboxd_coordination_assigned_sources Sources the replicas' group assigns to this replica.\n");
-        out.push_str("# TYPE outboxd_coordination_assigned_sources gauge\n");
-        out.push_str(&format!(
-            "outboxd_coordination_assigned_sources {}\n",
-            s.assigned.len()
-        ));
-        out.push_str("# HELP outboxd_coordination_member 1 while this replica holds a place in the group of a weight's sources.\n");
-        out.push_str("# TYPE outboxd_coordination_member gauge\n");
-        for c in &s.classes {
-            out.push_str(&format!(
-                "outboxd_coordination_member{{weight=\"{}\"}} {}\n",
-                c.weight,
-                u8::from(c.member)
-            ));
+        self.status().metrics_text()
+    }
+}
+
+impl Status {
+    /// Its metrics, in the text exposition format (empty, with a warning,
+    /// should the `prometheus` crate refuse them).
+    pub fn metrics_text(&self) -> String {
+        let families = match self.metric_families() {
+            Ok(f) => f,
+            Err(e) => {
+                tracing::warn!(error = %e, "the coordination metrics could not be gathered");
+                return String::new();
+            }
+        };
+        let mut buf = Vec::new();
+        if let Err(e) = prometheus::Encoder::encode(&prometheus::TextEncoder::new(), &families, &mut buf) {
+            tracing::warn!(error = %e, "the coordination metrics could not be encoded");
+            return String::new();
         }
-        out
+        String::from_utf8(buf).unwrap_or_default()
+    }
+
+    fn metric_families(&self) -> prometheus::Result<Vec<prometheus::proto::MetricFamily>> {
+        let registry = prometheus::Registry::new();
+        let rebalances = prometheus::IntCounter::new(
+            "outboxd_coordination_rebalances_total",
+            "Rebalances of the replicas' group that changed what this replica leads.",
+        )?;
+        rebalances.inc_by(self.rebalances);
+        registry.register(Box::new(rebalances))?;
+        let assigned = prometheus::IntGauge::new(
+            "outboxd_coordination_assigned_sources",
+            "Sources the replicas' group assigns to this replica.",
+        )?;
+        assigned.set(i64::try_from(self.assigned.len()).unwrap_or(i64::MAX));
+        registry.register(Box::new(assigned))?;
+        let member = prometheus::IntGaugeVec::new(
+            prometheus::Opts::new(
+                "outboxd_coordination_member",
+                "1 while this replica holds a place in the group of a weight's sources.",
+            ),
+            &["weight"],
+        )?;
+        for c in &self.classes {
+            member
+                .with_label_values(&[c.weight.to_string()])
+                .set(i64::from(c.member));
+        }
+        registry.register(Box::new(member))?;
+        Ok(registry.gather())
     }
 }
 

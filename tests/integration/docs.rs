@@ -399,7 +399,11 @@ fn exported_metrics() -> BTreeSet<String> {
     m.kafka_transactions.with_label_values(&["committed"]).inc();
     m.build_info.with_label_values(&["test"]).set(1);
     // With [coordination], the replica's group has a few of its own.
-    let text = m.encode() + &outboxd::coordination::Board::default().metrics_text();
+    let coordination = outboxd::coordination::Status {
+        classes: vec![outboxd::coordination::ClassStatus::default()],
+        ..Default::default()
+    };
+    let text = m.encode() + &coordination.metrics_text();
     let names: BTreeSet<String> = text
         .lines()
         .filter_map(|l| l.strip_prefix("# TYPE "))
