@@ -14,11 +14,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::harness::broker::{broker, consume, consume_to_end};
+use crate::harness::broker::{broker, consume};
 use crate::harness::postgres::free_port;
 use crate::harness::TestDb;
 use crate::relay::{write_config, Daemon};
-use crate::sources::{http, sequences, streaming_pid, write};
+use crate::sources::{arrive_in_order, http, sequences, streaming_pid, write};
 
 const SOURCES: usize = 12;
 const SESSION: Duration = Duration::from_secs(6);
@@ -418,42 +418,18 @@ impl Writers {
 /// topics hold each event once.
 async fn all_arrive(brokers: &str, run: &str, seqs: &[HashMap<String, i64>]) {
     for (i, seq) in seqs.iter().enumerate() {
-        let want: usize = seq.values().map(|n| *n as usize).sum();
         let topic = format!("rp{run}{}.order", name(i));
-        let eo = exactly_once(i);
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let (by_key, unique, total) = loop {
-            let (t, b) = (topic.clone(), brokers.to_owned());
-            let got = tokio::task::spawn_blocking(move || {
-                if eo {
-                    consume(&b, &[&t], want, Duration::from_secs(20))
-                } else {
-                    consume_to_end(&b, &[&t], Duration::from_secs(20))
-                }
-            })
-            .await
-            .unwrap();
-            let total = got.len();
-            let (by_key, unique) = sequences(&got);
-            if unique >= want || Instant::now() > deadline {
-                break (by_key, unique, total);
-            }
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        };
-        for (agg, n) in seq {
-            let expected: Vec<i64> = (1..=*n).collect();
-            assert_eq!(
-                by_key.get(agg),
-                Some(&expected),
-                "{}: aggregate {agg}, every event in order",
-                name(i)
-            );
-        }
-        assert_eq!(unique, want, "{}: nothing else", name(i));
-        if eo {
-            assert_eq!(total, want, "{}: exactly-once, each event once", name(i));
-        }
-        eprintln!("{}: {want} events, {} duplicates", name(i), total - unique);
+        let total = arrive_in_order(
+            brokers,
+            &topic,
+            seq,
+            Duration::from_secs(60),
+            exactly_once(i),
+            &name(i),
+        )
+        .await;
+        let want: usize = seq.values().map(|n| *n as usize).sum();
+        eprintln!("{}: {want} events, {} duplicates", name(i), total - want);
     }
 }
 

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use uuid::Uuid;
 
-use crate::harness::broker::{broker, consume_to_end, Consumed};
+use crate::harness::broker::{broker, consume, consume_to_end, Consumed};
 use crate::harness::postgres::{self, free_port, PgServer};
 use crate::harness::{wait_for, TestDb};
 use crate::relay::{confirmed_flush, write_config, Daemon};
@@ -137,19 +137,45 @@ pub(crate) fn sequences(records: &[Consumed]) -> (BTreeMap<String, Vec<i64>>, us
 /// Consumes `src`'s topic until it holds what `seq` says was written, and
 /// checks that each aggregate's events arrived, each in order.
 async fn all_arrive(src: &Src, seq: &HashMap<String, i64>, within: Duration) {
+    arrive_in_order(
+        &broker().brokers,
+        &src.topic(),
+        seq,
+        within,
+        false,
+        &format!("source {}", src.name),
+    )
+    .await;
+}
+
+/// Waits up to `within` until `topic` holds every event `seq` counts (an
+/// aggregate's events numbered 1..=n), then asserts each aggregate's events
+/// arrived in order and nothing else did; `exactly_once`: each only once
+/// (read as `read_committed`). Returns the records read.
+pub(crate) async fn arrive_in_order(
+    brokers: &str,
+    topic: &str,
+    seq: &HashMap<String, i64>,
+    within: Duration,
+    exactly_once: bool,
+    what: &str,
+) -> usize {
     let want: usize = seq.values().map(|n| *n as usize).sum();
-    let topic = src.topic();
     let deadline = Instant::now() + within;
-    let (by_key, unique) = loop {
-        let t = topic.clone();
+    let (by_key, unique, total) = loop {
+        let (t, b) = (topic.to_owned(), brokers.to_owned());
         let got = tokio::task::spawn_blocking(move || {
-            consume_to_end(&broker().brokers, &[&t], Duration::from_secs(30))
+            if exactly_once {
+                consume(&b, &[&t], want, Duration::from_secs(20))
+            } else {
+                consume_to_end(&b, &[&t], Duration::from_secs(20))
+            }
         })
         .await
         .unwrap();
         let (by_key, unique) = sequences(&got);
         if unique >= want || Instant::now() > deadline {
-            break (by_key, unique);
+            break (by_key, unique, got.len());
         }
         tokio::time::sleep(Duration::from_millis(300)).await;
     };
@@ -158,11 +184,14 @@ async fn all_arrive(src: &Src, seq: &HashMap<String, i64>, within: Duration) {
         assert_eq!(
             by_key.get(agg),
             Some(&expected),
-            "source {}: aggregate {agg}, every event and in order",
-            src.name
+            "{what}: aggregate {agg}, every event and in order"
         );
     }
-    assert_eq!(unique, want, "source {}: nothing else", src.name);
+    assert_eq!(unique, want, "{what}: nothing else");
+    if exactly_once {
+        assert_eq!(total, want, "{what}: exactly-once, each event once");
+    }
+    total
 }
 
 /// The distinct events in `src`'s topic now.
