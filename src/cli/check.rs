@@ -687,8 +687,9 @@ async fn postgres_checks(config: &Config, v: &Validated) -> Vec<CheckLine> {
     out
 }
 
-/// Without `park`: sequences parked under it earlier make the relay refuse
-/// to start (see `crate::relay`'s parking), so `check` says so first.
+/// Without `park`: sequences parked under it earlier, which the relay
+/// keeps parking behind until they are redriven (see `crate::relay`'s
+/// parking).
 async fn left_parked_check(
     config: &Config,
     v: &Validated,
@@ -700,13 +701,11 @@ async fn left_parked_check(
     match crate::park::ParkStore::waiting(client, &v.table, v.slot.as_str()).await {
         Ok(Some(sequences)) if sequences > 0 => Some(line(
             "parked",
-            false,
-            crate::park::ParkError::LeftParked {
-                sequences,
-                slot: v.slot.as_str().to_owned(),
-                mode: config.routing.on_poison.name(),
-            }
-            .to_string(),
+            true,
+            format!(
+                "{sequences} sequence(s) parked under routing.on_poison = \"park\" are left: the relay parks their later events behind them until `outboxd parked redrive` (new bad rows follow \"{}\")",
+                config.routing.on_poison.name()
+            ),
         )),
         Ok(_) => None,
         Err(e) => Some(line("parked", false, e.to_string())),

@@ -238,13 +238,24 @@ pub async fn gather(config: &Config, v: &Validated, source: &str) -> Result<Stat
             Err(e) => r.progress_error = Some(e.to_string()),
         }
     }
-    if config.routing.on_poison == crate::config::OnPoison::Park {
+    if config.routing.on_poison == crate::config::OnPoison::Park || left_parked(v).await {
         match crate::cli::parked::list(v).await {
             Ok(l) => r.parked = Some(l),
             Err(e) => r.parked_error = Some(e.to_string()),
         }
     }
     Ok(r)
+}
+
+/// Sequences left from `routing.on_poison = "park"`, which the relay still
+/// parks behind.
+async fn left_parked(v: &Validated) -> bool {
+    match admin::connect(&v.pg).await {
+        Ok(c) => crate::park::ParkStore::waiting(&c, &v.table, v.slot.as_str())
+            .await
+            .is_ok_and(|n| n.is_some_and(|n| n > 0)),
+        Err(_) => false,
+    }
 }
 
 /// The age of the first transaction still waiting in an idle slot (0 when

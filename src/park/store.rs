@@ -40,12 +40,6 @@ pub enum ParkError {
     Fenced,
     #[error("a parked row cannot be read back: {0}")]
     Unreadable(String),
-    #[error("{sequences} parked sequence(s) of slot {slot:?} wait in outboxd_parked, but routing.on_poison is now \"{mode}\": their aggregates' later events would be published ahead of them. Redrive them (`outboxd parked redrive --all`) or discard them (`outboxd parked discard --all --confirm`) first, or set routing.on_poison = \"park\" again")]
-    LeftParked {
-        sequences: i64,
-        slot: String,
-        mode: &'static str,
-    },
     #[error("the parked sequence of topic {topic:?} key {key:?} would now go to topic {now:?} (routing.topic or routing.lowercase_aggregate_type changed while it was parked): its later events would overtake it. Redrive it first with the new configuration while outboxd is stopped (`outboxd parked redrive --key {key}` publishes to {now:?}), or restore the old setting")]
     Renamed { topic: String, key: String, now: String },
 }
@@ -297,19 +291,32 @@ impl ParkStore {
     }
 
     /// The number of `slot`'s parked sequences, for a relay that does not
-    /// park (`routing.on_poison` changed away from `"park"`): their later
-    /// events must not overtake them. `None` without the tables, or when
-    /// outboxd may not read them (a deployment that never parked).
+    /// park (`routing.on_poison` changed away from `"park"`), which must
+    /// still hold their later events back. `None` without the tables. Tables
+    /// outboxd may not read count as empty while PostgreSQL's statistics say
+    /// they are (a deployment that never parked), else they are an error.
     pub async fn waiting(client: &Client, table: &TableName, slot: &str) -> Result<Option<i64>, ParkError> {
-        let readable: Option<bool> = client
+        let row = client
             .query_one(
-                "SELECT CASE WHEN to_regclass(quote_ident($1) || '.outboxd_parked_sequences') IS NULL THEN NULL \
-                        ELSE has_table_privilege(quote_ident($1) || '.outboxd_parked_sequences', 'SELECT') END",
+                "SELECT to_regclass(quote_ident($1) || '.outboxd_parked_sequences') IS NOT NULL, \
+                        coalesce(has_table_privilege(to_regclass(quote_ident($1) || '.outboxd_parked_sequences'), 'SELECT'), false), \
+                        coalesce((SELECT n_live_tup FROM pg_stat_all_tables \
+                                   WHERE relid = to_regclass(quote_ident($1) || '.outboxd_parked_sequences')), 0)",
                 &[&table.schema],
             )
-            .await?
-            .get(0);
-        if readable != Some(true) {
+            .await?;
+        let (exists, readable, estimated): (bool, bool, i64) = (row.get(0), row.get(1), row.get(2));
+        if !exists {
+            return Ok(None);
+        }
+        if !readable {
+            if estimated > 0 {
+                return Err(ParkError::NoPrivilege {
+                    privilege: "read",
+                    schema: table.schema.clone(),
+                    table: "outboxd_parked_sequences",
+                });
+            }
             return Ok(None);
         }
         let schema = format!("\"{}\".", table.schema.replace('"', "\"\""));

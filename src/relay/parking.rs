@@ -110,10 +110,14 @@ impl Session {
 impl Relay {
     /// At a session's start: connects the store (again, if its connection
     /// was lost), fences it with the session's walsender, and loads the
-    /// parked sequences.
+    /// parked sequences. A relay that does not park first looks for
+    /// sequences left from `park` (see [`Relay::left_parked`]).
     pub(super) async fn start_parking(&mut self, walsender_pid: i32) -> Result<(), RelayError> {
+        if self.parking.is_none() && self.left_parked().await? {
+            self.parking = Some(Parking::new(self.config.routing.park));
+        }
         let Some(parking) = self.parking.as_mut() else {
-            return self.refuse_left_parked().await;
+            return Ok(());
         };
         if parking.store.as_ref().is_none_or(ParkStore::is_closed) {
             let store = ParkStore::connect(
@@ -174,26 +178,28 @@ impl Relay {
         Ok(())
     }
 
-    /// Without `park`, at a session's start: sequences parked under it
-    /// earlier (`routing.on_poison` changed since) would be overtaken by
-    /// their aggregates' later events, which this relay publishes as they
-    /// come. It refuses to stream while any is left
-    /// ([`crate::park::ParkError::LeftParked`]).
-    async fn refuse_left_parked(&self) -> Result<(), RelayError> {
+    /// Without `park`, at a session's start: whether sequences parked under
+    /// it earlier (`routing.on_poison` changed since) wait in the tables.
+    /// Their aggregates' later events must not overtake them, so such a
+    /// relay keeps parking behind them (and takes their handbacks) until
+    /// they are redriven, skipped or discarded, while new bad rows follow
+    /// `on_poison`. Without the tables there is nothing to look for; tables
+    /// that hold rows outboxd may not read are an error.
+    async fn left_parked(&self) -> Result<bool, RelayError> {
         let client = crate::postgres::admin::connect(&self.validated.pg)
             .await
             .map_err(crate::park::ParkError::from)?;
         let waiting =
             ParkStore::waiting(&client, &self.validated.table, self.validated.slot.as_str()).await?;
-        match waiting {
-            Some(sequences) if sequences > 0 => Err(crate::park::ParkError::LeftParked {
-                sequences,
-                slot: self.validated.slot.as_str().to_owned(),
-                mode: self.config.routing.on_poison.name(),
-            }
-            .into()),
-            _ => Ok(()),
-        }
+        let Some(sequences) = waiting.filter(|n| *n > 0) else {
+            return Ok(false);
+        };
+        tracing::warn!(
+            sequences,
+            on_poison = self.config.routing.on_poison.name(),
+            "sequences parked under routing.on_poison = \"park\" are left: their later events are parked behind them until `outboxd parked redrive`; new bad rows follow routing.on_poison"
+        );
+        Ok(true)
     }
 
     /// The sequence (topic, key) of an outbox row.
