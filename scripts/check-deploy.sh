@@ -83,7 +83,7 @@ dep = kind("default.yaml", "Deployment")[0]
 spec, pod = dep["spec"], dep["spec"]["template"]["spec"]
 c = pod["containers"][0]
 assert spec["replicas"] == 1 and spec["strategy"]["type"] == "Recreate", "one reader per slot"
-assert pod["terminationGracePeriodSeconds"] > 30, "grace period longer than the drain timeout"
+assert pod["terminationGracePeriodSeconds"] > 30 + 30, "grace period longer than the drain timeout and outboxd's margin past it"
 assert c["livenessProbe"]["httpGet"]["path"] == "/healthz" and c["readinessProbe"]["httpGet"]["path"] == "/readyz"
 sc, psc = c["securityContext"], pod["securityContext"]
 assert psc["runAsNonRoot"] and sc["readOnlyRootFilesystem"] and sc["capabilities"]["drop"] == ["ALL"]
@@ -99,7 +99,7 @@ assert kind("full.yaml", "ServiceMonitor") and kind("full.yaml", "PrometheusRule
 assert not kind("no-api.yaml", "ServiceMonitor"), "ServiceMonitor only when the API exists"
 ann = lambda f: kind(f, "Deployment")[0]["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
 assert ann("default.yaml") != ann("other-config.yaml"), "pods roll when the config changes"
-assert kind("other-config.yaml", "Deployment")[0]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 75
+assert kind("other-config.yaml", "Deployment")[0]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 95
 ha = kind("ha.yaml", "Deployment")[0]["spec"]
 assert ha["replicas"] == 2 and ha["strategy"]["type"] == "RollingUpdate", "the HA mode renders"
 rules = yaml.safe_load(open("helm/outboxd/files/alerts.yaml"))
