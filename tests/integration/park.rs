@@ -85,6 +85,20 @@ async fn write(client: &tokio_postgres::Client, prefix: &str, events: &[(&str, u
     ids
 }
 
+/// Writes, in one transaction, an event of aggregate `agg` whose headers
+/// cannot be read (a poison event, `n` = 1) and a good one behind it
+/// (`n` = 2).
+async fn write_bad_then_good(client: &tokio_postgres::Client, prefix: &str, agg: &str) {
+    client
+        .batch_execute(&format!(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload, headers) VALUES
+               (gen_random_uuid(), 'Order', '{prefix}-{agg}', 'E', '{{\"n\": 1}}', '[1]'),
+               (gen_random_uuid(), 'Order', '{prefix}-{agg}', 'E', '{{\"n\": 2}}', '{{}}')"
+        ))
+        .await
+        .unwrap();
+}
+
 /// The `n` of each record of `key`, in offset order.
 fn sequence(records: &[Consumed], key: &str) -> Vec<u64> {
     // One key, one partition: read in offset order.
@@ -108,6 +122,18 @@ fn first_copies(records: &[Consumed], key: &str) -> Vec<u64> {
         .cloned()
         .collect();
     sequence(&firsts, key)
+}
+
+/// The head of the slot's one parked sequence.
+async fn head_id(client: &tokio_postgres::Client, slot: &str) -> String {
+    client
+        .query_one(
+            "SELECT head_id FROM outboxd_parked_sequences WHERE slot = $1",
+            &[&slot],
+        )
+        .await
+        .unwrap()
+        .get(0)
 }
 
 async fn parked_count(client: &tokio_postgres::Client, slot: &str) -> i64 {
@@ -575,14 +601,7 @@ async fn an_unpredicted_refusal_parks_the_aggregate(delivery: &str) {
             eprintln!("A's events stored behind the refused batch (in flight at the refusal): {a:?}");
         }
     }
-    let head: String = client
-        .query_one(
-            "SELECT head_id FROM outboxd_parked_sequences WHERE slot = $1",
-            &[&slot],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let head = head_id(&client, slot).await;
     assert_eq!(head, big.to_string());
     // The replay parks every event of A from the refused one on (those
     // stored in flight too): nothing is lost.
@@ -619,14 +638,7 @@ async fn past_a_park_limit_the_relay_stops_and_the_slot_holds_the_event() {
         "",
     );
     let (handle, _tx) = spawn_relay_with_slot(&client, slot, &text).await;
-    client
-        .batch_execute(&format!(
-            "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload, headers) VALUES
-               (gen_random_uuid(), 'Order', '{prefix}-A', 'E', '{{}}', '[1]'),
-               (gen_random_uuid(), 'Order', '{prefix}-A', 'E', '{{}}', '{{}}')"
-        ))
-        .await
-        .unwrap();
+    write_bad_then_good(&client, prefix, "A").await;
     wait_confirmed_past(&client, slot).await;
     let before = current_lsn(&client).await;
     client
@@ -783,14 +795,7 @@ async fn a_relay_that_no_longer_parks_keeps_parking_behind_the_sequences_left() 
     };
     let (handle, tx) = spawn_relay_with_slot(&client, slot, &config("park")).await;
     // n = 1 has unreadable headers: it parks, and n = 2 behind it.
-    client
-        .batch_execute(&format!(
-            "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload, headers) VALUES
-               (gen_random_uuid(), 'Order', '{prefix}-A', 'E', '{{\"n\": 1}}', '[1]'),
-               (gen_random_uuid(), 'Order', '{prefix}-A', 'E', '{{\"n\": 2}}', '{{}}')"
-        ))
-        .await
-        .unwrap();
+    write_bad_then_good(&client, prefix, "A").await;
     wait_confirmed_past(&client, slot).await;
     assert_eq!(parked_count(&client, slot).await, 2);
     stop_relay(handle, tx).await;
@@ -812,14 +817,7 @@ async fn a_relay_that_no_longer_parks_keeps_parking_behind_the_sequences_left() 
     let (handle, tx) = crate::relay::spawn_relay(&config("dead-letter"));
     // A new bad row of another aggregate follows "dead-letter"; B's good
     // event after it is published.
-    client
-        .batch_execute(&format!(
-            "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload, headers) VALUES
-               (gen_random_uuid(), 'Order', '{prefix}-B', 'E', '{{\"n\": 1}}', '[1]'),
-               (gen_random_uuid(), 'Order', '{prefix}-B', 'E', '{{\"n\": 2}}', '{{}}')"
-        ))
-        .await
-        .unwrap();
+    write_bad_then_good(&client, prefix, "B").await;
     assert_eq!(
         consume(&b.brokers, &[&dead_letters], 1, Duration::from_secs(30)).len(),
         1
@@ -835,14 +833,7 @@ async fn a_relay_that_no_longer_parks_keeps_parking_behind_the_sequences_left() 
     );
     // `skip` sends A's head to the dead-letter topic and redrives the rest,
     // with the relay running; A's next event is published behind them.
-    let head: String = client
-        .query_one(
-            "SELECT head_id FROM outboxd_parked_sequences WHERE slot = $1",
-            &[&slot],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let head = head_id(&client, slot).await;
     let out = outboxd(&path, &["skip", "--id", &head]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     wait_for("A's sequence released", Duration::from_secs(60), || async {
@@ -865,14 +856,7 @@ async fn discard_needs_confirm_and_releases_the_sequence() {
     let (client, slot, prefix, topic, path) =
         (&t.client, t.slot.as_str(), t.prefix.as_str(), &t.topic, &t.path);
     let (handle, tx) = t.spawn().await;
-    client
-        .batch_execute(&format!(
-            "INSERT INTO outbox (id, aggregate_type, aggregate_id, type, payload, headers) VALUES
-               (gen_random_uuid(), 'Order', '{prefix}-A', 'E1', '{{\"n\": 1}}', '[1]'),
-               (gen_random_uuid(), 'Order', '{prefix}-A', 'E2', '{{\"n\": 2}}', '{{}}')"
-        ))
-        .await
-        .unwrap();
+    write_bad_then_good(client, prefix, "A").await;
     wait_confirmed_past(client, slot).await;
     assert_eq!(parked_count(client, slot).await, 2);
     let refused = outboxd(path, &["discard", "--all"]);
