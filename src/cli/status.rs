@@ -238,24 +238,29 @@ pub async fn gather(config: &Config, v: &Validated, source: &str) -> Result<Stat
             Err(e) => r.progress_error = Some(e.to_string()),
         }
     }
-    if config.routing.on_poison == crate::config::OnPoison::Park || left_parked(v).await {
-        match crate::cli::parked::list(v).await {
+    let parks = match config.routing.on_poison {
+        crate::config::OnPoison::Park => Ok(true),
+        _ => left_parked(v).await,
+    };
+    match parks {
+        Ok(true) => match crate::cli::parked::list(v).await {
             Ok(l) => r.parked = Some(l),
             Err(e) => r.parked_error = Some(e.to_string()),
-        }
+        },
+        Ok(false) => {}
+        Err(e) => r.parked_error = Some(e),
     }
     Ok(r)
 }
 
 /// Sequences left from `routing.on_poison = "park"`, which the relay still
 /// parks behind.
-async fn left_parked(v: &Validated) -> bool {
-    match admin::connect(&v.pg).await {
-        Ok(c) => crate::park::ParkStore::waiting(&c, &v.table, v.slot.as_str())
-            .await
-            .is_ok_and(|n| n.is_some_and(|n| n > 0)),
-        Err(_) => false,
-    }
+async fn left_parked(v: &Validated) -> Result<bool, String> {
+    let client = admin::connect(&v.pg).await.map_err(|e| e.to_string())?;
+    crate::park::ParkStore::waiting(&client, &v.table, v.slot.as_str())
+        .await
+        .map(|n| n.is_some_and(|n| n > 0))
+        .map_err(|e| e.to_string())
 }
 
 /// The age of the first transaction still waiting in an idle slot (0 when

@@ -293,24 +293,24 @@ impl ParkStore {
     /// The number of `slot`'s parked sequences, for a relay that does not
     /// park (`routing.on_poison` changed away from `"park"`), which must
     /// still hold their later events back. `None` without the tables. Tables
-    /// outboxd may not read count as empty while PostgreSQL's statistics say
-    /// they are (a deployment that never parked), else they are an error.
+    /// outboxd may not read count as empty only while they have never held
+    /// a row (`pg_relation_size`, which needs no privilege and, unlike the
+    /// statistics, survives a crash and a reset), else they are an error
+    /// naming the grant.
     pub async fn waiting(client: &Client, table: &TableName, slot: &str) -> Result<Option<i64>, ParkError> {
         let row = client
             .query_one(
-                "SELECT to_regclass(quote_ident($1) || '.outboxd_parked_sequences') IS NOT NULL, \
-                        coalesce(has_table_privilege(to_regclass(quote_ident($1) || '.outboxd_parked_sequences'), 'SELECT'), false), \
-                        coalesce((SELECT n_live_tup FROM pg_stat_all_tables \
-                                   WHERE relid = to_regclass(quote_ident($1) || '.outboxd_parked_sequences')), 0)",
+                "SELECT t IS NOT NULL, coalesce(has_table_privilege(t, 'SELECT'), false), coalesce(pg_relation_size(t), 0) \
+                   FROM (SELECT to_regclass(quote_ident($1) || '.outboxd_parked_sequences') AS t) r",
                 &[&table.schema],
             )
             .await?;
-        let (exists, readable, estimated): (bool, bool, i64) = (row.get(0), row.get(1), row.get(2));
+        let (exists, readable, bytes): (bool, bool, i64) = (row.get(0), row.get(1), row.get(2));
         if !exists {
             return Ok(None);
         }
         if !readable {
-            if estimated > 0 {
+            if bytes > 0 {
                 return Err(ParkError::NoPrivilege {
                     privilege: "read",
                     schema: table.schema.clone(),

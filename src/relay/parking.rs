@@ -174,6 +174,12 @@ impl Relay {
                 );
             }
             publish_parked(&self.metrics, &self.health, &parking.set, &heads);
+            // A relay that no longer parks keeps the tables only while
+            // sequences left from `park` wait (it may have lost the grants
+            // since).
+            if heads.is_empty() && self.config.routing.on_poison != crate::config::OnPoison::Park {
+                self.parking = None;
+            }
         }
         Ok(())
     }
@@ -291,6 +297,18 @@ impl Relay {
         // Opening, unless the reload found the sequence parked.
         let opens = opens && parking.set.head(&event.topic, &event.key).is_none();
         parking.set.room(event.bytes(), opens).map_err(Into::into)
+    }
+
+    /// Whether an unreadable row belongs to a parked sequence: a relay that
+    /// no longer parks (draining what `park` left) parks it behind its head
+    /// all the same, rather than stop on it or dead-letter it ahead of its
+    /// parked predecessors (a replay re-reads a head parked earlier, too).
+    pub(super) fn parks_unreadable(&self, row: &UnreadableRow, pos: RowPos) -> bool {
+        let Some(parking) = self.parking.as_ref().filter(|p| !p.set.is_empty()) else {
+            return false;
+        };
+        self.sequence_of_parked(&unreadable(row))
+            .is_some_and(|(topic, key)| parking.set.parks(&topic, &key, pos))
     }
 
     /// A good event whose sequence is parked goes behind its head: written

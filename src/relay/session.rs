@@ -581,22 +581,25 @@ impl Session {
         }
     }
 
-    /// A row that cannot be read as an event: a dead letter, or a stop.
+    /// A row that cannot be read as an event: parked (under `park`, or
+    /// `behind` a parked sequence of its aggregate), a dead letter, or a
+    /// stop.
     pub(super) fn unreadable_row(
         &mut self,
         txn: TxnId,
         row: &UnreadableRow,
         lsn: Lsn,
         pos: RowPos,
+        behind: bool,
     ) -> Result<(), RelayError> {
-        if self.on_poison == OnPoison::Stop {
+        if self.on_poison == OnPoison::Stop && !behind {
             return Err(RelayError::Poison {
                 id: row.id.clone(),
                 lsn,
                 error: row.error.to_string(),
             });
         }
-        if self.on_poison == OnPoison::Park {
+        if self.on_poison == OnPoison::Park || behind {
             tracing::warn!(id = %row.id, %lsn, error = %row.error, "outbox row cannot be read as an event; parking it");
             let job = super::parking::ParkJob {
                 txn,

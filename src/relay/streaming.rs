@@ -225,7 +225,8 @@ impl Relay {
                     .open
                     .ok_or(RelayError::OutOfOrder("INSERT outside a transaction"))?;
                 let pos = s.next_pos();
-                s.unreadable_row(txn, &row, lsn, pos)?;
+                let behind = self.parks_unreadable(&row, pos);
+                s.unreadable_row(txn, &row, lsn, pos, behind)?;
                 if !s.to_park.is_empty() {
                     self.flush_parked(stream, s).await?;
                 }

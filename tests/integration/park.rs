@@ -844,6 +844,98 @@ async fn a_relay_that_no_longer_parks_keeps_parking_behind_the_sequences_left() 
     let got = consume(&b.brokers, &[&topic], 4, Duration::from_secs(30));
     assert_eq!(sequence(&got, &format!("{prefix}-A")), vec![2, 3, 4]);
     stop_relay(handle, tx).await;
+    // Tables that have held rows and that outboxd may not read are an
+    // error naming the grant, never "nothing left" (statistics a crash or
+    // a reset clears are not trusted).
+    let table = outboxd::config::ident::TableName::new("outbox").unwrap();
+    assert_eq!(
+        outboxd::park::ParkStore::waiting(&client, &table, slot)
+            .await
+            .unwrap(),
+        Some(0)
+    );
+    client
+        .batch_execute("SELECT pg_stat_reset(); CREATE ROLE park_left_reader LOGIN PASSWORD 'reader'")
+        .await
+        .unwrap();
+    let (reader, conn) =
+        tokio_postgres::connect(&db.url("park_left_reader", Some("reader")), tokio_postgres::NoTls)
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    let err = outboxd::park::ParkStore::waiting(&reader, &table, slot)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("grant SELECT"), "{err}");
+}
+
+/// Under "stop", a relay draining what `park` left parks an unreadable
+/// row of a parked aggregate behind its head, as it does a good one,
+/// rather than stopping on it (the slot would never pass it, so no redrive
+/// could either); an unreadable row of another aggregate still stops it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_that_no_longer_parks_parks_an_unreadable_row_of_a_parked_aggregate() {
+    let b = broker();
+    let db = TestDb::new("park_left_stop").await;
+    let client = db.client().await;
+    let slot = "park_left_stop";
+    let prefix = "park-left-stop";
+    let config = |on_poison: &str| {
+        config_text(
+            &db.superuser_url(),
+            slot,
+            &b.brokers,
+            &format!("topic = \"{prefix}.{{aggregate_type}}\"\non_poison = \"{on_poison}\""),
+            "",
+        )
+        .replace("[postgres]\n", "[postgres]\ntable = \"text_ids\"\n")
+    };
+    // Ids are text here: an empty one cannot be read as an event.
+    client
+        .batch_execute(
+            "CREATE TABLE text_ids (seq bigserial PRIMARY KEY, id text NOT NULL, aggregate_type text NOT NULL, aggregate_id text NOT NULL,
+               type text NOT NULL, payload jsonb NOT NULL, headers jsonb NOT NULL DEFAULT '{}',
+               created_at timestamptz NOT NULL DEFAULT now())",
+        )
+        .await
+        .unwrap();
+    let (handle, tx) = spawn_relay_with_slot(&client, slot, &config("park")).await;
+    client
+        .batch_execute(&format!(
+            "INSERT INTO text_ids (id, aggregate_type, aggregate_id, type, payload, headers) VALUES
+               ('a1', 'Order', '{prefix}-A', 'E', '{{\"n\": 1}}', '[1]'),
+               ('a2', 'Order', '{prefix}-A', 'E', '{{\"n\": 2}}', '{{}}')"
+        ))
+        .await
+        .unwrap();
+    wait_confirmed_past(&client, slot).await;
+    assert_eq!(parked_count(&client, slot).await, 2);
+    stop_relay(handle, tx).await;
+    let (handle, tx) = crate::relay::spawn_relay(&config("stop"));
+    client
+        .batch_execute(&format!(
+            "INSERT INTO text_ids (id, aggregate_type, aggregate_id, type, payload) VALUES
+               ('', 'Order', '{prefix}-A', 'E', '{{\"n\": 3}}')"
+        ))
+        .await
+        .unwrap();
+    wait_confirmed_past(&client, slot).await;
+    assert_eq!(parked_count(&client, slot).await, 3, "parked behind A's head");
+    assert!(!handle.is_finished(), "the relay streams on");
+    client
+        .batch_execute(&format!(
+            "INSERT INTO text_ids (id, aggregate_type, aggregate_id, type, payload) VALUES
+               ('', 'Order', '{prefix}-B', 'E', '{{\"n\": 1}}')"
+        ))
+        .await
+        .unwrap();
+    let err = tokio::time::timeout(Duration::from_secs(30), handle)
+        .await
+        .expect("the relay stops on B's row")
+        .unwrap()
+        .unwrap_err();
+    assert!(err.to_string().contains("can never be published"), "{err}");
+    drop(tx);
 }
 
 /// `discard` deletes a parked sequence once the slot has passed it, and the
