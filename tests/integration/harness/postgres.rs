@@ -151,7 +151,11 @@ impl PgServer {
     /// directory of a standby, say): under the chroot's `/tmp` for servers
     /// that run in one, owned by the server's OS user.
     pub fn scratch_dir(&self, prefix: &str) -> PathBuf {
-        self.install.scratch_dir(prefix).unwrap_or_else(|e| panic!("{e}"))
+        let dir = self.install.scratch_dir(prefix).unwrap_or_else(|e| panic!("{e}"));
+        // Removed once the test process is gone (and the servers the
+        // watchdogs stop with it, which may run on a copy made here).
+        super::spawn_watchdog(&format!("sleep 2; rm -rf '{}'", dir.display()));
+        dir
     }
 
     /// `pg_ctl` with the data directory filled in; waits for it to finish.
