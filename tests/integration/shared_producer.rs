@@ -128,11 +128,14 @@ async fn a_failed_delivery_purges_the_shared_queue_and_the_other_lanes_send_thei
     let a_reports = reports(&a.reports(), &[refused]).await;
     assert!(a_reports[&refused].is_failure(), "{:?}", a_reports[&refused]);
     let b_reports = reports(&b.reports(), &b_tickets).await;
-    // Read once the purge is over (its reports are in). The relay reads
-    // the generation before it hears the reports (a second purge's
-    // reports could otherwise be adopted unheard); with the one purge of
-    // this test, reading after is the same.
-    let seen = b.generation();
+    // Read once the purge is over, as the relay does: its reports may all
+    // be in while the purge call still holds the producer (it waits for
+    // every broker thread), and a send meanwhile is refused as stale (seen
+    // under a loaded suite). The relay reads the generation before it
+    // hears the reports (a second purge's reports could otherwise be
+    // adopted unheard); with the one purge of this test, reading after is
+    // the same.
+    let seen = b.quiet_generation().await;
     let purged = b_tickets
         .iter()
         .filter(|t| b_reports[t].was_purged_unsent())
@@ -157,7 +160,7 @@ async fn a_failed_delivery_purges_the_shared_queue_and_the_other_lanes_send_thei
     );
     // A goes on too, on the same producer, once it caught up.
     assert!(a.is_stale());
-    a.adopt(a.generation());
+    a.adopt(a.quiet_generation().await);
     let fine = send(&mut a, &record(&strict, "k", "now".into(), now_ms())).unwrap();
     assert!(matches!(
         reports(&a.reports(), &[fine]).await[&fine],
