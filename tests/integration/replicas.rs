@@ -544,23 +544,18 @@ impl Drop for LogsOnFailure {
 async fn a_replica_that_cannot_reach_its_group_is_not_ready_and_starts_nothing() {
     let db = TestDb::new("replicas_nokafka").await;
     let sql = db.client().await;
-    sql.batch_execute(
-        "CREATE TABLE ob0 (LIKE outbox INCLUDING ALL); CREATE TABLE ob1 (LIKE outbox INCLUDING ALL);",
-    )
-    .await
-    .unwrap();
     let dir = tempfile::tempdir().unwrap();
     let listen: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
     let closed = free_port();
-    let mut text = format!(
-        "[kafka]\nbrokers = \"127.0.0.1:{closed}\"\n[http]\nlisten = \"{listen}\"\n[coordination]\ngroup = \"nokafka\"\nsession_timeout = \"6s\"\n"
-    );
-    for i in 0..2 {
-        text.push_str(&format!(
-            "[[sources]]\nname = \"s{i}\"\n[sources.postgres]\nurl = \"{}\"\ntable = \"ob{i}\"\nslot = \"nokafka_{i}\"\npublication = \"nokafka_{i}\"\n",
-            db.superuser_url()
-        ));
-    }
+    let text = two_sources(
+        &db,
+        &sql,
+        "nokafka",
+        format!(
+            "[kafka]\nbrokers = \"127.0.0.1:{closed}\"\n[http]\nlisten = \"{listen}\"\n[coordination]\ngroup = \"nokafka\"\nsession_timeout = \"6s\"\n"
+        ),
+    )
+    .await;
     let config = write_config(dir.path(), "n.toml", &text);
     let log = dir.path().join("n.log");
     let _logs = LogsOnFailure(vec![log.clone()]);
@@ -735,23 +730,18 @@ async fn a_deleted_group_topic_comes_back_and_a_reload_without_coordination_take
 async fn a_group_consumer_librdkafka_refuses_fails_the_sources_without_printing_the_value() {
     let db = TestDb::new("replicas_badopt").await;
     let sql = db.client().await;
-    sql.batch_execute(
-        "CREATE TABLE ob0 (LIKE outbox INCLUDING ALL); CREATE TABLE ob1 (LIKE outbox INCLUDING ALL);",
-    )
-    .await
-    .unwrap();
     let dir = tempfile::tempdir().unwrap();
     let listen: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-    let mut text = format!(
-        "[kafka]\nbrokers = \"{}\"\n[kafka.options]\n\"security.protocol\" = \"hunter2-not-a-protocol\"\n[http]\nlisten = \"{listen}\"\n[coordination]\ngroup = \"badopt\"\n",
-        broker().brokers
-    );
-    for i in 0..2 {
-        text.push_str(&format!(
-            "[[sources]]\nname = \"s{i}\"\n[sources.postgres]\nurl = \"{}\"\ntable = \"ob{i}\"\nslot = \"badopt_{i}\"\npublication = \"badopt_{i}\"\n",
-            db.superuser_url()
-        ));
-    }
+    let text = two_sources(
+        &db,
+        &sql,
+        "badopt",
+        format!(
+            "[kafka]\nbrokers = \"{}\"\n[kafka.options]\n\"security.protocol\" = \"hunter2-not-a-protocol\"\n[http]\nlisten = \"{listen}\"\n[coordination]\ngroup = \"badopt\"\n",
+            broker().brokers
+        ),
+    )
+    .await;
     let config = write_config(dir.path(), "b.toml", &text);
     let log = dir.path().join("b.log");
     let _logs = LogsOnFailure(vec![log.clone()]);
@@ -764,4 +754,21 @@ async fn a_group_consumer_librdkafka_refuses_fails_the_sources_without_printing_
         !text.contains("hunter2"),
         "the option's value is in the log:\n{text}"
     );
+}
+
+/// Makes the tables `ob0` and `ob1` and returns `head` followed by two
+/// sources on them, `s0` and `s1`, with slots and publications `<name>_<i>`.
+async fn two_sources(db: &TestDb, sql: &tokio_postgres::Client, name: &str, mut head: String) -> String {
+    sql.batch_execute(
+        "CREATE TABLE ob0 (LIKE outbox INCLUDING ALL); CREATE TABLE ob1 (LIKE outbox INCLUDING ALL);",
+    )
+    .await
+    .unwrap();
+    for i in 0..2 {
+        head.push_str(&format!(
+            "[[sources]]\nname = \"s{i}\"\n[sources.postgres]\nurl = \"{}\"\ntable = \"ob{i}\"\nslot = \"{name}_{i}\"\npublication = \"{name}_{i}\"\n",
+            db.superuser_url()
+        ));
+    }
+    head
 }
