@@ -912,17 +912,18 @@ fn import_debezium(file: &std::path::Path, worker: Option<&std::path::Path>) -> 
 }
 
 /// One malloc arena for the whole process, unless the environment sets
-/// `MALLOC_ARENA_MAX` (or glibc's `GLIBC_TUNABLES`). glibc gives each thread
+/// `MALLOC_ARENA_MAX` (or `glibc.malloc.arena_max` in `GLIBC_TUNABLES`). glibc gives each thread
 /// that allocates an arena of its own, up to eight per core. outboxd's
 /// records are allocated on the runtime's workers and freed on librdkafka's
 /// threads, and each arena keeps its own high-water mark of what such
 /// frees leave: a drain to 150 partitions peaked 8–12 MiB higher with the
 /// default arenas, at no less CPU per event (BENCHMARKS.md, "One malloc
-/// arena, and a smaller binary").
+/// arena, and warm topics").
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[allow(unsafe_code)]
 fn one_malloc_arena() {
-    if std::env::var_os("MALLOC_ARENA_MAX").is_none() && std::env::var_os("GLIBC_TUNABLES").is_none() {
+    let tuned = std::env::var("GLIBC_TUNABLES").is_ok_and(|t| t.contains("glibc.malloc.arena_max"));
+    if std::env::var_os("MALLOC_ARENA_MAX").is_none() && !tuned {
         // SAFETY: mallopt only sets a tunable of glibc's allocator, which
         // takes its own lock; it runs before any other thread exists.
         unsafe {

@@ -266,7 +266,7 @@ async fn write_rows_as(
     let mut last = Lsn::ZERO;
     let transactions = n.div_ceil(100);
     let aggregate_type = if shape.types > 1 {
-        format!("'T' || (g % {})", shape.types)
+        format!("'t' || (g % {})", shape.types)
     } else {
         "'Order'".to_owned()
     };
@@ -335,7 +335,7 @@ impl Drain {
 
     fn json(&self, events: usize) -> Value {
         json!({"seconds": self.secs(), "seconds_to_confirmed": self.confirmed_s, "seconds_to_all_in_kafka": self.in_kafka_s,
-               "high_watermark_sum": self.in_kafka, "events_per_second": self.rate(events),
+               "events_in_kafka": self.in_kafka, "events_per_second": self.rate(events),
                "peak_rss_mib": self.rss_mib, "cpu_seconds": self.cpu_s,
                "cpu_seconds_per_100k_events": self.cpu_per_100k(events)})
     }
@@ -371,13 +371,6 @@ async fn drain_into(
     events: usize,
 ) -> Drain {
     eprintln!("bench: {} drain", kind.name());
-    // Debezium's start returns once its task streams, seconds into the
-    // drain: start it beside the sampling.
-    let mut starter = Some({
-        let (s, slot, route) = (s.clone(), slot.to_owned(), route.to_owned());
-        std::thread::spawn(move || kind.start(&s, &slot, &route))
-    });
-    let mut running: Option<Running> = None;
     let wm = watch::client(&s.brokers);
     // Reading the watermarks costs the broker a request per partition (150
     // with 50 topics), which slows the drain being measured; and an earlier
@@ -394,7 +387,15 @@ async fn drain_into(
                 .sum()
         })
     };
+    // Read before the relay starts: its first records may land at once.
     let before = in_topics();
+    // Debezium's start returns once its task streams, seconds into the
+    // drain: start it beside the sampling.
+    let mut starter = Some({
+        let (s, slot, route) = (s.clone(), slot.to_owned(), route.to_owned());
+        std::thread::spawn(move || kind.start(&s, &slot, &route))
+    });
+    let mut running: Option<Running> = None;
     let confirms_after_kafka = !matches!(kind, Kind::Debezium);
     let (mut at_confirmed, mut at_kafka, mut in_kafka) = (None, None, 0);
     let deadline = Instant::now() + Duration::from_secs(3600);
