@@ -922,7 +922,9 @@ fn import_debezium(file: &std::path::Path, worker: Option<&std::path::Path>) -> 
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[allow(unsafe_code)]
 fn one_malloc_arena() {
-    let tuned = std::env::var("GLIBC_TUNABLES").is_ok_and(|t| t.contains("glibc.malloc.arena_max"));
+    // Read as bytes: a value that is not UTF-8 may still set the arenas.
+    let tuned = std::env::var_os("GLIBC_TUNABLES")
+        .is_some_and(|t| t.to_string_lossy().contains("glibc.malloc.arena_max"));
     if std::env::var_os("MALLOC_ARENA_MAX").is_none() && !tuned {
         // SAFETY: mallopt only sets a tunable of glibc's allocator, which
         // takes its own lock; it runs before any other thread exists.
