@@ -13,7 +13,7 @@ use serde_json::json;
 use uuid::Uuid;
 
 use crate::harness::broker::{broker, consume, consume_uncommitted, Consumed};
-use crate::harness::{wait_for, TestDb};
+use crate::harness::{wait_for, wait_for_showing, TestDb};
 use crate::relay::{
     config_text, confirmed_flush, current_lsn, env_usize, expected_order, insert_batch, insert_with_bounds,
     seed, spawn_relay, spawn_relay_with_slot, stop_relay, torture_writers, write_config, Daemon, Event,
@@ -525,16 +525,27 @@ async fn a_fenced_zombie_never_commits_after_its_successor_starts() {
     assert_eq!(terminated, 1, "A's leader lock session");
     let b = Daemon::start_logging(&cfg, &dir.path().join("b.log"), level);
     let b_writer = format!("{}/{}", hostname(), b.pid());
-    wait_for("B to fence A", Duration::from_secs(60), || async {
-        let log = std::fs::read_to_string(dir.path().join("b.log")).unwrap_or_default();
-        log.contains("progress record").then_some(())
-    })
+    let (a_log_path, b_log_path) = (dir.path().join("a.log"), dir.path().join("b.log"));
+    wait_for_showing(
+        "B to fence A",
+        Duration::from_secs(60),
+        &[&a_log_path, &b_log_path],
+        || async {
+            let log = std::fs::read_to_string(dir.path().join("b.log")).unwrap_or_default();
+            log.contains("progress record").then_some(())
+        },
+    )
     .await;
     a.signal("CONT");
-    wait_for("B to commit", Duration::from_secs(60), || {
-        let (history, b_writer) = (history(brokers.clone(), progress_topic.clone()), b_writer.clone());
-        async move { history.await.iter().any(|r| r.writer == b_writer).then_some(()) }
-    })
+    wait_for_showing(
+        "B to commit",
+        Duration::from_secs(60),
+        &[&a_log_path, &b_log_path],
+        || {
+            let (history, b_writer) = (history(brokers.clone(), progress_topic.clone()), b_writer.clone());
+            async move { history.await.iter().any(|r| r.writer == b_writer).then_some(()) }
+        },
+    )
     .await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     stop_writing.send(true).unwrap();
@@ -552,19 +563,30 @@ async fn a_fenced_zombie_never_commits_after_its_successor_starts() {
     let after = history(brokers.clone(), progress_topic.clone()).await;
     let a_total = after.iter().filter(|r| r.writer == a_writer).count();
     assert_eq!(a_total, a_commits, "the zombie committed after it was fenced");
-    // On waking, A finds out one way or the other: the broker refuses its
-    // commit (fenced), or its leader lock check fails first. Either way it
-    // committed nothing more (above).
-    let a_log = std::fs::read_to_string(dir.path().join("a.log")).unwrap();
+    // On waking, A finds out one way or another: the broker refuses its
+    // commit (fenced), its leader lock check fails first, or its
+    // replication connection is gone (B ended A's walsender, having found
+    // A without the lock). Whichever comes first, A committed nothing more
+    // (above).
+    let a_log = std::fs::read_to_string(&a_log_path).unwrap();
+    let b_log = std::fs::read_to_string(&b_log_path).unwrap();
     let fenced = a_log.contains("took over");
+    let walsender_ended = b_log.contains("ended the walsender of an outboxd that lost the leader lock")
+        && a_log.contains("connection to PostgreSQL lost");
     assert!(
-        fenced || a_log.contains("lost the leader lock"),
-        "A stopped streaming; A's log:\n{a_log}"
+        fenced || a_log.contains("lost the leader lock") || walsender_ended,
+        "A stopped streaming; A's log:\n{a_log}\nB's log:\n{b_log}"
     );
     eprintln!(
         "fencing: A {a_writer} froze after {a_commits} commits; B {b_writer} started with the same transactional.id; \
          A woke and {}; it committed nothing more; {} events each read once",
-        if fenced { "its commit was refused (fenced)" } else { "saw its leader lock gone first" },
+        if fenced {
+            "its commit was refused (fenced)"
+        } else if walsender_ended {
+            "found its walsender ended by B"
+        } else {
+            "saw its leader lock gone first"
+        },
         events.len()
     );
     assert!(b.sigterm().success());

@@ -152,6 +152,38 @@ where
     }
 }
 
+/// [`wait_for`], and on timeout the last lines of each of `logs` in the
+/// panic message: a liveness wait between daemons fails with what they
+/// were doing.
+pub async fn wait_for_showing<T, F, Fut>(
+    what: &str,
+    timeout: Duration,
+    logs: &[&std::path::Path],
+    mut check: F,
+) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        if Instant::now() >= deadline {
+            let mut shown = String::new();
+            for log in logs {
+                let text = std::fs::read_to_string(log).unwrap_or_default();
+                let lines: Vec<&str> = text.lines().collect();
+                let tail = lines[lines.len().saturating_sub(40)..].join("\n");
+                shown.push_str(&format!("\n--- {} (last 40 lines)\n{tail}", log.display()));
+            }
+            panic!("timed out after {timeout:?} waiting for {what}{shown}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// The path of example `name`, built beside this test binary.
 pub fn example_bin(name: &str) -> std::path::PathBuf {
     // target/<profile>/deps/integration-… → target/<profile>/examples/<name>
