@@ -28,6 +28,7 @@
 use crate::config::routing::SourcePart;
 use crate::config::routing::TextPayload;
 pub use crate::config::routing::{SourceTemplate, DEFAULT_SOURCE};
+use crate::kafka::records::{HeaderName, Headers};
 use crate::source::outbox::{is_json, CreatedAt, OutboxRow, Payload};
 
 /// The CloudEvents version written.
@@ -104,7 +105,7 @@ impl<'a> Attributes<'a> {
         row: &'a OutboxRow,
         id: &'a str,
         source: &'a str,
-        row_headers: &'a [(String, Vec<u8>)],
+        row_headers: &'a [(HeaderName, Vec<u8>)],
         created_at: &CreatedAt,
         text: TextPayload,
     ) -> Self {
@@ -151,13 +152,13 @@ impl<'a> Attributes<'a> {
 
     /// The binary-mode headers: `ce_<name>` for each attribute but
     /// `datacontenttype`, which is `content-type`.
-    pub fn binary_headers(&self) -> Vec<(String, Vec<u8>)> {
+    pub fn binary_headers(&self) -> Headers {
         self.all()
             .map(|(name, value)| {
-                let key = if name == "datacontenttype" {
-                    CONTENT_TYPE.to_owned()
+                let key: HeaderName = if name == "datacontenttype" {
+                    CONTENT_TYPE.into()
                 } else {
-                    format!("{HEADER_PREFIX}{name}")
+                    format!("{HEADER_PREFIX}{name}").into()
                 };
                 (key, value.as_bytes().to_vec())
             })
@@ -226,8 +227,8 @@ mod tests {
     #[test]
     fn structured_and_binary_carry_the_same_attributes() {
         let r = row();
-        let headers = vec![(
-            "traceparent".to_owned(),
+        let headers: Headers = vec![(
+            "traceparent".into(),
             b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".to_vec(),
         )];
         let a = Attributes::of(

@@ -204,6 +204,13 @@ impl RecordError {
     }
 }
 
+/// A header's name: outboxd's own names are borrowed, not allocated per
+/// record.
+pub type HeaderName = std::borrow::Cow<'static, str>;
+
+/// A record's headers, in order.
+pub type Headers = Vec<(HeaderName, Vec<u8>)>;
+
 /// A record ready to produce.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KafkaRecord {
@@ -213,7 +220,7 @@ pub struct KafkaRecord {
     pub key: Vec<u8>,
     /// `None`: a null value (a tombstone, or a NULL payload forwarded).
     pub value: Option<Vec<u8>>,
-    pub headers: Vec<(String, Vec<u8>)>,
+    pub headers: Headers,
     pub timestamp_ms: i64,
     /// The partition a `partition` placement picked; `None`: the
     /// partitioner's, from the key.
@@ -298,23 +305,23 @@ pub fn build_record(
     let created_at = row.created_at.or_commit(commit_ms);
     let id = row.id.as_str();
     let mut headers = Vec::with_capacity(4 + user_headers.len() + value.placements.len());
-    headers.push((header::ID.to_owned(), id.as_bytes().to_vec()));
+    headers.push((header::ID.into(), id.as_bytes().to_vec()));
     if value.standard_headers {
         // A row of a table without a type (or route) column has no such
         // header; a message or a row read back from the park tables (no
         // facts) has both columns.
         let facts = row.facts.as_deref();
         if facts.is_none_or(|f| f.has_type) {
-            headers.push((header::TYPE.to_owned(), row.event_type.as_bytes().to_vec()));
+            headers.push((header::TYPE.into(), row.event_type.as_bytes().to_vec()));
         }
         if facts.is_none_or(|f| f.has_route) {
             headers.push((
-                header::AGGREGATE_TYPE.to_owned(),
+                header::AGGREGATE_TYPE.into(),
                 row.aggregate_type.as_bytes().to_vec(),
             ));
         }
         headers.push((
-            header::AGGREGATE_ID.to_owned(),
+            header::AGGREGATE_ID.into(),
             row.aggregate_id.as_bytes().to_vec(),
         ));
     }
@@ -329,7 +336,7 @@ pub fn build_record(
             header::AGGREGATE_TYPE,
             header::AGGREGATE_ID,
         ]
-        .contains(&k.as_str())
+        .contains(&k.as_ref())
             || (cloudevent && cloudevents::is_reserved_header(&k))
         {
             continue;
@@ -342,7 +349,7 @@ pub fn build_record(
         match p.placement {
             Placement::Header => {
                 if let Some(text) = extra.text() {
-                    headers.push((p.name.clone(), text.as_bytes().to_vec()));
+                    headers.push((p.name.clone().into(), text.as_bytes().to_vec()));
                 }
             }
             Placement::Partition => {
@@ -399,7 +406,7 @@ pub fn build_record(
                         .structured(&row.payload, value.text_payload)
                         .map_err(RecordError::Payload)?;
                     headers.push((
-                        cloudevents::CONTENT_TYPE.to_owned(),
+                        cloudevents::CONTENT_TYPE.into(),
                         cloudevents::STRUCTURED_CONTENT_TYPE.as_bytes().to_vec(),
                     ));
                     Some(v)
@@ -434,7 +441,7 @@ pub fn build_record(
 /// raw, other values as compact JSON text. A value that holds a number no
 /// float can hold (jsonb keeps `1e400` exactly) or is nested too deep to
 /// read as a value is passed on as PostgreSQL wrote it, not refused.
-fn user_headers(text: &str) -> Result<Vec<(String, Vec<u8>)>, RecordError> {
+fn user_headers(text: &str) -> Result<Headers, RecordError> {
     use serde_json::value::RawValue;
     if !text.trim_start().starts_with('{') {
         let kind = serde_json::from_str::<serde_json::Value>(text).map_or("invalid JSON", |v| json_kind(&v));
@@ -445,7 +452,14 @@ fn user_headers(text: &str) -> Result<Vec<(String, Vec<u8>)>, RecordError> {
     map.into_iter()
         .map(|(k, v)| {
             let raw = v.get();
-            let bytes = if raw.starts_with('"') {
+            let bytes = if let Some(plain) = raw
+                .strip_prefix('"')
+                .and_then(|r| r.strip_suffix('"'))
+                .filter(|r| !r.contains('\\'))
+            {
+                // A string without escapes is its text between the quotes.
+                plain.as_bytes().to_vec()
+            } else if raw.starts_with('"') {
                 serde_json::from_str::<String>(raw)
                     .map_err(|e| RecordError::HeadersUnreadable(e.to_string()))?
                     .into_bytes()
@@ -453,7 +467,7 @@ fn user_headers(text: &str) -> Result<Vec<(String, Vec<u8>)>, RecordError> {
                 serde_json::from_str::<serde_json::Value>(raw)
                     .map_or_else(|_| raw.as_bytes().to_vec(), |v| v.to_string().into_bytes())
             };
-            Ok((k, bytes))
+            Ok((k.into(), bytes))
         })
         .collect()
 }
@@ -483,15 +497,15 @@ pub struct Poison {
     pub omit_payload: bool,
 }
 
-fn dlq_headers(p: &Poison, mut headers: Vec<(String, Vec<u8>)>) -> Vec<(String, Vec<u8>)> {
-    headers.push((dlq_header::REASON.to_owned(), p.reason.as_bytes().to_vec()));
-    headers.push((dlq_header::ERROR.to_owned(), p.error.as_bytes().to_vec()));
-    headers.push((dlq_header::SOURCE_LSN.to_owned(), p.lsn.to_string().into_bytes()));
+fn dlq_headers(p: &Poison, mut headers: Headers) -> Headers {
+    headers.push((dlq_header::REASON.into(), p.reason.as_bytes().to_vec()));
+    headers.push((dlq_header::ERROR.into(), p.error.as_bytes().to_vec()));
+    headers.push((dlq_header::SOURCE_LSN.into(), p.lsn.to_string().into_bytes()));
     if let Some(t) = &p.intended_topic {
-        headers.push((dlq_header::TOPIC.to_owned(), t.as_bytes().to_vec()));
+        headers.push((dlq_header::TOPIC.into(), t.as_bytes().to_vec()));
     }
     if p.omit_payload {
-        headers.push((dlq_header::PAYLOAD_OMITTED.to_owned(), b"too large".to_vec()));
+        headers.push((dlq_header::PAYLOAD_OMITTED.into(), b"too large".to_vec()));
     }
     headers
 }
@@ -540,14 +554,14 @@ pub fn dead_letter_for_row(row: &OutboxRow, poison: &Poison, topic: &str) -> Kaf
         out.push(b'}');
     }
     let ids = vec![
-        (header::ID.to_owned(), row.id.as_bytes().to_vec()),
-        (header::TYPE.to_owned(), row.event_type.as_bytes().to_vec()),
+        (header::ID.into(), row.id.as_bytes().to_vec()),
+        (header::TYPE.into(), row.event_type.as_bytes().to_vec()),
         (
-            header::AGGREGATE_TYPE.to_owned(),
+            header::AGGREGATE_TYPE.into(),
             row.aggregate_type.as_bytes().to_vec(),
         ),
         (
-            header::AGGREGATE_ID.to_owned(),
+            header::AGGREGATE_ID.into(),
             row.aggregate_id.as_bytes().to_vec(),
         ),
     ];
@@ -569,7 +583,7 @@ pub fn dead_letter_for_unreadable(row: &UnreadableRow, poison: &Poison, topic: &
     out.extend_from_slice(b",\"columns\":");
     out.extend_from_slice(row.columns_json.as_bytes());
     out.push(b'}');
-    let ids = vec![(header::ID.to_owned(), row.id.as_bytes().to_vec())];
+    let ids = vec![(header::ID.into(), row.id.as_bytes().to_vec())];
     dead_letter(
         topic,
         row.aggregate_id.clone().into_bytes(),
@@ -608,10 +622,10 @@ const STUB_FIELD_MAX: usize = 1024;
 /// itself stays in the outbox table.
 pub fn dead_letter_stub(rec: &KafkaRecord, refused: &str) -> KafkaRecord {
     let short = |v: &[u8]| v.len() <= STUB_FIELD_MAX;
-    let mut headers: Vec<(String, Vec<u8>)> = rec
+    let mut headers: Headers = rec
         .headers
         .iter()
-        .filter(|(k, v)| STUB_KEEPS.contains(&k.as_str()) && short(v))
+        .filter(|(k, v)| STUB_KEEPS.contains(&k.as_ref()) && short(v))
         .cloned()
         .collect();
     let earlier = rec.header_text(dlq_header::ERROR);
@@ -623,9 +637,9 @@ pub fn dead_letter_stub(rec: &KafkaRecord, refused: &str) -> KafkaRecord {
         }
         error.truncate(end);
     }
-    headers.push((dlq_header::ERROR.to_owned(), error.into_bytes()));
+    headers.push((dlq_header::ERROR.into(), error.into_bytes()));
     headers.push((
-        dlq_header::PAYLOAD_OMITTED.to_owned(),
+        dlq_header::PAYLOAD_OMITTED.into(),
         b"dead letter too large".to_vec(),
     ));
     let header_bytes: usize = rec.headers.iter().map(|(k, v)| k.len() + v.len()).sum();
@@ -652,7 +666,7 @@ pub fn dead_letter_stub(rec: &KafkaRecord, refused: &str) -> KafkaRecord {
 /// A record for the dead-letter topic. Dead letters carry the time they
 /// were written: the row's own time may be what Kafka refused, and the
 /// dead-letter topic's limits are its own.
-fn dead_letter(topic: &str, key: Vec<u8>, value: Vec<u8>, headers: Vec<(String, Vec<u8>)>) -> KafkaRecord {
+fn dead_letter(topic: &str, key: Vec<u8>, value: Vec<u8>, headers: Headers) -> KafkaRecord {
     KafkaRecord {
         topic: topic.to_owned(),
         key,
@@ -667,22 +681,31 @@ fn dead_letter(topic: &str, key: Vec<u8>, value: Vec<u8>, headers: Vec<(String, 
 /// it, without chrono's format-string machinery (once per event).
 fn push_rfc3339_micros(out: &mut Vec<u8>, t: &chrono::DateTime<chrono::Utc>) {
     use chrono::{Datelike, Timelike};
-    use std::io::Write;
     let year = t.year();
     if !(0..=9999).contains(&year) {
         out.extend_from_slice(t.to_rfc3339_opts(SecondsFormat::Micros, true).as_bytes());
         return;
     }
-    let _ = write!(
-        out,
-        "{year:04}-{:02}-{:02}T{:02}:{:02}:{:02}.{:06}Z",
-        t.month(),
-        t.day(),
-        t.hour(),
-        t.minute(),
-        t.second(),
-        t.nanosecond() / 1000 % 1_000_000
-    );
+    // By hand: the envelope of every event carries it, and `write!` costs
+    // ten times as much.
+    let mut buf = *b"0000-00-00T00:00:00.000000Z";
+    put_digits(&mut buf[0..4], year.unsigned_abs());
+    put_digits(&mut buf[5..7], t.month());
+    put_digits(&mut buf[8..10], t.day());
+    put_digits(&mut buf[11..13], t.hour());
+    put_digits(&mut buf[14..16], t.minute());
+    put_digits(&mut buf[17..19], t.second());
+    // (PostgreSQL has no leap seconds: the nanoseconds stay below 10^9.)
+    put_digits(&mut buf[20..26], t.nanosecond() / 1000 % 1_000_000);
+    out.extend_from_slice(&buf);
+}
+
+/// Writes `n`'s last `dst.len()` decimal digits into `dst`, zero-padded.
+fn put_digits(dst: &mut [u8], mut n: u32) {
+    for d in dst.iter_mut().rev() {
+        *d = b'0' + (n % 10) as u8;
+        n /= 10;
+    }
 }
 
 fn json_kind(v: &serde_json::Value) -> &'static str {
@@ -814,7 +837,7 @@ mod tests {
         let h: Vec<(&str, &[u8])> = r
             .headers
             .iter()
-            .map(|(k, v)| (k.as_str(), v.as_slice()))
+            .map(|(k, v)| (k.as_ref(), v.as_slice()))
             .collect();
         assert_eq!(
             h,
@@ -831,7 +854,7 @@ mod tests {
 
     #[test]
     fn occurred_at_matches_chrono() {
-        for secs in [0i64, 1_796_000_523, 4_102_444_799, 951_782_400] {
+        for secs in [0i64, 1_796_000_523, 4_102_444_799, 951_782_400, -62_135_596_800, 253_402_300_799, -1] {
             for nanos in [0u32, 1_000, 123_456_000, 999_999_000] {
                 let t = chrono::DateTime::from_timestamp(secs, nanos).unwrap();
                 let mut out = Vec::new();
@@ -949,7 +972,7 @@ mod tests {
         let h = user_headers(&text).unwrap();
         let text: Vec<(&str, String)> = h
             .iter()
-            .map(|(k, v)| (k.as_str(), String::from_utf8(v.clone()).unwrap()))
+            .map(|(k, v)| (k.as_ref(), String::from_utf8(v.clone()).unwrap()))
             .collect();
         assert_eq!(text[0].0, "big");
         assert!(
@@ -959,6 +982,13 @@ mod tests {
         assert_eq!(text[1], ("n", r#"{"a":[1,2.5]}"#.to_owned()));
         assert_eq!(text[2], ("s", "x\"y".to_owned()));
         assert_eq!(text[3], ("t", "true".to_owned()));
+        // Strings with and without escapes, and beyond ASCII.
+        let h = user_headers(r#"{"a": "plain", "b": "\u00e9\n", "c": "김", "d": "", "e": "\\"}"#).unwrap();
+        let values: Vec<&[u8]> = h.iter().map(|(_, v)| v.as_slice()).collect();
+        assert_eq!(
+            values,
+            [&b"plain"[..], "é\n".as_bytes(), "김".as_bytes(), b"", b"\\"]
+        );
         let deep = format!("{}1{}", r#"{"a": "#.repeat(200), "}".repeat(200));
         // Nested deeper than serde_json reads into a value: passed on as
         // written (the raw read keeps no stack).
@@ -1322,7 +1352,7 @@ mod tests {
         let mut r = row();
         r.headers = "{}".into();
         let rec = build_record(&r, &default_topic(), &value, COMMIT_MS).unwrap();
-        let names: Vec<&str> = rec.headers.iter().map(|(k, _)| k.as_str()).collect();
+        let names: Vec<&str> = rec.headers.iter().map(|(k, _)| k.as_ref()).collect();
         assert_eq!(names, ["id"]);
         // An empty type of a type column is a header all the same; a table
         // without a type column has none, even with standard headers.

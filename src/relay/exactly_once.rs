@@ -862,7 +862,7 @@ impl Transactions {
             key: self.identity.slot.clone().into_bytes(),
             value: Some(record.encode()),
             headers: vec![(
-                "outboxd.progress.version".to_owned(),
+                "outboxd.progress.version".into(),
                 PROGRESS_VERSION.to_string().into_bytes(),
             )],
             timestamp_ms: now.timestamp_millis(),

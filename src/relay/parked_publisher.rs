@@ -193,7 +193,7 @@ impl Publisher {
             Ok(mut rec) => {
                 rec.headers.retain(|(k, _)| k != REDRIVEN);
                 rec.headers
-                    .push((REDRIVEN.to_owned(), self.started_at.as_bytes().to_vec()));
+                    .push((REDRIVEN.into(), self.started_at.as_bytes().to_vec()));
                 Ok(rec)
             }
             Err(e) => Err((e.reason().to_owned(), e.to_string())),

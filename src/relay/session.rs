@@ -97,7 +97,7 @@ pub(super) fn record_from_message(msg: &rdkafka::message::OwnedMessage) -> Kafka
             .headers()
             .map(|h| {
                 h.iter()
-                    .map(|h| (h.key.to_owned(), h.value.unwrap_or_default().to_vec()))
+                    .map(|h| (h.key.to_owned().into(), h.value.unwrap_or_default().to_vec()))
                     .collect()
             })
             .unwrap_or_default(),

@@ -1055,11 +1055,11 @@ impl Registry {
             .headers
             .retain(|(k, _)| k != crate::kafka::cloudevents::CONTENT_TYPE && k != DATASCHEMA_HEADER);
         record.headers.push((
-            crate::kafka::cloudevents::CONTENT_TYPE.to_owned(),
+            crate::kafka::cloudevents::CONTENT_TYPE.into(),
             content_type.as_bytes().to_vec(),
         ));
         record.headers.push((
-            DATASCHEMA_HEADER.to_owned(),
+            DATASCHEMA_HEADER.into(),
             format!("{}/schemas/ids/{id}", self.client.url()).into_bytes(),
         ));
     }

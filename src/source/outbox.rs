@@ -859,11 +859,12 @@ impl OutboxColumns {
     }
 
     fn read(&self, cells: &impl Cells) -> Result<OutboxRow, RowError> {
-        // The text of a column that must have a value.
-        let text = |s: Slot| -> Result<&str, RowError> {
+        // The text of a column that may be NULL (each cell is read, and
+        // its UTF-8 checked, once).
+        let nullable = |s: Slot| -> Result<Option<&str>, RowError> {
             match cells.cell(s.pos) {
-                Cell::Text(t) => Ok(t),
-                Cell::Null => Err(RowError::NotText { column: self.name(s) }),
+                Cell::Text(t) => Ok(Some(t)),
+                Cell::Null => Ok(None),
                 Cell::Bad(reason) => Err(RowError::Invalid {
                     column: self.name(s),
                     value: String::new(),
@@ -871,12 +872,9 @@ impl OutboxColumns {
                 }),
             }
         };
-        // The text of a column that may be NULL.
-        let nullable = |s: Slot| -> Result<Option<&str>, RowError> {
-            match cells.cell(s.pos) {
-                Cell::Null => Ok(None),
-                _ => text(s).map(Some),
-            }
+        // The text of a column that must have a value.
+        let text = |s: Slot| -> Result<&str, RowError> {
+            nullable(s)?.ok_or_else(|| RowError::NotText { column: self.name(s) })
         };
         let id = text(self.id)?;
         if id.is_empty() {

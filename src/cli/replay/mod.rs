@@ -468,7 +468,7 @@ impl Replay {
         let mut rec = build_record(&r.row, &self.validated.topic, &self.validated.value, commit_ms)?;
         rec.headers.retain(|(k, _)| k != header::REPLAYED);
         rec.headers
-            .push((header::REPLAYED.to_owned(), started_at.as_bytes().to_vec()));
+            .push((header::REPLAYED.into(), started_at.as_bytes().to_vec()));
         Ok(rec)
     }
 }
