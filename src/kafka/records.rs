@@ -320,10 +320,7 @@ pub fn build_record(
                 row.aggregate_type.as_bytes().to_vec(),
             ));
         }
-        headers.push((
-            header::AGGREGATE_ID.into(),
-            row.aggregate_id.as_bytes().to_vec(),
-        ));
+        headers.push((header::AGGREGATE_ID.into(), row.aggregate_id.as_bytes().to_vec()));
     }
     let cloudevent = matches!(
         value.format,
@@ -560,10 +557,7 @@ pub fn dead_letter_for_row(row: &OutboxRow, poison: &Poison, topic: &str) -> Kaf
             header::AGGREGATE_TYPE.into(),
             row.aggregate_type.as_bytes().to_vec(),
         ),
-        (
-            header::AGGREGATE_ID.into(),
-            row.aggregate_id.as_bytes().to_vec(),
-        ),
+        (header::AGGREGATE_ID.into(), row.aggregate_id.as_bytes().to_vec()),
     ];
     dead_letter(
         topic,
@@ -854,7 +848,15 @@ mod tests {
 
     #[test]
     fn occurred_at_matches_chrono() {
-        for secs in [0i64, 1_796_000_523, 4_102_444_799, 951_782_400, -62_135_596_800, 253_402_300_799, -1] {
+        for secs in [
+            0i64,
+            1_796_000_523,
+            4_102_444_799,
+            951_782_400,
+            -62_135_596_800,
+            253_402_300_799,
+            -1,
+        ] {
             for nanos in [0u32, 1_000, 123_456_000, 999_999_000] {
                 let t = chrono::DateTime::from_timestamp(secs, nanos).unwrap();
                 let mut out = Vec::new();

@@ -1,5 +1,19 @@
 //! The streaming loop of one session: intake, acknowledgements, status
 //! updates, and the shutdown drain.
+//!
+//! Each round of the loop does one piece of work (a delivery report, an
+//! event, a status tick, a commit's end, a watch that changed), then the
+//! checks that follow any work (resend purged records, park, dead-letter,
+//! commit, confirm). A biased select picks the piece; in a drain, building
+//! and dropping its futures cost more than handling the event it returns.
+//! So a round first takes a report or an event that is ready without
+//! waiting (each polled once; both are cancel-safe), in the select's order,
+//! and only while nothing that the select ranks higher has happened: no
+//! shutdown, lease, guard or status tick, no Kafka commit under way or due.
+//! At least every `QUICK_ROUNDS` rounds the select runs. LSN progress is
+//! untouched by it: acknowledgements are recorded by the same
+//! `Session::delivered`, and confirmation by the same checks after each
+//! round.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -21,7 +35,68 @@ use crate::relay::progress::TxnId;
 use crate::source::outbox::OutboxRow;
 use crate::source::stream::{OutboxStream, StreamEvent};
 
+/// Rounds of the streaming loop that may do ready work without the
+/// select (see `stream_loop`): the timers and watches it skips are looked
+/// at at least this often.
+const QUICK_ROUNDS: u32 = 64;
+
+/// Work the streaming loop can do without waiting.
+enum Ready {
+    /// A delivery report, in the order the select would take it (first);
+    /// `None` as from `Deliveries::next`.
+    Delivery(Option<super::session::Delivery>),
+    /// An event, or the stream's end (`None`).
+    Event(Option<StreamEvent>),
+    Nothing,
+}
+
+/// What the select's delivery and event branches would take at once:
+/// each future is polled once, and both are cancel-safe, so one that is
+/// not ready is dropped with nothing lost.
+fn ready_now(s: &mut Session, stream: &mut OutboxStream, intake: bool) -> Result<Ready, RelayError> {
+    use futures::FutureExt;
+    if !s.deliveries.is_empty() {
+        if let Some(done) = s.deliveries.next().now_or_never() {
+            return Ok(Ready::Delivery(done));
+        }
+    }
+    if intake {
+        if let Some(event) = stream.next_event().now_or_never() {
+            return Ok(Ready::Event(event?));
+        }
+    }
+    Ok(Ready::Nothing)
+}
+
 impl Relay {
+    /// An event read from the stream: handled, or held while a Kafka
+    /// commit is under way; `None`: the server ended the stream.
+    async fn on_event(
+        &mut self,
+        stream: &mut OutboxStream,
+        s: &mut Session,
+        event: Option<StreamEvent>,
+    ) -> Result<(), RelayError> {
+        match event {
+            Some(ev) if s.durability.accepting() => self.handle_event(stream, s, ev).await,
+            // Read ahead while a Kafka commit is under way.
+            Some(ev) => {
+                if matches!(
+                    ev,
+                    StreamEvent::Keepalive {
+                        reply_requested: true,
+                        ..
+                    }
+                ) {
+                    s.send_status(stream, false).await?;
+                }
+                s.durability.hold(ev);
+                Ok(())
+            }
+            None => Err(RelayError::StreamEnded),
+        }
+    }
+
     pub(super) async fn stream_loop(
         &mut self,
         stream: &mut OutboxStream,
@@ -34,6 +109,10 @@ impl Relay {
         if *shutdown.borrow_and_update() {
             return Ok(());
         }
+        // The ready work done between select rounds (see QUICK_ROUNDS), and
+        // when the status tick is due, so that it is not skipped past.
+        let mut quick = 0;
+        let mut status_due = Instant::now();
         loop {
             // A lease lost before this loop subscribed (its renewal failed
             // while the session was being set up) is never reported as a
@@ -79,63 +158,86 @@ impl Relay {
                 && s.deliveries.bytes() + held_bytes < max_inflight_bytes
                 && self.end_isolation(s).await?;
             let commit_at = s.durability.deadline();
-            tokio::select! {
-                biased;
-                _ = shutdown.changed() => return Ok(()),
-                // `None`: what was left came back purged, to be sent
-                // again below.
-                done = s.deliveries.next(), if !s.deliveries.is_empty() => {
+            // Work that is ready now (a delivery report already taken from
+            // librdkafka, an event already in the socket's buffer) is done
+            // without a round of the select, which costs more than handling
+            // one event, as long as nothing the select watches has
+            // happened; every QUICK_ROUNDS rounds the select runs anyway.
+            let quiet = quick < QUICK_ROUNDS
+                && !shutdown.has_changed().unwrap_or(true)
+                && !lease.has_changed().unwrap_or(true)
+                && !s.guard.has_changed().unwrap_or(true)
+                && s.durability.commit_handle().is_none()
+                && {
+                    let now = Instant::now();
+                    now < status_due && commit_at.is_none_or(|at| at > now)
+                };
+            let ready = if quiet {
+                ready_now(s, stream, intake)?
+            } else {
+                Ready::Nothing
+            };
+            match ready {
+                Ready::Delivery(done) => {
+                    quick += 1;
                     if let Some(done) = done {
                         s.delivered(&self.metrics, done)?;
                     }
                 }
-                // Exactly-once: the background Kafka commit is done.
-                outcome = commit_outcome(s.durability.commit_handle()) => {
-                    self.commit_finished(s, outcome)?;
+                Ready::Event(event) => {
+                    quick += 1;
+                    self.on_event(stream, s, event).await?;
                 }
-                _ = status.tick() => {
-                    // When idle, ask for a keepalive: its WAL end lets the
-                    // slot follow writes to other tables (rule 5).
-                    let idle = s.tracker.is_idle();
-                    s.send_status(stream, idle).await?;
-                    self.refresh_parked(stream, s).await?;
-                    self.report(stream, s);
-                    self.refused.forget_through(s.confirmable());
-                    let confirmable = s.confirmable();
-                    self.suspects.retain(|p| p.commit_lsn >= confirmable);
-                }
-                changed = s.guard.changed() => {
-                    let state = s.guard.borrow_and_update().clone();
-                    match (changed, state) {
-                        (Err(_), state) => return Err(RelayError::GuardFailed(format!("the guard ended at {}", state.verified()))),
-                        (_, GuardState::Changed { verified, reason }) => {
-                            return Err(RelayError::PublicationChanged { verified, reason })
-                        }
-                        (_, GuardState::Failed { reason, .. }) => return Err(RelayError::GuardFailed(reason)),
-                        (_, GuardState::Restart { reason, .. }) => return Err(RelayError::Resubscribe(reason)),
-                        (_, GuardState::Verified(_)) => {}
-                    }
-                }
-                // The lease was renewed, or lost.
-                _ = lease.changed() => {
-                    if lease.borrow_and_update().lost() {
-                        return Err(RelayError::LeadershipLost);
-                    }
-                }
-                // The open Kafka transaction's max_wait ran out: the check
-                // after the select commits it.
-                _ = tokio::time::sleep_until(commit_at.unwrap_or_else(Instant::now)), if commit_at.is_some() => {}
-                event = stream.next_event(), if intake => {
-                    match event? {
-                        Some(ev) if s.durability.accepting() => self.handle_event(stream, s, ev).await?,
-                        // Read ahead while a Kafka commit is under way.
-                        Some(ev) => {
-                            if matches!(ev, StreamEvent::Keepalive { reply_requested: true, .. }) {
-                                s.send_status(stream, false).await?;
+                Ready::Nothing => {
+                    quick = 0;
+                    tokio::select! {
+                        biased;
+                        _ = shutdown.changed() => return Ok(()),
+                        // `None`: what was left came back purged, to be sent
+                        // again below.
+                        done = s.deliveries.next(), if !s.deliveries.is_empty() => {
+                            if let Some(done) = done {
+                                s.delivered(&self.metrics, done)?;
                             }
-                            s.durability.hold(ev);
                         }
-                        None => return Err(RelayError::StreamEnded),
+                        // Exactly-once: the background Kafka commit is done.
+                        outcome = commit_outcome(s.durability.commit_handle()) => {
+                            self.commit_finished(s, outcome)?;
+                        }
+                        _ = status.tick() => {
+                            status_due = Instant::now() + s.status_every;
+                            // When idle, ask for a keepalive: its WAL end lets the
+                            // slot follow writes to other tables (rule 5).
+                            let idle = s.tracker.is_idle();
+                            s.send_status(stream, idle).await?;
+                            self.refresh_parked(stream, s).await?;
+                            self.report(stream, s);
+                            self.refused.forget_through(s.confirmable());
+                            let confirmable = s.confirmable();
+                            self.suspects.retain(|p| p.commit_lsn >= confirmable);
+                        }
+                        changed = s.guard.changed() => {
+                            let state = s.guard.borrow_and_update().clone();
+                            match (changed, state) {
+                                (Err(_), state) => return Err(RelayError::GuardFailed(format!("the guard ended at {}", state.verified()))),
+                                (_, GuardState::Changed { verified, reason }) => {
+                                    return Err(RelayError::PublicationChanged { verified, reason })
+                                }
+                                (_, GuardState::Failed { reason, .. }) => return Err(RelayError::GuardFailed(reason)),
+                                (_, GuardState::Restart { reason, .. }) => return Err(RelayError::Resubscribe(reason)),
+                                (_, GuardState::Verified(_)) => {}
+                            }
+                        }
+                        // The lease was renewed, or lost.
+                        _ = lease.changed() => {
+                            if lease.borrow_and_update().lost() {
+                                return Err(RelayError::LeadershipLost);
+                            }
+                        }
+                        // The open Kafka transaction's max_wait ran out: the check
+                        // after the select commits it.
+                        _ = tokio::time::sleep_until(commit_at.unwrap_or_else(Instant::now)), if commit_at.is_some() => {}
+                        event = stream.next_event(), if intake => self.on_event(stream, s, event?).await?,
                     }
                 }
             }
