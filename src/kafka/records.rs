@@ -714,6 +714,15 @@ fn json_kind(v: &serde_json::Value) -> &'static str {
 }
 
 fn push_json_string(out: &mut Vec<u8>, s: &str) {
+    // What serde_json escapes: quotes, backslashes, control characters.
+    // Ids, types and keys rarely hold one, and copying is cheaper.
+    if s.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\') {
+        out.reserve(s.len() + 2);
+        out.push(b'"');
+        out.extend_from_slice(s.as_bytes());
+        out.push(b'"');
+        return;
+    }
     // Writing a &str to a Vec cannot fail.
     let _ = serde_json::to_writer(&mut *out, s);
 }
@@ -844,6 +853,15 @@ mod tests {
                 ("correlationId", b"c-1".as_slice()),
             ]
         );
+    }
+
+    #[test]
+    fn json_strings_match_serde_json() {
+        for s in ["", "plain", "q\"uote", "back\\slash", "tab\there", "\u{7f}del", "김 é", "\u{1f}", "/"] {
+            let mut out = Vec::new();
+            push_json_string(&mut out, s);
+            assert_eq!(out, serde_json::to_vec(s).unwrap(), "{s:?}");
+        }
     }
 
     #[test]
