@@ -439,9 +439,12 @@ async fn exactly_once_survives_sigkills_with_each_event_read_once() {
 
 /// A zombie: outboxd A freezes (SIGSTOP) inside a Kafka transaction and
 /// loses its leader lock; B takes the lock and starts with the same
-/// transactional.id, which fences A at the broker. A's replication
-/// connection stays up, so on waking A goes on as if nothing happened and
-/// tries to commit: the broker must refuse, and A must stop streaming.
+/// transactional.id, which fences A at the broker. On waking, A goes on as
+/// if nothing happened until it finds out, whichever comes first: the
+/// broker refuses its commit (fenced), its lease check fails, or its
+/// replication connection is gone (B ends the walsender of an outboxd that
+/// lost the lock, to take the slot). Either way A must commit nothing
+/// more and stop streaming.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fenced_zombie_never_commits_after_its_successor_starts() {
     let db = TestDb::new("eo_fence").await;
@@ -511,8 +514,8 @@ async fn a_fenced_zombie_never_commits_after_its_successor_starts() {
         .iter()
         .filter(|r| r.writer == a_writer)
         .count();
-    // A's leader lock goes; its walsender stays, so B cannot stream until A
-    // lets go of the slot, but B's start fences A's transactional.id.
+    // A's leader lock goes; B's start fences A's transactional.id, and B
+    // ends A's walsender (A holds no lock) to take the slot.
     let terminated: i64 = client
         .query_one(
             "SELECT count(pg_terminate_backend(l.pid)) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
