@@ -73,6 +73,8 @@
 //! ends and the next one sends its rows again).
 
 use std::collections::HashMap;
+
+use crate::kafka::FastMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
@@ -276,7 +278,7 @@ pub enum Sharing {
 /// them.
 #[derive(Debug)]
 pub struct Reports {
-    lanes: RwLock<HashMap<LaneId, ReportQueue>>,
+    lanes: RwLock<FastMap<LaneId, ReportQueue>>,
     sharing: Sharing,
     /// A delivery failed since the purger last looked: purge the queue.
     purge_wanted: AtomicBool,

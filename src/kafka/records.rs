@@ -857,7 +857,17 @@ mod tests {
 
     #[test]
     fn json_strings_match_serde_json() {
-        for s in ["", "plain", "q\"uote", "back\\slash", "tab\there", "\u{7f}del", "김 é", "\u{1f}", "/"] {
+        for s in [
+            "",
+            "plain",
+            "q\"uote",
+            "back\\slash",
+            "tab\there",
+            "\u{7f}del",
+            "김 é",
+            "\u{1f}",
+            "/",
+        ] {
             let mut out = Vec::new();
             push_json_string(&mut out, s);
             assert_eq!(out, serde_json::to_vec(s).unwrap(), "{s:?}");

@@ -24,7 +24,7 @@
 //! `enable.idempotence=true`, `acks=all`. With idempotence librdkafka
 //! retries without reordering a partition's messages.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::time::Duration;
 
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, ResourceSpecifier, TopicReplication};
@@ -39,6 +39,7 @@ use crate::kafka::delivery::{Awaited, Lane, Producer, Refused, ReportQueue, Shar
 
 use crate::config::KafkaConfig;
 use crate::kafka::records::KafkaRecord;
+use crate::kafka::FastMap;
 
 /// Kafka could not be used.
 #[derive(Debug, thiserror::Error)]
@@ -448,7 +449,7 @@ pub struct KafkaSink {
     probe: BrokerProbe,
     /// Topics proven served in this session (every partition answered),
     /// with their partitions.
-    known_topics: HashMap<String, usize>,
+    known_topics: FastMap<String, usize>,
     /// The partitions of the event topics this session has written to
     /// (see [`KafkaSink::partitions_in_use`]).
     partitions_in_use: usize,
@@ -565,7 +566,7 @@ impl KafkaSink {
             },
             producer,
             admin,
-            known_topics: HashMap::new(),
+            known_topics: FastMap::default(),
             partitions_in_use: 0,
             existing_topics: HashSet::new(),
             topic_limits: std::sync::Arc::default(),
@@ -1122,7 +1123,7 @@ impl KafkaSink {
 /// known.
 #[derive(Debug, Default)]
 struct TopicLimits {
-    bytes: HashMap<String, usize>,
+    bytes: FastMap<String, usize>,
     /// One could not be read (denied, or no answer): not asked again in
     /// this session.
     unreadable: bool,

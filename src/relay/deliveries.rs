@@ -17,11 +17,12 @@
 //! the session first sent it by [`Deliveries::take_purged`], for the
 //! session to send again once everything else it sent has reported.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 
 use super::session::{record_from_message, Delivery, Sent};
 use crate::kafka::delivery::{Report, ReportQueue, Ticket};
 use crate::kafka::records::KafkaRecord;
+use crate::kafka::FastMap;
 use crate::lsn::Lsn;
 use crate::ops::otel::PendingSpan;
 use crate::relay::exactly_once::RowPos;
@@ -43,7 +44,7 @@ pub(super) struct InFlight {
 /// The session's records in flight and the reports not yet handled.
 pub(super) struct Deliveries {
     queue: ReportQueue,
-    in_flight: HashMap<Ticket, InFlight>,
+    in_flight: FastMap<Ticket, InFlight>,
     /// The bytes of the records in flight.
     bytes: usize,
     /// Reports taken from the queue, not yet handed out.
@@ -71,7 +72,7 @@ impl Deliveries {
     pub(super) fn new(queue: ReportQueue, keeps_purged: bool) -> Self {
         Deliveries {
             queue,
-            in_flight: HashMap::new(),
+            in_flight: FastMap::default(),
             bytes: 0,
             ready: VecDeque::new(),
             keeps_purged,
