@@ -10,7 +10,10 @@
 //! waiting (each polled once; both are cancel-safe), in the select's order,
 //! and only while nothing that the select ranks higher has happened: no
 //! shutdown, lease, guard or status tick, no Kafka commit under way or due.
-//! At least every `QUICK_ROUNDS` rounds the select runs. LSN progress is
+//! At least every `QUICK_ROUNDS` rounds the select runs, and each such
+//! round spends a unit of the task's cooperative budget (as the select's
+//! futures did), so a draining source still yields the runtime's workers
+//! to the other sources of its process. LSN progress is
 //! untouched by it: acknowledgements are recorded by the same
 //! `Session::delivered`, and confirmation by the same checks after each
 //! round.
@@ -183,10 +186,12 @@ impl Relay {
                     if let Some(done) = done {
                         s.delivered(&self.metrics, done)?;
                     }
+                    tokio::task::coop::consume_budget().await;
                 }
                 Ready::Event(event) => {
                     quick += 1;
                     self.on_event(stream, s, event).await?;
+                    tokio::task::coop::consume_budget().await;
                 }
                 Ready::Nothing => {
                     quick = 0;
