@@ -134,22 +134,12 @@ impl Drop for Reaped {
 }
 
 /// Polls `check` until it returns `Some`, or panics after `timeout` with `what`.
-pub async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> T
+pub async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, check: F) -> T
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Option<T>>,
 {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(v) = check().await {
-            return v;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {timeout:?} waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_for_showing(what, timeout, &[], check).await
 }
 
 /// [`wait_for`], and on timeout the last lines of each of `logs` in the
