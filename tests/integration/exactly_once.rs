@@ -656,7 +656,9 @@ async fn two_outboxd_sharing_a_transactional_id_fence_each_other_and_lose_nothin
     );
     assert!(
         fenced.iter().sum::<usize>() > 0,
-        "neither was fenced: the two producers did not share an id"
+        "neither was fenced: the two producers did not share an id; a's log:\n{}\nb's log:\n{}",
+        std::fs::read_to_string(dir.path().join("a.log")).unwrap_or_default(),
+        std::fs::read_to_string(dir.path().join("b.log")).unwrap_or_default(),
     );
     for d in daemons {
         assert!(d.sigterm().success());
