@@ -73,8 +73,6 @@
 //! ends and the next one sends its rows again).
 
 use std::collections::HashMap;
-
-use crate::kafka::FastMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
@@ -88,6 +86,8 @@ use rdkafka::message::{Message, OwnedMessage};
 use rdkafka::producer::{
     BaseProducer, BaseRecord, DeliveryResult, Producer as _, ProducerContext, PurgeConfig,
 };
+
+use crate::kafka::FastMap;
 
 /// A delivery report, read so that an acknowledgement without an offset
 /// is never taken for a stored record.
