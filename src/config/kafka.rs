@@ -217,9 +217,9 @@ pub mod budget {
     /// Bytes in flight with one topic.
     pub const FLOOR_BYTES: usize = 4 << 20;
     /// Records per partition written to.
-    pub const PER_PARTITION_RECORDS: usize = 100;
+    pub const PER_PARTITION_RECORDS: usize = 120;
     /// Bytes per partition written to.
-    pub const PER_PARTITION_BYTES: usize = 40 << 10;
+    pub const PER_PARTITION_BYTES: usize = 48 << 10;
     /// The most records in flight, with any number of partitions.
     pub const CEILING_RECORDS: usize = 20_000;
     /// The most bytes in flight, with any number of partitions.

@@ -937,7 +937,7 @@ mod tests {
         assert_eq!(c.kafka.max_inflight, None);
         assert_eq!(c.kafka.max_inflight_bytes, None);
         assert_eq!(c.kafka.inflight_budget(3), (5_000, 4 << 20));
-        assert_eq!(c.kafka.inflight_budget(150), (15_000, 6_144_000));
+        assert_eq!(c.kafka.inflight_budget(150), (18_000, 7_372_800));
         assert_eq!(c.kafka.inflight_budget(10_000), (20_000, 16 << 20));
         assert_eq!(c.shutdown.drain_timeout.0, Duration::from_secs(30));
         assert_eq!(v.listen.port(), 9187);
