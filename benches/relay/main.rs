@@ -317,6 +317,9 @@ struct Drain {
     in_kafka: i64,
     rss_mib: f64,
     cpu_s: f64,
+    /// The brokers' CPU from the relay's start to the drain's end: what
+    /// the relay's requests cost on the Kafka side.
+    broker_cpu_s: f64,
 }
 
 impl Drain {
@@ -333,11 +336,16 @@ impl Drain {
         self.cpu_s / (events as f64 / 100_000.0)
     }
 
+    fn broker_cpu_per_100k(&self, events: usize) -> f64 {
+        self.broker_cpu_s / (events as f64 / 100_000.0)
+    }
+
     fn json(&self, events: usize) -> Value {
         json!({"seconds": self.secs(), "seconds_to_confirmed": self.confirmed_s, "seconds_to_all_in_kafka": self.in_kafka_s,
                "events_in_kafka": self.in_kafka, "events_per_second": self.rate(events),
                "peak_rss_mib": self.rss_mib, "cpu_seconds": self.cpu_s,
-               "cpu_seconds_per_100k_events": self.cpu_per_100k(events)})
+               "cpu_seconds_per_100k_events": self.cpu_per_100k(events),
+               "broker_cpu_seconds_per_100k_events": self.broker_cpu_per_100k(events)})
     }
 }
 
@@ -389,6 +397,8 @@ async fn drain_into(
     };
     // Read before the relay starts: its first records may land at once.
     let before = in_topics();
+    let broker_cpu = || -> f64 { s.broker_pids.iter().map(|&p| usage(p).1).sum() };
+    let broker_cpu_before = broker_cpu();
     // Debezium's start returns once its task streams, seconds into the
     // drain: start it beside the sampling.
     let mut starter = Some({
@@ -444,6 +454,7 @@ async fn drain_into(
     let pid = running.pid();
     let start = started_at(pid);
     let (rss_mib, cpu_s) = usage(pid);
+    let broker_cpu_s = broker_cpu() - broker_cpu_before;
     tokio::task::block_in_place(|| running.stop());
     Drain {
         confirmed_s: at_confirmed.unwrap() - start,
@@ -451,6 +462,7 @@ async fn drain_into(
         in_kafka,
         rss_mib,
         cpu_s,
+        broker_cpu_s,
     }
 }
 
@@ -820,6 +832,7 @@ async fn main() {
         otlp_endpoint,
         pg_port: pg.port,
         brokers: broker.brokers.clone(),
+        broker_pids: broker.pids(),
         dir: dir.path().to_owned(),
         publication: "bench_pub".into(),
         outboxd_kafka: a.outboxd_kafka.clone(),

@@ -28,6 +28,8 @@ pub const DEBEZIUM_TUNING: &[&str] = &[
 pub struct Setting {
     pub pg_port: u16,
     pub brokers: String,
+    /// The brokers' JVMs, whose CPU a drain reports beside the relay's.
+    pub broker_pids: Vec<u32>,
     pub dir: PathBuf,
     pub publication: String,
     /// Extra lines for outboxd's `[kafka]` table (`--outboxd-kafka`).

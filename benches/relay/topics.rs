@@ -10,7 +10,9 @@
 //! in alternating rounds, after both shapes warmed the broker. Beside
 //! them, the produce ceiling of each shape (records built in memory, no
 //! PostgreSQL: the Kafka side's own cost of 50 topics). Reported: drain
-//! rate, CPU per 100k events and peak RSS of each. With
+//! rate, CPU per 100k events and peak RSS of each, and the broker's CPU
+//! per 100k events during each drain (what the relay's requests cost on
+//! the Kafka side: batches of fewer records cost it more). With
 //! `OUTBOXD_BENCH_REFERENCE`, an earlier build drains both shapes too,
 //! each right after this build's.
 
@@ -196,21 +198,27 @@ pub async fn run(
         let d = drain_into(client, s, kind, slot, &route, &topics, target, n).await;
         drop_slot(client, slot).await;
         eprintln!("bench: {label}: {:.0} events/s", d.rate(n));
-        rows.push((label, d.rate(n), d.cpu_per_100k(n), d.rss_mib));
+        rows.push((
+            label,
+            d.rate(n),
+            d.cpu_per_100k(n),
+            d.broker_cpu_per_100k(n),
+            d.rss_mib,
+        ));
         out[label] = d.json(n);
     }
-    println!("| {n} events, ~100-byte payloads, {TYPES} aggregate types | drain | ÷ pg_recvlogical | CPU per 100k events | peak RSS |");
-    println!("|---|---|---|---|---|");
-    println!("| pg_recvlogical | {recv_rate:.0} events/s | 1 | | |");
-    for (label, rate, cpu, rss) in &rows {
+    println!("| {n} events, ~100-byte payloads, {TYPES} aggregate types | drain | ÷ pg_recvlogical | CPU per 100k events | the broker's CPU per 100k events | peak RSS |");
+    println!("|---|---|---|---|---|---|");
+    println!("| pg_recvlogical | {recv_rate:.0} events/s | 1 | | | |");
+    for (label, rate, cpu, broker_cpu, rss) in &rows {
         println!(
-            "| {label} | {rate:.0} events/s | {:.2} | {cpu:.2} core-s | {rss:.1} MiB |",
+            "| {label} | {rate:.0} events/s | {:.2} | {cpu:.2} core-s | {broker_cpu:.2} core-s | {rss:.1} MiB |",
             rate / recv_rate
         );
     }
     for (topics, c) in &ceilings {
         println!(
-            "| produce ceiling, {topics} topic(s) (records in memory, no PostgreSQL) | {:.0} events/s | | {:.2} core-s | {:.1} MiB |",
+            "| produce ceiling, {topics} topic(s) (records in memory, no PostgreSQL) | {:.0} events/s | | {:.2} core-s | | {:.1} MiB |",
             c.rate(),
             c.cpu_per_100k(),
             c.rss_mib
@@ -218,7 +226,7 @@ pub async fn run(
     }
     if let [(_, one), (_, many)] = &ceilings[..] {
         println!(
-            "| produce ceiling, 50 topics ÷ 1 topic | {:.2} | | | |",
+            "| produce ceiling, 50 topics ÷ 1 topic | {:.2} | | | | |",
             many.rate() / one.rate()
         );
         out["ceiling_many_to_one"] = json!(many.rate() / one.rate());
@@ -238,12 +246,12 @@ pub async fn run(
         ),
     ] {
         if let (Some(one), Some(many)) = (rate(one_label), rate(many_label)) {
-            println!("| {many_label} ÷ {one_label} | {:.2} | | | |", many / one);
+            println!("| {many_label} ÷ {one_label} | {:.2} | | | | |", many / one);
             out[key] = json!(many / one);
         }
     }
     if let (Some(many), Some(dbz)) = (rate("outboxd, 50 topics"), rate("Debezium, 50 topics")) {
-        println!("| outboxd ÷ Debezium, 50 topics | {:.2} | | | |", many / dbz);
+        println!("| outboxd ÷ Debezium, 50 topics | {:.2} | | | | |", many / dbz);
         out["outboxd_to_debezium_50_topics"] = json!(many / dbz);
     }
     out

@@ -350,6 +350,15 @@ impl Broker {
             .unwrap_or_else(|| panic!("no broker with node id {node_id} in this cluster"))
     }
 
+    /// The process ids of the running JVMs (the benchmark reads their CPU).
+    #[allow(dead_code)]
+    pub fn pids(&self) -> Vec<u32> {
+        self.nodes
+            .iter()
+            .filter_map(|n| n.child.lock().ok().and_then(|c| c.as_ref().map(Child::id)))
+            .collect()
+    }
+
     /// Kills every broker process with SIGKILL (fault tests). The data on
     /// disk stays, as after a crash.
     pub fn kill(&self) {
