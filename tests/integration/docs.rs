@@ -611,3 +611,74 @@ fn every_metric_test_and_module_the_docs_name_exists_and_every_metric_is_documen
         );
     }
 }
+
+/// `text` with its whitespace collapsed and the `#` of TOML comments gone,
+/// so a phrase matches across wrapped lines.
+fn flattened(text: &str) -> String {
+    text.lines()
+        .map(|l| l.trim_start().trim_start_matches('#'))
+        .collect::<Vec<_>>()
+        .join(" ")
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// The in-flight budget the docs state is the code's: consumers size their
+/// deduplication windows from docs/guarantees.md.
+#[test]
+fn the_documented_inflight_budget_is_the_one_the_code_grows() {
+    use outboxd::config::kafka::budget::*;
+    let grouped = |n: usize| {
+        let s = n.to_string();
+        let mut out = String::new();
+        for (i, c) in s.chars().enumerate() {
+            if i > 0 && (s.len() - i) % 3 == 0 {
+                out.push(',');
+            }
+            out.push(c);
+        }
+        out
+    };
+    let records_to = FLOOR_RECORDS / PER_PARTITION_RECORDS;
+    let bytes_to = FLOOR_BYTES / PER_PARTITION_BYTES;
+    let kib = PER_PARTITION_BYTES >> 10;
+    let (floor, each, ceiling) = (
+        grouped(FLOOR_RECORDS),
+        PER_PARTITION_RECORDS,
+        grouped(CEILING_RECORDS),
+    );
+    for (file, phrases) in [
+        (
+            "docs/configuration.md",
+            vec![
+                format!(
+                    "`{FLOOR_RECORDS}` up to {records_to} partitions, {each} per partition beyond, at most `{CEILING_RECORDS}`"
+                ),
+                format!("up to {bytes_to} partitions, {kib} KiB per partition beyond"),
+            ],
+        ),
+        (
+            "docs/guarantees.md",
+            vec![format!(
+                "{floor} up to {records_to} partitions, {each} more per partition the session writes to beyond, at most {ceiling}"
+            )],
+        ),
+        (
+            "config/outboxd.toml",
+            vec![format!(
+                "{floor} events up to {records_to} partitions and {each} per partition beyond, 4 MiB up to {bytes_to} partitions and {kib} KiB per partition beyond; at most {ceiling} events and 16 MiB"
+            )],
+        ),
+    ] {
+        let text = flattened(&std::fs::read_to_string(root().join(file)).unwrap());
+        for phrase in phrases {
+            assert!(text.contains(&phrase), "{file} does not say: {phrase}");
+        }
+    }
+    assert_eq!(
+        (FLOOR_BYTES, CEILING_BYTES),
+        (4 << 20, 16 << 20),
+        "the docs say 4 MiB and 16 MiB"
+    );
+}
