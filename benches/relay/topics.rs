@@ -135,37 +135,43 @@ pub async fn run(
             v
         })
         .collect::<Vec<_>>());
-    let mut runs: Vec<(&str, Kind, &str, String, Vec<String>)> = vec![(
-        "outboxd, 1 topic",
-        Kind::Outboxd,
-        "tp_one",
-        "tp1-all".to_owned(),
-        one.clone(),
-    )];
-    if reference {
-        runs.push((
+    // With OUTBOXD_BENCH_REFERENCE_FIRST, the reference drains each shape
+    // before this build: the drain after the warm-up, or after another
+    // shape, is mostly the slower one, so a fair pairing runs both orders.
+    let reference_first = std::env::var_os("OUTBOXD_BENCH_REFERENCE_FIRST").is_some();
+    let mut runs: Vec<(&str, Kind, &str, String, Vec<String>)> = Vec::new();
+    for (ours, reference_label, ours_slot, reference_slot, route, topics) in [
+        (
+            "outboxd, 1 topic",
             "reference, 1 topic",
-            Kind::Reference,
+            "tp_one",
             "tp_ref_one",
-            "tp1-all".to_owned(),
-            one.clone(),
-        ));
-    }
-    runs.push((
-        "outboxd, 50 topics",
-        Kind::Outboxd,
-        "tp_many",
-        "tp50-{aggregate_type}".to_owned(),
-        many.clone(),
-    ));
-    if reference {
-        runs.push((
+            "tp1-all",
+            &one,
+        ),
+        (
+            "outboxd, 50 topics",
             "reference, 50 topics",
-            Kind::Reference,
+            "tp_many",
             "tp_ref_many",
-            "tp50-{aggregate_type}".to_owned(),
-            many.clone(),
-        ));
+            "tp50-{aggregate_type}",
+            &many,
+        ),
+    ] {
+        let mut pair = vec![(ours, Kind::Outboxd, ours_slot, route.to_owned(), topics.clone())];
+        if reference {
+            pair.push((
+                reference_label,
+                Kind::Reference,
+                reference_slot,
+                route.to_owned(),
+                topics.clone(),
+            ));
+            if reference_first {
+                pair.reverse();
+            }
+        }
+        runs.extend(pair);
     }
     // A second round of both shapes, in the same order: which of the two
     // a slower moment of the machine falls on shows in the two rounds.
