@@ -911,49 +911,36 @@ fn import_debezium(file: &std::path::Path, worker: Option<&std::path::Path>) -> 
     }
 }
 
-/// glibc's allocator, set for outboxd's records: one arena for the whole
-/// process, and no fastbins; each unless the environment sets it
-/// (`MALLOC_ARENA_MAX`, or `glibc.malloc.arena_max` / `glibc.malloc.mxfast`
-/// in `GLIBC_TUNABLES`).
-///
-/// * glibc gives each thread that allocates an arena of its own, up to
-///   eight per core. outboxd's records are allocated on the runtime's
-///   workers and freed on librdkafka's threads, and each arena keeps its
-///   own high-water mark of what such frees leave: a drain to 150
-///   partitions peaked 8–12 MiB higher with the default arenas, at no less
-///   CPU per event (BENCHMARKS.md, "One malloc arena, and warm topics").
-/// * Fastbins keep freed chunks of up to 128 bytes uncoalesced. librdkafka
-///   frees a record's headers (five such chunks) on its own threads, and
-///   the chunks left in fastbins fragment the one arena: the same drain
-///   peaked about 2 MiB higher with them, at no less CPU per event
-///   (BENCHMARKS.md, "A larger budget for many partitions").
+/// One malloc arena for the whole process, unless the environment sets
+/// `MALLOC_ARENA_MAX` (or `glibc.malloc.arena_max` in `GLIBC_TUNABLES`). glibc gives each thread
+/// that allocates an arena of its own, up to eight per core. outboxd's
+/// records are allocated on the runtime's workers and freed on librdkafka's
+/// threads, and each arena keeps its own high-water mark of what such
+/// frees leave: a drain to 150 partitions peaked 8–12 MiB higher with the
+/// default arenas, at no less CPU per event (BENCHMARKS.md, "One malloc
+/// arena, and warm topics"). glibc's fastbins stay on: turning them off
+/// saved no memory at the default budget and cost CPU (BENCHMARKS.md, "A
+/// larger budget for many partitions").
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[allow(unsafe_code)]
-fn tune_malloc() {
-    // Read as bytes: a value that is not UTF-8 may still set a tunable.
-    let tunables = std::env::var_os("GLIBC_TUNABLES").map(|t| t.to_string_lossy().into_owned());
-    let tuned = |name: &str| tunables.as_deref().is_some_and(|t| t.contains(name));
-    if std::env::var_os("MALLOC_ARENA_MAX").is_none() && !tuned("glibc.malloc.arena_max") {
+fn one_malloc_arena() {
+    // Read as bytes: a value that is not UTF-8 may still set the arenas.
+    let tuned = std::env::var_os("GLIBC_TUNABLES")
+        .is_some_and(|t| t.to_string_lossy().contains("glibc.malloc.arena_max"));
+    if std::env::var_os("MALLOC_ARENA_MAX").is_none() && !tuned {
         // SAFETY: mallopt only sets a tunable of glibc's allocator, which
         // takes its own lock; it runs before any other thread exists.
         unsafe {
             libc::mallopt(libc::M_ARENA_MAX, 1);
         }
     }
-    if !tuned("glibc.malloc.mxfast") {
-        // SAFETY: as above; glibc consolidates the fastbins before it
-        // applies the new bound.
-        unsafe {
-            libc::mallopt(libc::M_MXFAST, 0);
-        }
-    }
 }
 
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn tune_malloc() {}
+fn one_malloc_arena() {}
 
 fn main() -> ExitCode {
-    tune_malloc();
+    one_malloc_arena();
     let cli = Cli::parse();
     let _ = SOURCE.set(cli.source.clone());
     let runtime = match tokio::runtime::Builder::new_multi_thread()
