@@ -616,10 +616,7 @@ fn every_metric_test_and_module_the_docs_name_exists_and_every_metric_is_documen
 /// so a phrase matches across wrapped lines.
 fn flattened(text: &str) -> String {
     text.lines()
-        .map(|l| l.trim_start().trim_start_matches('#'))
-        .collect::<Vec<_>>()
-        .join(" ")
-        .split_whitespace()
+        .flat_map(|l| l.trim_start().trim_start_matches('#').split_whitespace())
         .collect::<Vec<_>>()
         .join(" ")
 }
