@@ -27,8 +27,14 @@ case "$tool" in
   rss) ;;
   *) echo "profile.sh: unknown profiler $tool (callgrind, perf, heaptrack or rss)" >&2; exit 2 ;;
 esac
-cargo build --quiet --release --bin outboxd
-bin=${CARGO_TARGET_DIR:-target}/release/outboxd
+# PROFILE_BIN: profile that binary (a reference build) instead of building
+# this checkout's.
+if [ -n "${PROFILE_BIN:-}" ]; then
+  bin=$PROFILE_BIN
+else
+  cargo build --quiet --release --bin outboxd
+  bin=${CARGO_TARGET_DIR:-target}/release/outboxd
+fi
 # shellcheck source=lib/services.sh
 source scripts/lib/services.sh
 pid=

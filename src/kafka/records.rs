@@ -77,12 +77,19 @@ impl TopicTemplate {
     /// The topic of `row`: the template filled in, an allowed aggregate
     /// type, a legal name.
     pub fn render(&self, row: &impl TopicValues) -> Result<String, RecordError> {
+        let mut topic = String::with_capacity(32);
+        self.render_into(row, &mut topic)?;
+        Ok(topic)
+    }
+
+    /// [`TopicTemplate::render`] into `topic`, which it overwrites (its
+    /// allocation is reused).
+    pub fn render_into(&self, row: &impl TopicValues, topic: &mut String) -> Result<(), RecordError> {
         if !self.allows(row.route()) {
             return Err(RecordError::AggregateTypeNotAllowed(row.route().to_owned()));
         }
-        let topic = self.fill(row, true)?;
-        validate_topic(&topic)?;
-        Ok(topic)
+        self.fill_into(row, true, topic)?;
+        validate_topic(topic)
     }
 
     /// Whether the topic depends on the event type (`{type}`).
@@ -98,32 +105,38 @@ impl TopicTemplate {
         self.fill(row, false).unwrap_or_default()
     }
 
-    fn route_value(&self, route: &str) -> String {
+    fn push_route(&self, route: &str, topic: &mut String) {
         if self.lowercase_aggregate_type {
-            route.chars().flat_map(char::to_lowercase).collect()
+            topic.extend(route.chars().flat_map(char::to_lowercase));
         } else {
-            route.to_owned()
+            topic.push_str(route);
         }
     }
 
     fn fill(&self, row: &impl TopicValues, strict: bool) -> Result<String, RecordError> {
+        let mut topic = String::with_capacity(32);
+        self.fill_into(row, strict, &mut topic)?;
+        Ok(topic)
+    }
+
+    fn fill_into(&self, row: &impl TopicValues, strict: bool, topic: &mut String) -> Result<(), RecordError> {
+        topic.clear();
         let captures = match &self.regex {
             Some(re) => match re.anchored.captures(row.route()) {
                 Some(c) => Some(c),
                 // Kafka Connect's RegexRouter leaves the topic unchanged
                 // when the value does not match: the value is the topic.
-                None => return Ok(self.route_value(row.route())),
+                None => {
+                    self.push_route(row.route(), topic);
+                    return Ok(());
+                }
             },
             None => None,
         };
-        let mut topic = String::with_capacity(32);
         for p in &self.parts {
             match p {
                 TopicPart::Literal(l) => topic.push_str(l),
-                TopicPart::AggregateType if self.lowercase_aggregate_type => {
-                    topic.extend(row.route().chars().flat_map(char::to_lowercase))
-                }
-                TopicPart::AggregateType => topic.push_str(row.route()),
+                TopicPart::AggregateType => self.push_route(row.route(), topic),
                 TopicPart::EventType => topic.push_str(row.event_type()),
                 TopicPart::Column(i) => match row.column(*i) {
                     Some(v) => topic.push_str(v),
@@ -144,7 +157,7 @@ impl TopicTemplate {
                 }
             }
         }
-        Ok(topic)
+        Ok(())
     }
 }
 
@@ -212,7 +225,7 @@ pub type HeaderName = std::borrow::Cow<'static, str>;
 pub type Headers = Vec<(HeaderName, Vec<u8>)>;
 
 /// A record ready to produce.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct KafkaRecord {
     pub topic: String,
     /// The key as sent: the key column's UTF-8, or its registry encoding
@@ -297,56 +310,67 @@ pub fn build_record(
     value: &RecordValue,
     commit_ms: i64,
 ) -> Result<KafkaRecord, RecordError> {
+    let mut record = KafkaRecord::default();
+    build_record_into(row, topic, value, commit_ms, &mut record)?;
+    Ok(record)
+}
+
+/// [`build_record`] into `into`, whose every field it overwrites: the
+/// relay builds each record into the one before it, so that the topic,
+/// key, value and header buffers are allocated once, not per record. On
+/// an error `into` holds a part of the row's record: build into it again
+/// before reading it.
+pub fn build_record_into(
+    row: &OutboxRow,
+    topic: &TopicTemplate,
+    value: &RecordValue,
+    commit_ms: i64,
+    into: &mut KafkaRecord,
+) -> Result<(), RecordError> {
     if row.aggregate_id.is_empty() {
         return Err(RecordError::EmptyKey);
     }
-    let topic = topic.render(row)?;
-    let user_headers = user_headers(&row.headers)?;
+    topic.render_into(row, &mut into.topic)?;
     let created_at = row.created_at.or_commit(commit_ms);
     let id = row.id.as_str();
-    let mut headers = Vec::with_capacity(4 + user_headers.len() + value.placements.len());
-    headers.push((header::ID.into(), id.as_bytes().to_vec()));
+    let mut headers = HeaderSlots::new(&mut into.headers);
+    headers.put(header::ID.into(), id.as_bytes());
     if value.standard_headers {
         // A row of a table without a type (or route) column has no such
         // header; a message or a row read back from the park tables (no
         // facts) has both columns.
         let facts = row.facts.as_deref();
         if facts.is_none_or(|f| f.has_type) {
-            headers.push((header::TYPE.into(), row.event_type.as_bytes().to_vec()));
+            headers.put(header::TYPE.into(), row.event_type.as_bytes());
         }
         if facts.is_none_or(|f| f.has_route) {
-            headers.push((
-                header::AGGREGATE_TYPE.into(),
-                row.aggregate_type.as_bytes().to_vec(),
-            ));
+            headers.put(header::AGGREGATE_TYPE.into(), row.aggregate_type.as_bytes());
         }
-        headers.push((header::AGGREGATE_ID.into(), row.aggregate_id.as_bytes().to_vec()));
+        headers.put(header::AGGREGATE_ID.into(), row.aggregate_id.as_bytes());
     }
     let cloudevent = matches!(
         value.format,
         ValueFormat::CloudEvents | ValueFormat::CloudEventsBinary
     );
-    for (k, v) in user_headers {
-        if [
+    user_headers(&row.headers, |k, v| {
+        let standard = [
             header::ID,
             header::TYPE,
             header::AGGREGATE_TYPE,
             header::AGGREGATE_ID,
         ]
-        .contains(&k.as_ref())
-            || (cloudevent && cloudevents::is_reserved_header(&k))
-        {
-            continue;
+        .contains(&k);
+        if !standard && !(cloudevent && cloudevents::is_reserved_header(k)) {
+            headers.put_named(k, v);
         }
-        headers.push((k, v));
-    }
+    })?;
     let mut partition = None;
     for p in &value.placements {
         let extra = row.extra.get(p.extra).unwrap_or(&Extra::Missing);
         match p.placement {
             Placement::Header => {
                 if let Some(text) = extra.text() {
-                    headers.push((p.name.clone().into(), text.as_bytes().to_vec()));
+                    headers.put_named(&p.name, text.as_bytes());
                 }
             }
             Placement::Partition => {
@@ -363,15 +387,21 @@ pub fn build_record(
             Placement::Envelope => {}
         }
     }
+    headers.finish();
     let tombstone = value.tombstones && row.payload.is_blank();
     let value_rules = value;
+    // The value buffer of the record before, to fill again.
+    let mut reused = emptied(into.value.take().unwrap_or_default());
     let value = if tombstone {
         None
     } else {
         match value.format {
             // Registry formats start from the payload: crate::schema encodes it.
             ValueFormat::Payload | ValueFormat::Avro | ValueFormat::Protobuf | ValueFormat::JsonSchema => {
-                (row.payload != Payload::Null).then(|| row.payload.as_bytes().to_vec())
+                (row.payload != Payload::Null).then(|| {
+                    reused.extend_from_slice(row.payload.as_bytes());
+                    reused
+                })
             }
             ValueFormat::ConnectJson => {
                 let facts = row.facts.clone().unwrap_or_default();
@@ -387,7 +417,8 @@ pub fn build_record(
                 let at = created_at
                     .rfc3339()
                     .ok_or_else(|| RecordError::Timestamp(created_at.to_string()))?;
-                Some(envelope(row, id, at, value)?)
+                envelope(row, id, at, value, &mut reused)?;
+                Some(reused)
             }
             ValueFormat::CloudEvents | ValueFormat::CloudEventsBinary => {
                 if row.event_type.is_empty() {
@@ -396,49 +427,122 @@ pub fn build_record(
                 let source = value.source.render(row).ok_or(RecordError::CloudEvent(
                     "a source: routing.cloudevents_source renders empty for this row",
                 ))?;
-                let attributes =
-                    cloudevents::Attributes::of(row, id, &source, &headers, &created_at, value.text_payload);
+                let attributes = cloudevents::Attributes::of(
+                    row,
+                    id,
+                    &source,
+                    &into.headers,
+                    &created_at,
+                    value.text_payload,
+                );
                 if value.format == ValueFormat::CloudEvents {
                     let v = attributes
                         .structured(&row.payload, value.text_payload)
                         .map_err(RecordError::Payload)?;
-                    headers.push((
+                    into.headers.push((
                         cloudevents::CONTENT_TYPE.into(),
                         cloudevents::STRUCTURED_CONTENT_TYPE.as_bytes().to_vec(),
                     ));
                     Some(v)
                 } else {
                     let ce = attributes.binary_headers();
-                    headers.extend(ce);
+                    into.headers.extend(ce);
                     (row.payload != Payload::Null).then(|| row.payload.as_bytes().to_vec())
                 }
             }
         }
     };
-    let key = if value_rules.connect_key {
-        connect::key(
+    into.value = value;
+    if value_rules.connect_key {
+        into.key = connect::key(
             row,
             &row.facts.clone().unwrap_or_default(),
             value_rules.connect_key_schemas,
-        )
+        );
     } else {
-        row.aggregate_id.clone().into_bytes()
-    };
-    Ok(KafkaRecord {
-        topic,
-        key,
-        value,
-        headers,
-        timestamp_ms: kafka_timestamp(&created_at, commit_ms),
-        partition,
-    })
+        refill(&mut into.key, row.aggregate_id.as_bytes());
+    }
+    into.timestamp_ms = kafka_timestamp(&created_at, commit_ms);
+    into.partition = partition;
+    Ok(())
 }
 
-/// The row's headers object as Kafka headers, in key order: strings
-/// raw, other values as compact JSON text. A value that holds a number no
-/// float can hold (jsonb keeps `1e400` exactly) or is nested too deep to
-/// read as a value is passed on as PostgreSQL wrote it, not refused.
-fn user_headers(text: &str) -> Result<Headers, RecordError> {
+/// The largest buffer a record keeps for the next one: a rare large row
+/// does not hold its size for the rest of the session.
+const REUSED_CAPACITY_MAX: usize = 64 * 1024;
+
+/// `buf` emptied for reuse, or a new buffer when it grew past
+/// [`REUSED_CAPACITY_MAX`].
+fn emptied(mut buf: Vec<u8>) -> Vec<u8> {
+    if buf.capacity() > REUSED_CAPACITY_MAX {
+        return Vec::new();
+    }
+    buf.clear();
+    buf
+}
+
+/// Sets `buf` to `value`, keeping its allocation unless it grew past
+/// [`REUSED_CAPACITY_MAX`].
+fn refill(buf: &mut Vec<u8>, value: &[u8]) {
+    *buf = emptied(std::mem::take(buf));
+    buf.extend_from_slice(value);
+}
+
+/// Writes a record's headers over those of the record before: a slot
+/// whose name is the same keeps its name, and every value its buffer.
+struct HeaderSlots<'h> {
+    headers: &'h mut Headers,
+    used: usize,
+}
+
+impl<'h> HeaderSlots<'h> {
+    fn new(headers: &'h mut Headers) -> Self {
+        HeaderSlots { headers, used: 0 }
+    }
+
+    /// Sets the next header.
+    fn put(&mut self, name: HeaderName, value: &[u8]) {
+        match self.headers.get_mut(self.used) {
+            Some((k, v)) => {
+                if *k != name {
+                    *k = name;
+                }
+                refill(v, value);
+            }
+            None => self.headers.push((name, value.to_vec())),
+        }
+        self.used += 1;
+    }
+
+    /// Sets the next header, named by the row or the configuration: the
+    /// name is copied only when the slot's differs.
+    fn put_named(&mut self, name: &str, value: &[u8]) {
+        match self.headers.get_mut(self.used) {
+            Some((k, v)) => {
+                if k != name {
+                    *k = HeaderName::Owned(name.to_owned());
+                }
+                refill(v, value);
+            }
+            None => self
+                .headers
+                .push((HeaderName::Owned(name.to_owned()), value.to_vec())),
+        }
+        self.used += 1;
+    }
+
+    /// Drops the slots the record before used past this record's.
+    fn finish(self) {
+        self.headers.truncate(self.used);
+    }
+}
+
+/// The row's headers object as Kafka headers, in key order, each handed
+/// to `put`: strings raw, other values as compact JSON text. A value that
+/// holds a number no float can hold (jsonb keeps `1e400` exactly) or is
+/// nested too deep to read as a value is passed on as PostgreSQL wrote it,
+/// not refused.
+fn user_headers(text: &str, mut put: impl FnMut(&str, &[u8])) -> Result<(), RecordError> {
     use serde_json::value::RawValue;
     if !text.trim_start().starts_with('{') {
         let kind = serde_json::from_str::<serde_json::Value>(text).map_or("invalid JSON", |v| json_kind(&v));
@@ -446,27 +550,27 @@ fn user_headers(text: &str) -> Result<Headers, RecordError> {
     }
     let map: std::collections::BTreeMap<String, &RawValue> =
         serde_json::from_str(text).map_err(|e| RecordError::HeadersUnreadable(e.to_string()))?;
-    map.into_iter()
-        .map(|(k, v)| {
-            let raw = v.get();
-            let bytes = if let Some(plain) = raw
-                .strip_prefix('"')
-                .and_then(|r| r.strip_suffix('"'))
-                .filter(|r| !r.contains('\\'))
-            {
-                // A string without escapes is its text between the quotes.
-                plain.as_bytes().to_vec()
-            } else if raw.starts_with('"') {
-                serde_json::from_str::<String>(raw)
-                    .map_err(|e| RecordError::HeadersUnreadable(e.to_string()))?
-                    .into_bytes()
-            } else {
-                serde_json::from_str::<serde_json::Value>(raw)
-                    .map_or_else(|_| raw.as_bytes().to_vec(), |v| v.to_string().into_bytes())
-            };
-            Ok((k.into(), bytes))
-        })
-        .collect()
+    for (k, v) in &map {
+        let raw = v.get();
+        if let Some(plain) = raw
+            .strip_prefix('"')
+            .and_then(|r| r.strip_suffix('"'))
+            .filter(|r| !r.contains('\\'))
+        {
+            // A string without escapes is its text between the quotes.
+            put(k, plain.as_bytes());
+        } else if raw.starts_with('"') {
+            let text = serde_json::from_str::<String>(raw)
+                .map_err(|e| RecordError::HeadersUnreadable(e.to_string()))?;
+            put(k, text.as_bytes());
+        } else {
+            match serde_json::from_str::<serde_json::Value>(raw) {
+                Ok(v) => put(k, v.to_string().as_bytes()),
+                Err(_) => put(k, raw.as_bytes()),
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Header names on dead-letter records.
@@ -734,21 +838,22 @@ fn envelope(
     id: &str,
     occurred_at: &chrono::DateTime<chrono::Utc>,
     value: &RecordValue,
-) -> Result<Vec<u8>, RecordError> {
-    let mut out = Vec::with_capacity(row.payload.len() + 192);
+    out: &mut Vec<u8>,
+) -> Result<(), RecordError> {
+    out.reserve(row.payload.len() + 192);
     out.extend_from_slice(b"{\"eventId\":");
-    push_json_string(&mut out, id);
+    push_json_string(out, id);
     out.extend_from_slice(b",\"type\":");
-    push_json_string(&mut out, &row.event_type);
+    push_json_string(out, &row.event_type);
     out.extend_from_slice(b",\"occurredAt\":\"");
-    push_rfc3339_micros(&mut out, occurred_at);
+    push_rfc3339_micros(out, occurred_at);
     out.extend_from_slice(b"\",\"aggregateType\":");
-    push_json_string(&mut out, &row.aggregate_type);
+    push_json_string(out, &row.aggregate_type);
     out.extend_from_slice(b",\"aggregateId\":");
-    push_json_string(&mut out, &row.aggregate_id);
+    push_json_string(out, &row.aggregate_id);
     out.push(b',');
     row.payload
-        .push_member(&mut out, "data", "dataBase64", value.text_payload)
+        .push_member(out, "data", "dataBase64", value.text_payload)
         .map_err(RecordError::Payload)?;
     for p in value
         .placements
@@ -760,12 +865,12 @@ fn envelope(
             continue;
         }
         out.push(b',');
-        push_json_string(&mut out, &p.name);
+        push_json_string(out, &p.name);
         out.push(b':');
-        extra.push_json(&mut out);
+        extra.push_json(out);
     }
     out.push(b'}');
-    Ok(out)
+    Ok(())
 }
 
 #[cfg(test)]
@@ -786,6 +891,13 @@ mod tests {
         fn column(&self, _: usize) -> Option<&str> {
             None
         }
+    }
+
+    /// The row headers `user_headers` hands out, collected.
+    fn headers_of(text: &str) -> Result<Headers, RecordError> {
+        let mut h = Headers::new();
+        user_headers(text, |k, v| h.push((k.to_owned().into(), v.to_vec())))?;
+        Ok(h)
     }
 
     fn template(text: &str, lowercase: bool) -> Result<TopicTemplate, String> {
@@ -999,7 +1111,7 @@ mod tests {
             r#"{{"big": 1{}, "n": {{"a": [1, 2.5]}}, "s": "x\"y", "t": true}}"#,
             "0".repeat(400)
         );
-        let h = user_headers(&text).unwrap();
+        let h = headers_of(&text).unwrap();
         let text: Vec<(&str, String)> = h
             .iter()
             .map(|(k, v)| (k.as_ref(), String::from_utf8(v.clone()).unwrap()))
@@ -1013,7 +1125,7 @@ mod tests {
         assert_eq!(text[2], ("s", "x\"y".to_owned()));
         assert_eq!(text[3], ("t", "true".to_owned()));
         // Strings with and without escapes, and beyond ASCII.
-        let h = user_headers(r#"{"a": "plain", "b": "\u00e9\n", "c": "김", "d": "", "e": "\\"}"#).unwrap();
+        let h = headers_of(r#"{"a": "plain", "b": "\u00e9\n", "c": "김", "d": "", "e": "\\"}"#).unwrap();
         let values: Vec<&[u8]> = h.iter().map(|(_, v)| v.as_slice()).collect();
         assert_eq!(
             values,
@@ -1022,11 +1134,11 @@ mod tests {
         let deep = format!("{}1{}", r#"{"a": "#.repeat(200), "}".repeat(200));
         // Nested deeper than serde_json reads into a value: passed on as
         // written (the raw read keeps no stack).
-        let h = user_headers(&deep).unwrap();
+        let h = headers_of(&deep).unwrap();
         assert_eq!(h[0].0, "a");
         assert_eq!(h[0].1, &deep.as_bytes()[6..deep.len() - 1]);
         assert_eq!(
-            user_headers("null").unwrap_err(),
+            headers_of("null").unwrap_err(),
             RecordError::HeadersNotObject("null".into())
         );
     }
@@ -1276,6 +1388,81 @@ mod tests {
             None,
             "NULL: the partitioner's"
         );
+    }
+
+    /// Building each record into the one before gives what building it
+    /// fresh gives, whatever came before: more or fewer headers, other
+    /// names, a tombstone, another format, a row that failed half-way.
+    #[test]
+    fn a_record_built_into_the_one_before_is_the_record_built_fresh() {
+        use crate::config::columns::Placement;
+        let mut placed_value = RecordValue::of(ValueFormat::Envelope);
+        placed_value.placements = vec![
+            placed(Placement::Header, "eventType", 0),
+            placed(Placement::Partition, "", 1),
+        ];
+        let mut tombstones = RecordValue::of(ValueFormat::Payload);
+        tombstones.tombstones = true;
+        let mut rows = Vec::new();
+        let mut r = row();
+        r.extra = vec![Extra::Text("OrderPlaced".into()), Extra::Number("2".into())];
+        rows.push((r.clone(), placed_value.clone()));
+        r.extra[1] = Extra::Number("-1".into());
+        rows.push((r.clone(), placed_value.clone()));
+        rows.push((row(), RecordValue::of(ValueFormat::Envelope)));
+        let mut few = row();
+        few.headers = "{}".into();
+        few.aggregate_id = "a-much-longer-aggregate-id-than-the-one-before".into();
+        rows.push((few.clone(), RecordValue::of(ValueFormat::Payload)));
+        let mut other = row();
+        other.headers = r#"{"b": "2", "a": "1", "z": {"n": 1}}"#.into();
+        rows.push((other, RecordValue::of(ValueFormat::Envelope)));
+        let mut blank = row();
+        blank.payload = Payload::Text("  ".into());
+        rows.push((blank, tombstones));
+        let mut null = row();
+        null.payload = Payload::Null;
+        rows.push((null, RecordValue::of(ValueFormat::Payload)));
+        let mut large = row();
+        large.payload = Payload::Json(format!("{{\"n\": \"{}\"}}", "x".repeat(100_000)));
+        large.headers = format!(r#"{{"big": "{}"}}"#, "y".repeat(100_000));
+        rows.push((large, RecordValue::of(ValueFormat::Envelope)));
+        for format in [
+            ValueFormat::CloudEvents,
+            ValueFormat::CloudEventsBinary,
+            ValueFormat::ConnectJson,
+        ] {
+            rows.push((row(), RecordValue::of(format)));
+        }
+        let mut bad = row();
+        bad.headers = "[1]".into();
+        rows.push((bad, RecordValue::of(ValueFormat::Envelope)));
+        let mut bad_topic = row();
+        bad_topic.aggregate_type = "Bad Type!".into();
+        rows.push((bad_topic, RecordValue::of(ValueFormat::Envelope)));
+        let topic = default_topic();
+        let order: Vec<usize> = (0..rows.len())
+            .chain((0..rows.len()).rev())
+            .chain([3, 0, 7, 2])
+            .collect();
+        let mut into = KafkaRecord::default();
+        for i in order {
+            let (r, value) = &rows[i];
+            let fresh = build_record(r, &topic, value, COMMIT_MS);
+            let reused = build_record_into(r, &topic, value, COMMIT_MS, &mut into);
+            match (fresh, reused) {
+                (Ok(fresh), Ok(())) => assert_eq!(into, fresh, "row {i}"),
+                (Err(a), Err(b)) => assert_eq!(a, b, "row {i}"),
+                (a, b) => panic!("row {i}: fresh {a:?}, into the one before {b:?}"),
+            }
+            if i != 7 {
+                let kept = into.value.iter().chain(into.headers.iter().map(|(_, v)| v));
+                assert!(
+                    kept.map(Vec::capacity).all(|c| c <= REUSED_CAPACITY_MAX),
+                    "row {i}: a large row's buffers are not kept"
+                );
+            }
+        }
     }
 
     #[test]

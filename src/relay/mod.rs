@@ -376,6 +376,9 @@ pub struct Relay {
     /// replay sends each on its own (the rest in batches, so that a large
     /// transaction still fits in transaction.timeout.ms).
     suspects: std::collections::BTreeSet<RowPos>,
+    /// The record sent last, whose buffers the next row's record is built
+    /// into (see [`crate::kafka::records::build_record_into`]).
+    scratch: crate::kafka::records::KafkaRecord,
     /// The producer's `batch.size` cap, once a topic refused a batch for
     /// its size (see `SinkKind::batch_bytes`).
     batch_bytes: Option<usize>,
@@ -570,6 +573,7 @@ impl Relay {
             last_failure: None,
             refused: RefusedRecords::default(),
             suspects: Default::default(),
+            scratch: Default::default(),
             batch_bytes: None,
             otel,
             read_messages: false,

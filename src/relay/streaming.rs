@@ -27,7 +27,7 @@ use super::commit::commit_outcome;
 use super::resume::Passage;
 use super::session::{now_micros, DeadLetterJob, Sent, Session, EAGER_CONFIRM, HEAR_OUT};
 use super::{Relay, RelayError};
-use crate::kafka::records::{build_record, dead_letter_stub, KafkaRecord, Poison};
+use crate::kafka::records::{build_record_into, dead_letter_stub, KafkaRecord, Poison};
 use crate::kafka::sink::{KafkaSinkError, Refusal, SendOutcome};
 use crate::lsn::Lsn;
 use crate::ops::otel::PendingSpan;
@@ -402,12 +402,17 @@ impl Relay {
         if self.park_behind(stream, s, row, pos).await? {
             return Ok(());
         }
-        let mut built = build_record(
+        // Built into the buffers of the record sent before, which the
+        // send below hands back.
+        let mut record = std::mem::take(&mut self.scratch);
+        let mut built = build_record_into(
             row,
             &self.validated.topic,
             &self.validated.value,
             s.open_commit_ms,
-        );
+            &mut record,
+        )
+        .map(|()| record);
         if let (Some(registry), Ok(record)) = (self.registry.as_mut(), built.as_mut()) {
             if !registry.ready(row, &record.topic) {
                 let (received, flushed, every) = s.beat();
@@ -474,6 +479,7 @@ impl Relay {
         let sent = self
             .send(stream, s, txn, lsn, pos, &record, Sent::Event, true, span)
             .await;
+        self.scratch = record;
         if alone && sent.is_ok() {
             self.settle(stream, s).await?;
             s.alone = None;
