@@ -818,9 +818,9 @@ fn json_kind(v: &serde_json::Value) -> &'static str {
 }
 
 fn push_json_string(out: &mut Vec<u8>, s: &str) {
-    // What serde_json escapes: quotes, backslashes, control characters.
-    // Ids, types and keys rarely hold one, and copying is cheaper.
-    if s.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\') {
+    // Ids, types and keys rarely hold what JSON escapes, and copying is
+    // cheaper.
+    if !needs_json_escape(s.as_bytes()) {
         out.reserve(s.len() + 2);
         out.push(b'"');
         out.extend_from_slice(s.as_bytes());
@@ -829,6 +829,30 @@ fn push_json_string(out: &mut Vec<u8>, s: &str) {
     }
     // Writing a &str to a Vec cannot fail.
     let _ = serde_json::to_writer(&mut *out, s);
+}
+
+/// Whether `s` holds a byte serde_json escapes: a quote, a backslash, a
+/// control character (below 0x20). Eight bytes at a time: a lane of
+/// `x - 0x01…` borrows into its top bit only where the byte was below the
+/// subtrahend, and `& !x` leaves out bytes that had the top bit set.
+fn needs_json_escape(s: &[u8]) -> bool {
+    const ONES: u64 = u64::from_le_bytes([1; 8]);
+    const TOPS: u64 = ONES << 7;
+    let below = |x: u64, n: u8| x.wrapping_sub(ONES * u64::from(n)) & !x & TOPS;
+    let mut chunks = s.chunks_exact(8);
+    for c in &mut chunks {
+        let x = u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]);
+        let control = below(x, 0x20);
+        let quote = below(x ^ (ONES * u64::from(b'"')), 1);
+        let backslash = below(x ^ (ONES * u64::from(b'\\')), 1);
+        if control | quote | backslash != 0 {
+            return true;
+        }
+    }
+    chunks
+        .remainder()
+        .iter()
+        .any(|&b| b < 0x20 || b == b'"' || b == b'\\')
 }
 
 /// The seed relay's envelope, with the payload embedded without
@@ -1461,6 +1485,24 @@ mod tests {
                     kept.map(Vec::capacity).all(|c| c <= REUSED_CAPACITY_MAX),
                     "row {i}: a large row's buffers are not kept"
                 );
+            }
+        }
+    }
+
+    /// Every byte, at every place of an eight-byte lane and of the tail,
+    /// among bytes that need no escape and bytes with the top bit set.
+    #[test]
+    fn the_escape_check_finds_every_byte_json_escapes() {
+        let naive = |s: &[u8]| s.iter().any(|&b| b < 0x20 || b == b'"' || b == b'\\');
+        for fill in [b'a', 0x80, 0xff, 0x21, 0x5d, 0x1f + 1] {
+            for len in 0..20 {
+                for at in 0..len {
+                    for b in 0..=255u8 {
+                        let mut s = vec![fill; len];
+                        s[at] = b;
+                        assert_eq!(needs_json_escape(&s), naive(&s), "{s:?}");
+                    }
+                }
             }
         }
     }

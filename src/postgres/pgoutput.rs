@@ -79,7 +79,7 @@ impl TupleValue {
     /// The text form, when the value was sent as valid UTF-8 text.
     pub fn as_text(&self) -> Option<&str> {
         match self {
-            TupleValue::Text(b) => std::str::from_utf8(b).ok(),
+            TupleValue::Text(b) => simdutf8::basic::from_utf8(b).ok(),
             _ => None,
         }
     }
