@@ -353,14 +353,15 @@ pub fn build_record_into(
         ValueFormat::CloudEvents | ValueFormat::CloudEventsBinary
     );
     user_headers(&row.headers, |k, v| {
-        let standard = [
+        let taken = [
             header::ID,
             header::TYPE,
             header::AGGREGATE_TYPE,
             header::AGGREGATE_ID,
         ]
-        .contains(&k);
-        if !standard && !(cloudevent && cloudevents::is_reserved_header(k)) {
+        .contains(&k)
+            || (cloudevent && cloudevents::is_reserved_header(k));
+        if !taken {
             headers.put_named(k, v);
         }
     })?;
