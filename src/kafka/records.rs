@@ -318,9 +318,25 @@ pub fn build_record(
 /// [`build_record`] into `into`, whose every field it overwrites: the
 /// relay builds each record into the one before it, so that the topic,
 /// key, value and header buffers are allocated once, not per record. On
-/// an error `into` holds a part of the row's record: build into it again
-/// before reading it.
+/// an error `into` is left empty (a default record), never a mix of this
+/// row's fields and the record before.
 pub fn build_record_into(
+    row: &OutboxRow,
+    topic: &TopicTemplate,
+    value: &RecordValue,
+    commit_ms: i64,
+    into: &mut KafkaRecord,
+) -> Result<(), RecordError> {
+    let built = fill_record(row, topic, value, commit_ms, into);
+    if built.is_err() {
+        *into = KafkaRecord::default();
+    }
+    built
+}
+
+/// What [`build_record_into`] does, leaving `into` half-written on an
+/// error.
+fn fill_record(
     row: &OutboxRow,
     topic: &TopicTemplate,
     value: &RecordValue,
@@ -472,6 +488,27 @@ pub fn build_record_into(
 /// does not hold its size for the rest of the session.
 const REUSED_CAPACITY_MAX: usize = 64 * 1024;
 
+/// The most header slots a record keeps for the next one.
+const REUSED_HEADERS_MAX: usize = 64;
+
+impl KafkaRecord {
+    /// The record with only what is worth keeping for the next
+    /// [`build_record_into`]: no buffer past [`REUSED_CAPACITY_MAX`], no
+    /// more than [`REUSED_HEADERS_MAX`] header slots. A relay that goes
+    /// idle after a large row holds a few small buffers, not the row.
+    pub fn recycled(mut self) -> KafkaRecord {
+        self.value = self.value.map(emptied).filter(|v| v.capacity() > 0);
+        self.key = emptied(std::mem::take(&mut self.key));
+        if self.headers.capacity() > REUSED_HEADERS_MAX {
+            self.headers = Headers::new();
+        }
+        for (_, v) in &mut self.headers {
+            *v = emptied(std::mem::take(v));
+        }
+        self
+    }
+}
+
 /// `buf` emptied for reuse, or a new buffer when it grew past
 /// [`REUSED_CAPACITY_MAX`].
 fn emptied(mut buf: Vec<u8>) -> Vec<u8> {
@@ -535,6 +572,9 @@ impl<'h> HeaderSlots<'h> {
     /// Drops the slots the record before used past this record's.
     fn finish(self) {
         self.headers.truncate(self.used);
+        if self.headers.capacity() > REUSED_HEADERS_MAX.max(self.used) {
+            self.headers.shrink_to(self.used);
+        }
     }
 }
 
@@ -1459,6 +1499,34 @@ mod tests {
         ] {
             rows.push((row(), RecordValue::of(format)));
         }
+        let mut bare = RecordValue::of(ValueFormat::Envelope);
+        bare.standard_headers = false;
+        rows.push((row(), bare));
+        let mut keyed = RecordValue::of(ValueFormat::Payload);
+        keyed.connect_key = true;
+        rows.push((row(), keyed));
+        let mut untyped = row();
+        untyped.facts = Some(std::sync::Arc::new(crate::source::outbox::ColumnFacts {
+            has_type: false,
+            ..Default::default()
+        }));
+        rows.push((untyped, RecordValue::of(ValueFormat::Envelope)));
+        // A placement named as a row header of the record before.
+        let mut renamed = RecordValue::of(ValueFormat::Envelope);
+        renamed.placements = vec![placed(Placement::Header, "correlationId", 0)];
+        let mut r = row();
+        r.headers = "{}".into();
+        r.extra = vec![Extra::Text("from-a-column".into())];
+        rows.push((r, renamed));
+        let mut many = row();
+        many.headers = format!(
+            "{{{}}}",
+            (0..200)
+                .map(|i| format!("\"h{i:03}\": \"{i}\""))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        rows.push((many, RecordValue::of(ValueFormat::Envelope)));
         let mut bad = row();
         bad.headers = "[1]".into();
         rows.push((bad, RecordValue::of(ValueFormat::Envelope)));
@@ -1477,7 +1545,14 @@ mod tests {
             let reused = build_record_into(r, &topic, value, COMMIT_MS, &mut into);
             match (fresh, reused) {
                 (Ok(fresh), Ok(())) => assert_eq!(into, fresh, "row {i}"),
-                (Err(a), Err(b)) => assert_eq!(a, b, "row {i}"),
+                (Err(a), Err(b)) => {
+                    assert_eq!(a, b, "row {i}");
+                    assert_eq!(
+                        into,
+                        KafkaRecord::default(),
+                        "row {i}: a failed build leaves nothing"
+                    );
+                }
                 (a, b) => panic!("row {i}: fresh {a:?}, into the one before {b:?}"),
             }
             if i != 7 {
@@ -1488,6 +1563,72 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// A row that fails half-way (its partition placement) after one
+    /// that had a key, a partition and more headers leaves none of them.
+    #[test]
+    fn a_failed_build_keeps_nothing_of_the_record_before() {
+        use crate::config::columns::Placement;
+        let mut value = RecordValue::of(ValueFormat::Envelope);
+        value.placements = vec![placed(Placement::Partition, "", 0)];
+        let mut a = row();
+        a.extra = vec![Extra::Number("3".into())];
+        let mut into = KafkaRecord::default();
+        build_record_into(&a, &default_topic(), &value, COMMIT_MS, &mut into).unwrap();
+        assert_eq!(into.partition, Some(3));
+        let mut b = row();
+        b.aggregate_id = "other".into();
+        b.headers = r#"{"a": "1"}"#.into();
+        b.extra = vec![Extra::Number("-1".into())];
+        let e = build_record_into(&b, &default_topic(), &value, COMMIT_MS, &mut into).unwrap_err();
+        assert_eq!(e.reason(), "bad_partition");
+        assert_eq!(into, KafkaRecord::default());
+    }
+
+    /// What a record keeps between rows is bounded, whatever the last row
+    /// held.
+    #[test]
+    fn a_recycled_record_keeps_no_large_buffer() {
+        let mut r = row();
+        r.payload = Payload::Json(format!("{{\"n\": \"{}\"}}", "x".repeat(200_000)));
+        r.headers = format!(
+            "{{\"big\": \"{}\", {}}}",
+            "y".repeat(200_000),
+            (0..200)
+                .map(|i| format!("\"h{i:03}\": \"{i}\""))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        r.aggregate_id = "k".repeat(200_000);
+        let rec = build_record(
+            &r,
+            &default_topic(),
+            &RecordValue::of(ValueFormat::Envelope),
+            COMMIT_MS,
+        )
+        .unwrap()
+        .recycled();
+        assert!(rec
+            .value
+            .as_ref()
+            .is_none_or(|v| v.capacity() <= REUSED_CAPACITY_MAX));
+        assert!(rec.key.capacity() <= REUSED_CAPACITY_MAX);
+        assert!(rec.headers.capacity() <= REUSED_HEADERS_MAX);
+        assert!(rec
+            .headers
+            .iter()
+            .all(|(_, v)| v.capacity() <= REUSED_CAPACITY_MAX));
+        let small = build_record(
+            &row(),
+            &default_topic(),
+            &RecordValue::of(ValueFormat::Envelope),
+            COMMIT_MS,
+        )
+        .unwrap();
+        let kept = small.clone().recycled();
+        assert_eq!(kept.headers.len(), small.headers.len(), "small buffers are kept");
+        assert!(kept.value.is_some_and(|v| v.capacity() > 0 && v.is_empty()));
     }
 
     /// Every byte, at every place of an eight-byte lane and of the tail,

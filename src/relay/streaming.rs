@@ -479,7 +479,7 @@ impl Relay {
         let sent = self
             .send(stream, s, txn, lsn, pos, &record, Sent::Event, true, span)
             .await;
-        self.scratch = record;
+        self.scratch = record.recycled();
         if alone && sent.is_ok() {
             self.settle(stream, s).await?;
             s.alone = None;
