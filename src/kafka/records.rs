@@ -990,15 +990,20 @@ mod tests {
         template("{aggregate_type}.events", true).unwrap()
     }
 
-    #[test]
-    fn envelope_record() {
-        let r = build_record(
-            &row(),
+    /// `r`'s record in the envelope, to the default topic.
+    fn envelope_of(r: &OutboxRow) -> KafkaRecord {
+        build_record(
+            r,
             &default_topic(),
             &RecordValue::of(ValueFormat::Envelope),
             COMMIT_MS,
         )
-        .unwrap();
+        .unwrap()
+    }
+
+    #[test]
+    fn envelope_record() {
+        let r = envelope_of(&row());
         assert_eq!(r.topic, "order.events");
         assert_eq!(r.key, b"1001");
         assert_eq!(r.timestamp_ms, 1_796_000_523_000);
@@ -1412,14 +1417,13 @@ mod tests {
     #[test]
     fn placements_headers_partition_and_envelope() {
         use crate::config::columns::Placement;
-        let mut value = RecordValue::of(ValueFormat::Envelope);
-        value.placements = vec![
-            placed(Placement::Header, "eventType", 0),
-            placed(Placement::Partition, "", 1),
-            placed(Placement::Envelope, "tenant", 2),
-            placed(Placement::Header, "gone", 3),
-            placed(Placement::Envelope, "flag", 4),
-        ];
+        let value = placing(&[
+            (Placement::Header, "eventType", 0),
+            (Placement::Partition, "", 1),
+            (Placement::Envelope, "tenant", 2),
+            (Placement::Header, "gone", 3),
+            (Placement::Envelope, "flag", 4),
+        ]);
         let mut r = row();
         r.extra = vec![
             Extra::Text("OrderPlaced".into()),
@@ -1455,17 +1459,31 @@ mod tests {
         );
     }
 
+    /// `n` members `"h000": "0"`, … of a headers object, without braces.
+    fn numbered_headers(n: usize) -> String {
+        (0..n)
+            .map(|i| format!("\"h{i:03}\": \"{i}\""))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    /// An envelope with `placements` (placement, name, extra column).
+    fn placing(placements: &[(crate::config::columns::Placement, &str, usize)]) -> RecordValue {
+        let mut value = RecordValue::of(ValueFormat::Envelope);
+        value.placements = placements
+            .iter()
+            .map(|&(p, name, extra)| placed(p, name, extra))
+            .collect();
+        value
+    }
+
     /// Building each record into the one before gives what building it
     /// fresh gives, whatever came before: more or fewer headers, other
     /// names, a tombstone, another format, a row that failed half-way.
     #[test]
     fn a_record_built_into_the_one_before_is_the_record_built_fresh() {
         use crate::config::columns::Placement;
-        let mut placed_value = RecordValue::of(ValueFormat::Envelope);
-        placed_value.placements = vec![
-            placed(Placement::Header, "eventType", 0),
-            placed(Placement::Partition, "", 1),
-        ];
+        let placed_value = placing(&[(Placement::Header, "eventType", 0), (Placement::Partition, "", 1)]);
         let mut tombstones = RecordValue::of(ValueFormat::Payload);
         tombstones.tombstones = true;
         let mut rows = Vec::new();
@@ -1512,20 +1530,13 @@ mod tests {
         }));
         rows.push((untyped, RecordValue::of(ValueFormat::Envelope)));
         // A placement named as a row header of the record before.
-        let mut renamed = RecordValue::of(ValueFormat::Envelope);
-        renamed.placements = vec![placed(Placement::Header, "correlationId", 0)];
+        let renamed = placing(&[(Placement::Header, "correlationId", 0)]);
         let mut r = row();
         r.headers = "{}".into();
         r.extra = vec![Extra::Text("from-a-column".into())];
         rows.push((r, renamed));
         let mut many = row();
-        many.headers = format!(
-            "{{{}}}",
-            (0..200)
-                .map(|i| format!("\"h{i:03}\": \"{i}\""))
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
+        many.headers = format!("{{{}}}", numbered_headers(200));
         rows.push((many, RecordValue::of(ValueFormat::Envelope)));
         let mut bad = row();
         bad.headers = "[1]".into();
@@ -1570,8 +1581,7 @@ mod tests {
     #[test]
     fn a_failed_build_keeps_nothing_of_the_record_before() {
         use crate::config::columns::Placement;
-        let mut value = RecordValue::of(ValueFormat::Envelope);
-        value.placements = vec![placed(Placement::Partition, "", 0)];
+        let value = placing(&[(Placement::Partition, "", 0)]);
         let mut a = row();
         a.extra = vec![Extra::Number("3".into())];
         let mut into = KafkaRecord::default();
@@ -1595,20 +1605,10 @@ mod tests {
         r.headers = format!(
             "{{\"big\": \"{}\", {}}}",
             "y".repeat(200_000),
-            (0..200)
-                .map(|i| format!("\"h{i:03}\": \"{i}\""))
-                .collect::<Vec<_>>()
-                .join(", ")
+            numbered_headers(200)
         );
         r.aggregate_id = "k".repeat(200_000);
-        let rec = build_record(
-            &r,
-            &default_topic(),
-            &RecordValue::of(ValueFormat::Envelope),
-            COMMIT_MS,
-        )
-        .unwrap()
-        .recycled();
+        let rec = envelope_of(&r).recycled();
         assert!(rec
             .value
             .as_ref()
@@ -1619,13 +1619,7 @@ mod tests {
             .headers
             .iter()
             .all(|(_, v)| v.capacity() <= REUSED_CAPACITY_MAX));
-        let small = build_record(
-            &row(),
-            &default_topic(),
-            &RecordValue::of(ValueFormat::Envelope),
-            COMMIT_MS,
-        )
-        .unwrap();
+        let small = envelope_of(&row());
         let kept = small.clone().recycled();
         assert_eq!(kept.headers.len(), small.headers.len(), "small buffers are kept");
         assert!(kept.value.is_some_and(|v| v.capacity() > 0 && v.is_empty()));
