@@ -402,8 +402,9 @@ impl Relay {
         if self.park_behind(stream, s, row, pos).await? {
             return Ok(());
         }
-        // Built into the buffers of the record sent before, which the
-        // send below hands back.
+        // Built into the buffers of the record sent before; they go back
+        // to `self.scratch` once this record is sent (a row that fails
+        // leaves it empty, and the next builds anew).
         let mut record = std::mem::take(&mut self.scratch);
         let mut built = build_record_into(
             row,
