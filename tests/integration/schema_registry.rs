@@ -78,16 +78,21 @@ for line in sys.stdin:
 "#;
 
 /// Each record decoded by Confluent's client: (schema id, value). A
-/// client that hangs (seen twice in many runs, before the registry had
-/// served much; the stack it dumps is printed) is run once more.
+/// client that hangs (seen a few times in many runs, waiting on the
+/// registry's answer to `get_associations_by_resource_name`; the stack it
+/// dumps is printed) is run again, up to three times in all.
 fn decode(format: &str, records: &[&Consumed], message: &str) -> Vec<(u32, Value)> {
-    match decode_once(format, records, message) {
-        Ok(v) => v,
-        Err(first) => {
-            eprintln!("Confluent's client failed once, running it again: {first}");
-            decode_once(format, records, message).unwrap_or_else(|e| panic!("{e}"))
+    let mut failures = Vec::new();
+    for _ in 0..3 {
+        match decode_once(format, records, message) {
+            Ok(v) => return v,
+            Err(e) => {
+                eprintln!("Confluent's client failed, running it again: {e}");
+                failures.push(e);
+            }
         }
     }
+    panic!("Confluent's client failed three times: {failures:?}")
 }
 
 fn decode_once(format: &str, records: &[&Consumed], message: &str) -> Result<Vec<(u32, Value)>, String> {
