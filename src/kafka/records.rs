@@ -350,19 +350,19 @@ fn fill_record(
     let created_at = row.created_at.or_commit(commit_ms);
     let id = row.id.as_str();
     let mut headers = HeaderSlots::new(&mut into.headers);
-    headers.put(header::ID.into(), id.as_bytes());
+    headers.put(header::ID, id.as_bytes());
     if value.standard_headers {
         // A row of a table without a type (or route) column has no such
         // header; a message or a row read back from the park tables (no
         // facts) has both columns.
         let facts = row.facts.as_deref();
         if facts.is_none_or(|f| f.has_type) {
-            headers.put(header::TYPE.into(), row.event_type.as_bytes());
+            headers.put(header::TYPE, row.event_type.as_bytes());
         }
         if facts.is_none_or(|f| f.has_route) {
-            headers.put(header::AGGREGATE_TYPE.into(), row.aggregate_type.as_bytes());
+            headers.put(header::AGGREGATE_TYPE, row.aggregate_type.as_bytes());
         }
-        headers.put(header::AGGREGATE_ID.into(), row.aggregate_id.as_bytes());
+        headers.put(header::AGGREGATE_ID, row.aggregate_id.as_bytes());
     }
     let cloudevent = matches!(
         value.format,
@@ -538,33 +538,28 @@ impl<'h> HeaderSlots<'h> {
         HeaderSlots { headers, used: 0 }
     }
 
-    /// Sets the next header.
-    fn put(&mut self, name: HeaderName, value: &[u8]) {
-        match self.headers.get_mut(self.used) {
-            Some((k, v)) => {
-                if *k != name {
-                    *k = name;
-                }
-                refill(v, value);
-            }
-            None => self.headers.push((name, value.to_vec())),
-        }
-        self.used += 1;
+    /// Sets the next header, one of outboxd's own names.
+    fn put(&mut self, name: &'static str, value: &[u8]) {
+        self.put_with(name, || HeaderName::Borrowed(name), value);
     }
 
     /// Sets the next header, named by the row or the configuration: the
     /// name is copied only when the slot's differs.
     fn put_named(&mut self, name: &str, value: &[u8]) {
+        self.put_with(name, || HeaderName::Owned(name.to_owned()), value);
+    }
+
+    /// Sets the next header to `value`; `make` names a slot whose name is
+    /// not `name` already.
+    fn put_with(&mut self, name: &str, make: impl FnOnce() -> HeaderName, value: &[u8]) {
         match self.headers.get_mut(self.used) {
             Some((k, v)) => {
                 if k != name {
-                    *k = HeaderName::Owned(name.to_owned());
+                    *k = make();
                 }
                 refill(v, value);
             }
-            None => self
-                .headers
-                .push((HeaderName::Owned(name.to_owned()), value.to_vec())),
+            None => self.headers.push((make(), value.to_vec())),
         }
         self.used += 1;
     }
@@ -572,9 +567,6 @@ impl<'h> HeaderSlots<'h> {
     /// Drops the slots the record before used past this record's.
     fn finish(self) {
         self.headers.truncate(self.used);
-        if self.headers.capacity() > REUSED_HEADERS_MAX.max(self.used) {
-            self.headers.shrink_to(self.used);
-        }
     }
 }
 
