@@ -62,6 +62,20 @@ async fn commit_end(db: &TestDb, txn: &Txn) -> Lsn {
     end.parse().unwrap()
 }
 
+/// The time since the test began, for its progress lines: a failure
+/// in CI then says which step took how long.
+fn at() -> Duration {
+    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    START.get_or_init(Instant::now).elapsed()
+}
+
+/// A progress line, stamped with [`at`].
+macro_rules! step {
+    ($($arg:tt)*) => {
+        eprintln!("cluster [{:.1} s]: {}", at().as_secs_f64(), format!($($arg)*))
+    };
+}
+
 /// What a sampler saw: the slot's confirmed LSN and the readiness code.
 #[derive(Clone, Copy, Debug)]
 struct Sample {
@@ -159,6 +173,7 @@ async fn kill_leader_of(cluster: &Arc<Broker>, topic: &'static str, down_for: Du
     let c = cluster.clone();
     tokio::task::spawn_blocking(move || {
         let leader = c.leader_of(topic, 0).expect("partition 0 has a leader");
+        step!("killing leader {leader} of {topic}/0");
         c.kill_node(leader);
         let killed_at = Instant::now();
         let deadline = killed_at + Duration::from_secs(60);
@@ -169,8 +184,8 @@ async fn kill_leader_of(cluster: &Arc<Broker>, topic: &'static str, down_for: Du
             );
             std::thread::sleep(Duration::from_millis(100));
         }
-        eprintln!(
-            "cluster: killed leader {leader} of {topic}/0; new leader {:?} after {:?}",
+        step!(
+            "killed leader {leader} of {topic}/0; new leader {:?} after {:?}",
             c.leader_of(topic, 0),
             killed_at.elapsed()
         );
@@ -184,6 +199,7 @@ async fn kill_leader_of(cluster: &Arc<Broker>, topic: &'static str, down_for: Du
             );
             std::thread::sleep(Duration::from_millis(200));
         }
+        step!("node {leader} is back in every ISR of {topic}");
         leader
     })
     .await
@@ -237,8 +253,10 @@ fn assert_confirmed_never_passed_a_missing_event(samples: &[Sample], txns: &[Txn
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_brokers_lose_their_leader_and_then_their_quorum_and_nothing_is_lost() {
+    at();
     let total = crate::relay::env_usize("OUTBOXD_CLUSTER_EVENTS", 50_000);
     let cluster = Arc::new(broker::cluster(3, &[]));
+    step!("the cluster runs");
     let db = TestDb::new("cluster").await;
     let client = db.client().await;
     let dir = tempfile::tempdir().unwrap();
@@ -300,10 +318,12 @@ async fn three_brokers_lose_their_leader_and_then_their_quorum_and_nothing_is_lo
         txns.extend(w.await.unwrap());
     }
     let written_in = started.elapsed();
+    step!("the writers are done");
     let events: Vec<Event> = txns.iter().flat_map(|t| t.events.clone()).collect();
     assert_eq!(events.len(), txns_per_writer * WRITERS * PER_TXN);
     let want: HashSet<Uuid> = events.iter().map(|e| e.id).collect();
     let records = wait_all(&cluster, &want, Duration::from_secs(180)).await;
+    step!("every event of phase 1 is in Kafka");
     let phase1_samples = samples.lock().unwrap().clone();
     let ids: Vec<Uuid> = records
         .iter()
@@ -322,7 +342,7 @@ async fn three_brokers_lose_their_leader_and_then_their_quorum_and_nothing_is_lo
     // replays what it had in flight: at most kafka.max_inflight each.
     let (_, metrics) = crate::operations::get(http, "/metrics").await;
     let restarts = crate::operations::metric(&metrics, "outboxd_reconnects_total").unwrap_or(0.0) as usize;
-    eprintln!("failover: {duplicates} duplicates over {restarts} session restarts");
+    step!("failover: {duplicates} duplicates over {restarts} session restarts");
     assert!(
         duplicates <= (restarts + 1) * MAX_INFLIGHT,
         "{duplicates} duplicates exceed the bound of kafka.max_inflight per session restart ({restarts} restarts)"
@@ -336,8 +356,8 @@ async fn three_brokers_lose_their_leader_and_then_their_quorum_and_nothing_is_lo
     )
     .await;
     let not_ready = phase1_samples.iter().filter(|s| s.ready != 200).count();
-    eprintln!(
-        "cluster phase 1: {} events from {WRITERS} writers in {written_in:?}; killed leaders {first} and {second}; \
+    step!(
+        "phase 1: {} events from {WRITERS} writers in {written_in:?}; killed leaders {first} and {second}; \
          {duplicates} duplicates; {} samples, {not_ready} not ready",
         events.len(),
         phase1_samples.len()
@@ -349,7 +369,8 @@ async fn three_brokers_lose_their_leader_and_then_their_quorum_and_nothing_is_lo
         (get(http, "/readyz").await.0 == 200).then_some(())
     })
     .await;
-    let survivor = cluster.leader_of(TOPIC, 0).unwrap();
+    let survivor = cluster.leader_of(TOPIC, 0).expect("partition 0 has a leader before phase 2");
+    step!("phase 2: every broker but {survivor} goes down");
     let down: Vec<u32> = (1..=3).filter(|n| *n != survivor).collect();
     let held = confirmed_flush(&client, slot).await.unwrap();
     for n in &down {
@@ -371,8 +392,8 @@ async fn three_brokers_lose_their_leader_and_then_their_quorum_and_nothing_is_lo
         },
     )
     .await;
-    eprintln!(
-        "cluster phase 2: not ready after {:?}: {}",
+    step!(
+        "phase 2: not ready after {:?}: {}",
         outage.elapsed(),
         body.trim()
     );
@@ -413,8 +434,8 @@ async fn three_brokers_lose_their_leader_and_then_their_quorum_and_nothing_is_lo
         (get(http, "/readyz").await.0 == 200).then_some(())
     })
     .await;
-    eprintln!(
-        "cluster phase 2: brokers {down:?} down, {} events held and delivered after broker {returned} returned ({:?} in all)",
+    step!(
+        "phase 2: brokers {down:?} down, {} events held and delivered after broker {returned} returned ({:?} in all)",
         outage_events.len(),
         outage.elapsed()
     );
@@ -528,8 +549,8 @@ async fn exactly_once_phase(cluster: &Arc<Broker>, db: &TestDb, dir: &std::path:
     .unwrap();
     assert_eq!(records_after.len(), records.len(), "nothing more arrived");
     crate::exactly_once::assert_exactly_once(&records_after, &events);
-    eprintln!(
-        "cluster phase 3 (exactly-once): {} events from {WRITERS} writers; killed leader {killed} of {EO_TOPIC}/0; each read once, in order",
+    step!(
+        "phase 3 (exactly-once): {} events from {WRITERS} writers; killed leader {killed} of {EO_TOPIC}/0; each read once, in order",
         events.len()
     );
     let status = daemon.sigterm();

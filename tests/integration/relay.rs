@@ -900,6 +900,26 @@ impl Daemon {
     }
 }
 
+/// A test that fails while outboxd runs shows the end of outboxd's log:
+/// libtest prints what a failing test wrote, and the log file is in a
+/// temporary directory that goes with the test.
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = log.lines().collect();
+        let tail = &lines[lines.len().saturating_sub(60)..];
+        eprintln!(
+            "--- the last {} lines of {} ---\n{}\n--- end of the log ---",
+            tail.len(),
+            self.log.display(),
+            tail.join("\n")
+        );
+    }
+}
+
 /// `writers` tasks, each writing `txns` transactions of `per_txn` events
 /// over 25 aggregates of its own; each returns its events in commit order.
 pub(crate) async fn torture_writers(
