@@ -83,10 +83,9 @@ use rdkafka::config::ClientConfig;
 use rdkafka::error::{KafkaError, KafkaResult, RDKafkaErrorCode};
 use rdkafka::message::{Message, OwnedMessage};
 
-use rdkafka::producer::{
-    BaseProducer, BaseRecord, DeliveryResult, Producer as _, ProducerContext, PurgeConfig,
-};
+use rdkafka::producer::{BaseProducer, DeliveryResult, Producer as _, ProducerContext, PurgeConfig};
 
+use crate::kafka::native::{Outgoing, Topics};
 use crate::kafka::FastMap;
 
 /// A delivery report, read so that an acknowledgement without an offset
@@ -244,9 +243,6 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// A record librdkafka would not enqueue, handed back with the reason.
-pub type Refused<'a> = (KafkaError, BaseRecord<'a, [u8], [u8], usize>);
-
 /// One record's delivery, awaited on its own.
 #[derive(Debug)]
 pub struct Awaited(oneshot::Receiver<Report>);
@@ -340,6 +336,9 @@ const QUIET: Duration = Duration::from_secs(5);
 /// [`Lane`]s.
 pub struct Producer {
     inner: Arc<BaseProducer<Reports>>,
+    /// librdkafka's handles of the topics sent to (see
+    /// [`crate::kafka::native`]).
+    topics: Topics,
     /// The generation, and the lock that orders sends and purges.
     gate: Arc<Gate>,
     next_lane: AtomicU32,
@@ -395,6 +394,7 @@ impl Producer {
         }
         Ok(Arc::new(Producer {
             inner,
+            topics: Topics::default(),
             gate,
             next_lane: AtomicU32::new(0),
             stop,
@@ -436,6 +436,12 @@ impl Producer {
         self.generation()
     }
 
+    /// librdkafka topic handles kept (tests of [`crate::kafka::native`]).
+    #[cfg(test)]
+    pub(crate) fn topic_handles(&self) -> usize {
+        self.topics.len()
+    }
+
     /// Whether failed deliveries purge this producer's queue.
     pub fn sharing(&self) -> Sharing {
         self.inner.context().sharing
@@ -448,14 +454,13 @@ impl Producer {
     }
 
     /// Enqueues a record under `ticket`, unless the producer purged since
-    /// generation `seen`.
-    #[allow(clippy::result_large_err)]
-    fn enqueue<'a>(
+    /// generation `seen`; `Ok(Err(_))`: librdkafka would not enqueue it.
+    fn enqueue<H: AsRef<str>>(
         &self,
         seen: u64,
         ticket: Ticket,
-        record: BaseRecord<'a, [u8], [u8], usize>,
-    ) -> Result<Result<(), Refused<'a>>, Stale> {
+        record: &Outgoing<'_, H>,
+    ) -> Result<KafkaResult<()>, Stale> {
         // Never blocks: a purge holds the lock, and the send is stale.
         let Ok(gate) = self.gate.lock.try_read() else {
             return Err(Stale);
@@ -463,7 +468,7 @@ impl Producer {
         if self.gate.generation.load(Ordering::SeqCst) != seen {
             return Err(Stale);
         }
-        let sent = self.inner.send(record.delivery_opaque(ticket));
+        let sent = self.topics.produce(self.inner.client().native_ptr(), record, ticket);
         drop(gate);
         if sent.is_ok() {
             self.wake_poller();
@@ -498,6 +503,8 @@ impl Producer {
 impl Drop for Producer {
     fn drop(&mut self) {
         self.inner.purge(PurgeConfig::default().queue().inflight());
+        // Before the last reference to librdkafka's handle can go.
+        self.topics.clear();
         self.stop.store(true, Ordering::SeqCst);
         self.poller.unpark();
         if let Some(purger) = self.inner.context().purger.get() {
@@ -574,11 +581,7 @@ impl Lane {
     }
 
     /// Enqueues a record whose report goes to [`Lane::reports`].
-    #[allow(clippy::result_large_err)]
-    pub fn send_batched<'a>(
-        &self,
-        record: BaseRecord<'a, [u8], [u8], usize>,
-    ) -> Result<Result<Ticket, Refused<'a>>, Stale> {
+    pub fn send_batched<H: AsRef<str>>(&self, record: &Outgoing<'_, H>) -> Result<KafkaResult<Ticket>, Stale> {
         let ticket = lane_ticket(self.id, false);
         Ok(self
             .producer
@@ -587,11 +590,7 @@ impl Lane {
     }
 
     /// Enqueues a record whose report is awaited on its own.
-    #[allow(clippy::result_large_err)]
-    pub fn send_awaited<'a>(
-        &self,
-        record: BaseRecord<'a, [u8], [u8], usize>,
-    ) -> Result<Result<Awaited, Refused<'a>>, Stale> {
+    pub fn send_awaited<H: AsRef<str>>(&self, record: &Outgoing<'_, H>) -> Result<KafkaResult<Awaited>, Stale> {
         let ticket = lane_ticket(self.id, true);
         let (tx, rx) = oneshot::channel();
         lock(&self.queue.shared.waiters).insert(ticket, tx);

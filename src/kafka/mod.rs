@@ -1,6 +1,7 @@
 //! The Kafka side: the producer, topics and broker checks ([`sink`]),
 //! delivery reports in batches, lanes and the producer's poller
-//! ([`delivery`]), the clients the sources of a process share
+//! ([`delivery`]), records handed to librdkafka with kept topic handles
+//! ([`native`]), the clients the sources of a process share
 //! ([`clients`]),
 //! records and dead letters built from outbox rows ([`records`]),
 //! CloudEvents values ([`cloudevents`]), Kafka Connect's JSON as Debezium
@@ -12,6 +13,7 @@ pub mod cloudevents;
 pub mod connect;
 pub mod delivery;
 pub mod enqueue;
+pub mod native;
 pub mod records;
 pub mod sink;
 

@@ -30,15 +30,15 @@ use std::time::Duration;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, ResourceSpecifier, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
-use rdkafka::error::{KafkaError, RDKafkaErrorCode};
-use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{BaseRecord, Producer as _};
+use rdkafka::error::{KafkaError, KafkaResult, RDKafkaErrorCode};
+use rdkafka::producer::Producer as _;
 
 pub use crate::kafka::delivery::Report;
-use crate::kafka::delivery::{Awaited, Lane, Producer, Refused, ReportQueue, Sharing, Stale, Ticket};
+use crate::kafka::delivery::{Awaited, Lane, Producer, ReportQueue, Sharing, Stale, Ticket};
+use crate::kafka::native::Outgoing;
 
 use crate::config::KafkaConfig;
-use crate::kafka::records::KafkaRecord;
+use crate::kafka::records::{HeaderName, KafkaRecord};
 use crate::kafka::FastMap;
 
 /// Kafka could not be used.
@@ -1056,11 +1056,10 @@ impl KafkaSink {
 
     /// A shared producer that purged since this sink's generation refuses
     /// the send with [`KafkaSinkError::Purged`] (see [`KafkaSink::adopt`]).
-    #[allow(clippy::result_large_err)]
-    fn enqueue<'a, T>(
+    fn enqueue<T>(
         &mut self,
-        rec: &'a KafkaRecord,
-        send: impl Fn(&Lane, BaseRecord<'a, [u8], [u8], usize>) -> Result<Result<T, Refused<'a>>, Stale>,
+        rec: &KafkaRecord,
+        send: impl Fn(&Lane, &Outgoing<'_, HeaderName>) -> Result<KafkaResult<T>, Stale>,
     ) -> Result<SendOutcome<T>, KafkaSinkError> {
         let send = |lane: &Lane, record| send(lane, record).map_err(|Stale| KafkaSinkError::Purged);
         let limit = self
@@ -1077,30 +1076,21 @@ impl KafkaSink {
             }
         }
         self.begin_if_needed()?;
-        let mut headers = OwnedHeaders::new_with_capacity(rec.headers.len());
-        for (k, v) in &rec.headers {
-            headers = headers.insert(Header {
-                key: k,
-                value: Some(v.as_slice()),
-            });
-        }
-        let mut record = BaseRecord::with_opaque_to(&rec.topic, 0)
-            .key(rec.key.as_slice())
-            .headers(headers)
-            .timestamp(rec.timestamp_ms);
-        if let Some(value) = &rec.value {
-            record = record.payload(value.as_slice());
-        }
-        if let Some(p) = rec.partition {
-            record = record.partition(p);
-        }
+        let record = Outgoing {
+            topic: &rec.topic,
+            partition: rec.partition,
+            key: &rec.key,
+            value: rec.value.as_deref(),
+            headers: &rec.headers,
+            timestamp_ms: rec.timestamp_ms,
+        };
         let full = |e: &KafkaError| matches!(e, KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull));
         // librdkafka counts a record's value against its queue's bytes: a
         // value larger than all of them never fits, and waiting would
         // never end. (A producer shared with other sources may be full of
         // theirs, so an empty queue is no test.)
-        let outcome = match send(&self.producer, record)? {
-            Err((e, _)) if full(&e) && rec.value_len() as u64 > self.queue_bytes => {
+        let outcome = match send(&self.producer, &record)? {
+            Err(e) if full(&e) && rec.value_len() as u64 > self.queue_bytes => {
                 return Err(KafkaSinkError::QueueTooSmall {
                     topic: rec.topic.clone(),
                     bytes: rec.value_len(),
@@ -1110,8 +1100,8 @@ impl KafkaSink {
         };
         match outcome {
             Ok(f) => Ok(SendOutcome::Sent(f)),
-            Err((e, _)) if full(&e) => Ok(SendOutcome::QueueFull),
-            Err((source, _)) => Err(KafkaSinkError::Produce {
+            Err(e) if full(&e) => Ok(SendOutcome::QueueFull),
+            Err(source) => Err(KafkaSinkError::Produce {
                 topic: rec.topic.clone(),
                 source,
             }),

@@ -1,0 +1,307 @@
+//! A record handed to librdkafka through its C API, with a topic handle
+//! the producer keeps.
+//!
+//! rdkafka's `BaseProducer::send` names the topic of every record: it
+//! copies the name into a new C string, and librdkafka then looks the
+//! topic up under its handle's write lock, comparing the name with every
+//! topic the producer knows (`rd_kafka_topic_new0`, a list). On 50 topics
+//! that is a lock the broker threads also take, and about 25 string
+//! comparisons per record. [`Topics`] keeps one librdkafka topic handle
+//! per topic name (`rd_kafka_topic_new`, once), and [`produce`] passes the
+//! handle (`RD_KAFKA_VTYPE_RKT`): librdkafka only counts a reference.
+//!
+//! What librdkafka does with the record is otherwise the same call that
+//! rdkafka makes (`rd_kafka_producev`): the same flags (it copies key,
+//! value and headers), the same partitioner and topic configuration (a
+//! handle made with no configuration of its own takes the producer's
+//! default, as a topic named in `producev` does), the same delivery
+//! opaque (the ticket, a number), and the same errors.
+//!
+//! **Lifetimes.** librdkafka wants every topic handle destroyed before its
+//! producer: the handles live in [`Topics`], which the owning producer
+//! empties in its `Drop` (before its reference to librdkafka's handle
+//! goes). The number of handles is bounded ([`MAX_TOPICS`]): a topic
+//! template that names a new topic per event sends the topics beyond the
+//! bound by name, as before, instead of keeping a handle for each.
+#![allow(unsafe_code)]
+
+use std::ffi::{c_void, CString};
+use std::ptr::NonNull;
+use std::sync::RwLock;
+
+use rdkafka::bindings as rdsys;
+use rdkafka::error::{IsError, KafkaError, RDKafkaErrorCode};
+
+use crate::kafka::FastMap;
+
+/// librdkafka's "unassigned partition": its partitioner picks one.
+const PARTITION_UA: i32 = -1;
+
+/// Topic handles kept at most per producer (see the module doc).
+pub const MAX_TOPICS: usize = 1024;
+
+/// One record as librdkafka takes it: borrowed, since it copies
+/// everything (`RD_KAFKA_MSG_F_COPY`, and header values on add).
+#[derive(Debug)]
+pub struct Outgoing<'a, H> {
+    pub topic: &'a str,
+    /// `None`: the partitioner picks, from the key.
+    pub partition: Option<i32>,
+    pub key: &'a [u8],
+    /// `None`: a null value.
+    pub value: Option<&'a [u8]>,
+    pub headers: &'a [(H, Vec<u8>)],
+    pub timestamp_ms: i64,
+}
+
+/// A librdkafka topic handle, destroyed when dropped.
+struct TopicHandle(NonNull<rdsys::rd_kafka_topic_t>);
+
+// SAFETY: librdkafka's topic handles may be used and destroyed from any
+// thread (rdkafka.h: "all ... APIs are thread-safe").
+unsafe impl Send for TopicHandle {}
+unsafe impl Sync for TopicHandle {}
+
+impl Drop for TopicHandle {
+    fn drop(&mut self) {
+        // SAFETY: the handle came from rd_kafka_topic_new and is destroyed
+        // once, here; its producer still exists (see `Topics::clear`).
+        unsafe { rdsys::rd_kafka_topic_destroy(self.0.as_ptr()) }
+    }
+}
+
+/// The topic handles of one producer, by topic name.
+#[derive(Default)]
+pub struct Topics {
+    handles: RwLock<FastMap<Box<str>, TopicHandle>>,
+}
+
+impl std::fmt::Debug for Topics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let n = self.handles.read().map(|h| h.len()).unwrap_or(0);
+        f.debug_struct("Topics").field("handles", &n).finish()
+    }
+}
+
+impl Topics {
+    /// Destroys every handle. The owner calls it before librdkafka's
+    /// producer can be destroyed.
+    pub fn clear(&self) {
+        self.handles
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clear();
+    }
+
+    /// Handles kept now.
+    pub fn len(&self) -> usize {
+        self.handles.read().map(|h| h.len()).unwrap_or(0)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Enqueues `record` on the producer `rk` with delivery opaque
+    /// `ticket`: through a kept handle of its topic, or by name when no
+    /// handle can be had (past [`MAX_TOPICS`], or a name librdkafka
+    /// refuses as a handle: it then refuses the send too, with its reason).
+    pub fn produce<H: AsRef<str>>(
+        &self,
+        rk: *mut rdsys::rd_kafka_t,
+        record: &Outgoing<'_, H>,
+        ticket: usize,
+    ) -> Result<(), KafkaError> {
+        let read = self
+            .handles
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(h) = read.get(record.topic) {
+            return produce(rk, Target::Handle(h.0), record, ticket);
+        }
+        drop(read);
+        let name = CString::new(record.topic)?;
+        let mut write = self
+            .handles
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if !write.contains_key(record.topic) && write.len() < MAX_TOPICS {
+            // SAFETY: rk is a live producer handle (the caller's), name a
+            // valid C string; a null configuration takes the producer's
+            // default topic configuration.
+            let made = unsafe { rdsys::rd_kafka_topic_new(rk, name.as_ptr(), std::ptr::null_mut()) };
+            if let Some(h) = NonNull::new(made) {
+                write.insert(record.topic.into(), TopicHandle(h));
+            }
+        }
+        match write.get(record.topic) {
+            Some(h) => produce(rk, Target::Handle(h.0), record, ticket),
+            None => produce(rk, Target::Name(&name), record, ticket),
+        }
+    }
+}
+
+/// Where a record goes: a kept handle, or a topic named in the call.
+enum Target<'a> {
+    Handle(NonNull<rdsys::rd_kafka_topic_t>),
+    Name(&'a CString),
+}
+
+/// One `rd_kafka_producev` call, as rdkafka's `BaseProducer::send` makes
+/// it, with the topic given as `target`.
+fn produce<H: AsRef<str>>(
+    rk: *mut rdsys::rd_kafka_t,
+    target: Target<'_>,
+    record: &Outgoing<'_, H>,
+    ticket: usize,
+) -> Result<(), KafkaError> {
+    use rdsys::rd_kafka_vtype_t::*;
+    let headers = headers(record.headers)?;
+    let (value_ptr, value_len) = match record.value {
+        Some(v) => (v.as_ptr() as *mut c_void, v.len()),
+        None => (std::ptr::null_mut(), 0),
+    };
+    let (key_ptr, key_len) = (record.key.as_ptr() as *mut c_void, record.key.len());
+    let (vtype, topic): (rdsys::rd_kafka_vtype_t, *mut c_void) = match target {
+        Target::Handle(h) => (RD_KAFKA_VTYPE_RKT, h.as_ptr().cast()),
+        Target::Name(n) => (RD_KAFKA_VTYPE_TOPIC, n.as_ptr() as *mut c_void),
+    };
+    // SAFETY: every pointer is valid for the call: librdkafka copies the
+    // key, value and topic name (MSG_F_COPY) and takes the header list
+    // only when it returns no error; the opaque is a number, never
+    // dereferenced (rdkafka reads it back as the ticket).
+    let err = unsafe {
+        rdsys::rd_kafka_producev(
+            rk,
+            vtype,
+            topic,
+            RD_KAFKA_VTYPE_PARTITION,
+            record.partition.unwrap_or(PARTITION_UA),
+            RD_KAFKA_VTYPE_MSGFLAGS,
+            rdsys::RD_KAFKA_MSG_F_COPY,
+            RD_KAFKA_VTYPE_VALUE,
+            value_ptr,
+            value_len,
+            RD_KAFKA_VTYPE_KEY,
+            key_ptr,
+            key_len,
+            RD_KAFKA_VTYPE_OPAQUE,
+            ticket as *mut c_void,
+            RD_KAFKA_VTYPE_TIMESTAMP,
+            record.timestamp_ms,
+            RD_KAFKA_VTYPE_HEADERS,
+            headers,
+            RD_KAFKA_VTYPE_END,
+        )
+    };
+    if !err.is_error() {
+        return Ok(());
+    }
+    if !headers.is_null() {
+        // SAFETY: librdkafka returned an error, so the list is still ours.
+        unsafe { rdsys::rd_kafka_headers_destroy(headers) }
+    }
+    Err(KafkaError::MessageProduction(RDKafkaErrorCode::from(err)))
+}
+
+/// A new librdkafka header list holding `headers` (null for none).
+fn headers<H: AsRef<str>>(headers: &[(H, Vec<u8>)]) -> Result<*mut rdsys::rd_kafka_headers_t, KafkaError> {
+    if headers.is_empty() {
+        return Ok(std::ptr::null_mut());
+    }
+    // SAFETY: a new list, owned here until producev takes it.
+    let list = unsafe { rdsys::rd_kafka_headers_new(headers.len()) };
+    for (name, value) in headers {
+        let name = name.as_ref();
+        // SAFETY: name and value are valid for their lengths; librdkafka
+        // copies both.
+        let err = unsafe {
+            rdsys::rd_kafka_header_add(
+                list,
+                name.as_ptr().cast(),
+                name.len() as isize,
+                value.as_ptr().cast(),
+                value.len() as isize,
+            )
+        };
+        if err.is_error() {
+            // SAFETY: the list is ours (not given to librdkafka yet).
+            unsafe { rdsys::rd_kafka_headers_destroy(list) }
+            return Err(KafkaError::MessageProduction(RDKafkaErrorCode::from(err)));
+        }
+    }
+    Ok(list)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use rdkafka::config::ClientConfig;
+    use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+
+    use super::{Outgoing, MAX_TOPICS};
+    use crate::kafka::delivery::{Producer, ReportQueue, Sharing};
+
+    /// A producer whose broker is never reached: records stay queued.
+    fn unreachable_producer() -> Arc<Producer> {
+        let mut config = ClientConfig::new();
+        config
+            .set("bootstrap.servers", "127.0.0.1:9")
+            .set("message.timeout.ms", "600000")
+            .set("log_level", "0");
+        Producer::create(&config, Sharing::Owned).unwrap()
+    }
+
+    fn to(topic: &str) -> Outgoing<'_, &'static str> {
+        const HEADERS: &[(&str, Vec<u8>)] = &[("id", Vec::new()), ("type", Vec::new())];
+        Outgoing {
+            topic,
+            partition: None,
+            key: b"k",
+            value: Some(b"{}"),
+            headers: HEADERS,
+            timestamp_ms: 0,
+        }
+    }
+
+    #[test]
+    fn a_topic_handle_is_made_once_and_kept_up_to_the_bound() {
+        let producer = unreachable_producer();
+        let lane = producer.lane(ReportQueue::default());
+        for topic in ["a.events", "b.events", "a.events", "b.events"] {
+            lane.send_batched(&to(topic)).unwrap().unwrap();
+        }
+        assert_eq!(producer.topic_handles(), 2);
+        // Past the bound, topics are sent by name: every send is taken.
+        let names: Vec<String> = (0..MAX_TOPICS + 5).map(|i| format!("t{i}.events")).collect();
+        for name in &names {
+            lane.send_batched(&to(name)).unwrap().unwrap();
+        }
+        assert_eq!(producer.topic_handles(), MAX_TOPICS);
+        let beyond = &names[MAX_TOPICS + 2];
+        lane.send_batched(&to(beyond)).unwrap().unwrap();
+        assert_eq!(producer.topic_handles(), MAX_TOPICS);
+        let handle = lane.handle();
+        assert!(rdkafka::producer::Producer::in_flight_count(&*handle) >= (MAX_TOPICS + 10) as i32);
+    }
+
+    #[test]
+    fn a_topic_librdkafka_refuses_is_refused_with_its_reason_and_keeps_no_handle() {
+        let producer = unreachable_producer();
+        let lane = producer.lane(ReportQueue::default());
+        match lane.send_batched(&to("bad\0topic")).unwrap() {
+            Err(KafkaError::Nul(_)) => {}
+            other => panic!("a NUL in the topic: {other:?}"),
+        }
+        let long = "x".repeat(600);
+        match lane.send_batched(&to(&long)).unwrap() {
+            Err(KafkaError::MessageProduction(code)) => assert_ne!(code, RDKafkaErrorCode::QueueFull),
+            other => panic!("a 600-byte topic: {other:?}"),
+        }
+        assert_eq!(producer.topic_handles(), 0);
+        // A good topic after them still goes.
+        lane.send_batched(&to("good.events")).unwrap().unwrap();
+        assert_eq!(producer.topic_handles(), 1);
+    }
+}
