@@ -468,7 +468,7 @@ impl Producer {
         if self.gate.generation.load(Ordering::SeqCst) != seen {
             return Err(Stale);
         }
-        let sent = self.topics.produce(self.inner.client().native_ptr(), record, ticket);
+        let sent = self.topics.produce(self.inner.client(), record, ticket);
         drop(gate);
         if sent.is_ok() {
             self.wake_poller();
@@ -581,7 +581,10 @@ impl Lane {
     }
 
     /// Enqueues a record whose report goes to [`Lane::reports`].
-    pub fn send_batched<H: AsRef<str>>(&self, record: &Outgoing<'_, H>) -> Result<KafkaResult<Ticket>, Stale> {
+    pub fn send_batched<H: AsRef<str>>(
+        &self,
+        record: &Outgoing<'_, H>,
+    ) -> Result<KafkaResult<Ticket>, Stale> {
         let ticket = lane_ticket(self.id, false);
         Ok(self
             .producer
@@ -590,7 +593,10 @@ impl Lane {
     }
 
     /// Enqueues a record whose report is awaited on its own.
-    pub fn send_awaited<H: AsRef<str>>(&self, record: &Outgoing<'_, H>) -> Result<KafkaResult<Awaited>, Stale> {
+    pub fn send_awaited<H: AsRef<str>>(
+        &self,
+        record: &Outgoing<'_, H>,
+    ) -> Result<KafkaResult<Awaited>, Stale> {
         let ticket = lane_ticket(self.id, true);
         let (tx, rx) = oneshot::channel();
         lock(&self.queue.shared.waiters).insert(ticket, tx);

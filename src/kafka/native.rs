@@ -30,6 +30,7 @@ use std::ptr::NonNull;
 use std::sync::RwLock;
 
 use rdkafka::bindings as rdsys;
+use rdkafka::client::{Client, ClientContext};
 use rdkafka::error::{IsError, KafkaError, RDKafkaErrorCode};
 
 use crate::kafka::FastMap;
@@ -102,16 +103,17 @@ impl Topics {
         self.len() == 0
     }
 
-    /// Enqueues `record` on the producer `rk` with delivery opaque
+    /// Enqueues `record` on the producer `client` with delivery opaque
     /// `ticket`: through a kept handle of its topic, or by name when no
     /// handle can be had (past [`MAX_TOPICS`], or a name librdkafka
     /// refuses as a handle: it then refuses the send too, with its reason).
-    pub fn produce<H: AsRef<str>>(
+    pub fn produce<C: ClientContext, H: AsRef<str>>(
         &self,
-        rk: *mut rdsys::rd_kafka_t,
+        client: &Client<C>,
         record: &Outgoing<'_, H>,
         ticket: usize,
     ) -> Result<(), KafkaError> {
+        let rk = client.native_ptr();
         let read = self
             .handles
             .read()
@@ -126,7 +128,7 @@ impl Topics {
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         if !write.contains_key(record.topic) && write.len() < MAX_TOPICS {
-            // SAFETY: rk is a live producer handle (the caller's), name a
+            // SAFETY: rk is a live producer handle (borrowed), name a
             // valid C string; a null configuration takes the producer's
             // default topic configuration.
             let made = unsafe { rdsys::rd_kafka_topic_new(rk, name.as_ptr(), std::ptr::null_mut()) };
