@@ -369,7 +369,9 @@ async fn three_brokers_lose_their_leader_and_then_their_quorum_and_nothing_is_lo
         (get(http, "/readyz").await.0 == 200).then_some(())
     })
     .await;
-    let survivor = cluster.leader_of(TOPIC, 0).expect("partition 0 has a leader before phase 2");
+    let survivor = cluster
+        .leader_of(TOPIC, 0)
+        .expect("partition 0 has a leader before phase 2");
     step!("phase 2: every broker but {survivor} goes down");
     let down: Vec<u32> = (1..=3).filter(|n| *n != survivor).collect();
     let held = confirmed_flush(&client, slot).await.unwrap();
@@ -392,11 +394,7 @@ async fn three_brokers_lose_their_leader_and_then_their_quorum_and_nothing_is_lo
         },
     )
     .await;
-    step!(
-        "phase 2: not ready after {:?}: {}",
-        outage.elapsed(),
-        body.trim()
-    );
+    step!("phase 2: not ready after {:?}: {}", outage.elapsed(), body.trim());
     while outage.elapsed() < Duration::from_secs(20) {
         let c = confirmed_flush(&client, slot).await.unwrap();
         assert!(
