@@ -812,6 +812,16 @@ fn dead_letter(topic: &str, key: Vec<u8>, value: Vec<u8>, headers: Headers) -> K
 /// it, without chrono's format-string machinery (once per event).
 fn push_rfc3339_micros(out: &mut Vec<u8>, t: &chrono::DateTime<chrono::Utc>) {
     use chrono::{Datelike, Timelike};
+    // The events of one transaction mostly share their time: the text
+    // written last is kept per thread.
+    thread_local! {
+        static LAST: std::cell::Cell<Option<(chrono::DateTime<chrono::Utc>, [u8; 27])>> =
+            const { std::cell::Cell::new(None) };
+    }
+    if let Some((_, text)) = LAST.get().filter(|(at, _)| at == t) {
+        out.extend_from_slice(&text);
+        return;
+    }
     let year = t.year();
     if !(0..=9999).contains(&year) {
         out.extend_from_slice(t.to_rfc3339_opts(SecondsFormat::Micros, true).as_bytes());
@@ -829,6 +839,7 @@ fn push_rfc3339_micros(out: &mut Vec<u8>, t: &chrono::DateTime<chrono::Utc>) {
     // (PostgreSQL has no leap seconds: the nanoseconds stay below 10^9.)
     put_digits(&mut buf[20..26], t.nanosecond() / 1000 % 1_000_000);
     out.extend_from_slice(&buf);
+    LAST.set(Some((*t, buf)));
 }
 
 /// Writes `n`'s last `dst.len()` decimal digits into `dst`, zero-padded.
@@ -1283,6 +1294,31 @@ mod tests {
             commit,
             "epoch seconds in a milliseconds column"
         );
+    }
+
+    #[test]
+    fn the_time_written_last_is_reused_only_for_the_same_time() {
+        let at = |s: &str| chrono::DateTime::parse_from_rfc3339(s).unwrap().to_utc();
+        let times = [
+            at("2026-01-02T03:04:05.123456Z"),
+            at("2026-01-02T03:04:05.123456Z"),
+            at("2026-01-02T03:04:05.123457Z"),
+            at("2026-01-02T03:04:05.123456Z"),
+            at("1999-12-31T23:59:59Z"),
+            chrono::DateTime::from_timestamp(253_402_300_800, 0).unwrap(), // year 10000
+            chrono::DateTime::from_timestamp(253_402_300_800, 0).unwrap(),
+            at("2026-01-02T03:04:05.123456Z"),
+            at("2026-01-02T03:04:05.123456789Z"),
+        ];
+        for t in times {
+            let mut out = b"x".to_vec();
+            push_rfc3339_micros(&mut out, &t);
+            assert_eq!(
+                out,
+                format!("x{}", t.to_rfc3339_opts(SecondsFormat::Micros, true)).into_bytes(),
+                "{t:?}"
+            );
+        }
     }
 
     #[test]

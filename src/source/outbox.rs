@@ -1058,7 +1058,38 @@ impl std::fmt::Display for CreatedAt {
 /// The fixed layout PostgreSQL prints is read byte by byte (this runs once
 /// per event); anything else goes through chrono.
 pub fn parse_timestamptz(s: &str) -> Result<DateTime<Utc>, RowError> {
-    fast_timestamptz(s.as_bytes()).map_or_else(|| slow_timestamptz(s), Ok)
+    // The rows of one transaction mostly share their time (`DEFAULT
+    // now()`): the text read last, and what it gave, are kept per thread.
+    thread_local! {
+        static LAST: std::cell::Cell<Option<LastTimestamp>> = const { std::cell::Cell::new(None) };
+    }
+    let b = s.as_bytes();
+    if let Some(last) = LAST.get().filter(|l| l.text.get(..usize::from(l.len)) == Some(b)) {
+        return Ok(last.at);
+    }
+    let at = fast_timestamptz(b).map_or_else(|| slow_timestamptz(s), Ok)?;
+    if b.len() <= LAST_TIMESTAMP_TEXT {
+        let mut text = [0u8; LAST_TIMESTAMP_TEXT];
+        text[..b.len()].copy_from_slice(b);
+        LAST.set(Some(LastTimestamp {
+            text,
+            len: b.len() as u8,
+            at,
+        }));
+    }
+    Ok(at)
+}
+
+/// The longest `timestamptz` text [`parse_timestamptz`] remembers
+/// (PostgreSQL's longest in ISO style is 35 bytes).
+const LAST_TIMESTAMP_TEXT: usize = 40;
+
+/// A `timestamptz` text and the time it reads as.
+#[derive(Clone, Copy)]
+struct LastTimestamp {
+    text: [u8; LAST_TIMESTAMP_TEXT],
+    len: u8,
+    at: DateTime<Utc>,
 }
 
 fn fast_timestamptz(b: &[u8]) -> Option<DateTime<Utc>> {
@@ -1606,5 +1637,31 @@ mod tests {
         );
         assert!(parse_timestamptz("2026-13-02 03:04:05+00").is_err());
         assert!(parse_timestamptz("2026-01-02 03:04:05").is_err());
+    }
+
+    #[test]
+    fn the_timestamp_read_last_is_remembered_only_for_its_own_text() {
+        let uncached = |s: &str| fast_timestamptz(s.as_bytes()).map_or_else(|| slow_timestamptz(s), Ok);
+        let long = format!("2026-01-02 03:04:05.123456+00{}", ":00".repeat(4));
+        let texts = [
+            "2026-01-02 03:04:05.123456+00",
+            "2026-01-02 03:04:05.123456+00",
+            "2026-01-02 03:04:05.12345+00",
+            "2026-01-02 03:04:05.123456+00",
+            "2026-01-02 03:04:05.123456+01",
+            "2026-01-02 03:04:05.123456",
+            "2026-01-02 03:04:05.123456+00",
+            "2026-01-02 03:04:05.123456+00:00:01",
+            "2026-01-02 03:04:05.123456+00",
+            &long,
+            &long,
+            "infinity",
+            "infinity",
+            "2026-01-02 03:04:05.123456+0",
+            "2026-01-02 03:04:05.123456+00",
+        ];
+        for s in texts {
+            assert_eq!(parse_timestamptz(s), uncached(s), "{s}");
+        }
     }
 }
