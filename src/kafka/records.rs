@@ -34,6 +34,8 @@
 //! empty key, headers that are not an object) is a [`RecordError`]; the
 //! relay never drops it silently.
 
+use std::borrow::Cow;
+
 use chrono::SecondsFormat;
 
 use crate::config::columns::Placement;
@@ -576,14 +578,20 @@ impl<'h> HeaderSlots<'h> {
 /// nested too deep to read as a value is passed on as PostgreSQL wrote it,
 /// not refused.
 fn user_headers(text: &str, mut put: impl FnMut(&str, &[u8])) -> Result<(), RecordError> {
-    use serde_json::value::RawValue;
     if !text.trim_start().starts_with('{') {
         let kind = serde_json::from_str::<serde_json::Value>(text).map_or("invalid JSON", |v| json_kind(&v));
         return Err(RecordError::HeadersNotObject(kind.into()));
     }
-    let map: std::collections::BTreeMap<String, &RawValue> =
-        serde_json::from_str(text).map_err(|e| RecordError::HeadersUnreadable(e.to_string()))?;
-    for (k, v) in &map {
+    let mut members = serde_json::from_str::<Members<'_>>(text)
+        .map_err(|e| RecordError::HeadersUnreadable(e.to_string()))?
+        .0;
+    // Key order; of members with one key, the last (a stable sort keeps
+    // their order), as a map would keep them.
+    members.sort_by(|a, b| a.0.cmp(&b.0));
+    for (i, (k, v)) in members.iter().enumerate() {
+        if members.get(i + 1).is_some_and(|(next, _)| next == k) {
+            continue;
+        }
         let raw = v.get();
         if let Some(plain) = raw
             .strip_prefix('"')
@@ -604,6 +612,56 @@ fn user_headers(text: &str, mut put: impl FnMut(&str, &[u8])) -> Result<(), Reco
         }
     }
     Ok(())
+}
+
+/// A JSON object's members in the order written, each key borrowed from
+/// the text unless it holds an escape: read without a map's allocations
+/// (it runs for every event whose row has headers).
+struct Members<'a>(Vec<(Cow<'a, str>, &'a serde_json::value::RawValue)>);
+
+impl<'de> serde::Deserialize<'de> for Members<'de> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = Members<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a map")
+            }
+            fn visit_map<M: serde::de::MapAccess<'de>>(self, mut map: M) -> Result<Members<'de>, M::Error> {
+                let mut members = Vec::with_capacity(map.size_hint().unwrap_or(4));
+                while let Some(Key(k)) = map.next_key()? {
+                    members.push((k, map.next_value()?));
+                }
+                Ok(Members(members))
+            }
+        }
+        d.deserialize_map(Visit)
+    }
+}
+
+/// A member's key: borrowed when it holds no escape.
+struct Key<'a>(Cow<'a, str>);
+
+impl<'de> serde::Deserialize<'de> for Key<'de> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = Key<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a string key")
+            }
+            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Key<'de>, E> {
+                Ok(Key(Cow::Borrowed(v)))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Key<'de>, E> {
+                Ok(Key(Cow::Owned(v.to_owned())))
+            }
+            fn visit_string<E>(self, v: String) -> Result<Key<'de>, E> {
+                Ok(Key(Cow::Owned(v)))
+            }
+        }
+        d.deserialize_str(Visit)
+    }
 }
 
 /// Header names on dead-letter records.
@@ -966,6 +1024,52 @@ mod tests {
         let mut h = Headers::new();
         user_headers(text, |k, v| h.push((k.to_owned().into(), v.to_vec())))?;
         Ok(h)
+    }
+
+    #[test]
+    fn row_headers_come_in_key_order_and_the_last_of_a_repeated_key_wins() {
+        // What a map of the members gives (what user_headers read before).
+        let by_map = |text: &str| -> Vec<(String, String)> {
+            let map: std::collections::BTreeMap<String, &serde_json::value::RawValue> =
+                serde_json::from_str(text).unwrap();
+            map.into_iter().map(|(k, v)| (k, v.get().to_owned())).collect()
+        };
+        let texts = [
+            r#"{"b": "2", "a": "1", "b": "3"}"#,
+            r#"{"\u0061": "x", "a": "y", "\u0062": "z"}"#,
+            r#"{"a": "y", "\u0061": "x"}"#,
+            r#"{"é": "1", "e": "2", "z": "3", "": "4", "E": "5", "a\"b": "6"}"#,
+            r#"{"k": 1, "k": [1, 2], "k": {"n": null}, "j": true}"#,
+            r#"{}"#,
+            r#"{"x": "1"}"#,
+        ];
+        for text in texts {
+            let mut want: Vec<(String, Vec<u8>)> = Vec::new();
+            for (k, raw) in by_map(text) {
+                let mut single = Headers::new();
+                let member = format!("{{{}: {raw}}}", serde_json::to_string(&k).unwrap());
+                user_headers(&member, |_, v| single.push((k.clone().into(), v.to_vec()))).unwrap();
+                want.extend(single.into_iter().map(|(k, v)| (k.into_owned(), v)));
+            }
+            let got: Vec<(String, Vec<u8>)> = headers_of(text)
+                .unwrap()
+                .into_iter()
+                .map(|(k, v)| (k.into_owned(), v))
+                .collect();
+            assert_eq!(got, want, "{text}");
+        }
+        assert!(matches!(
+            headers_of(r#"{"a": 1,}"#),
+            Err(RecordError::HeadersUnreadable(_))
+        ));
+        assert!(matches!(
+            headers_of(r#"{"a" 1}"#),
+            Err(RecordError::HeadersUnreadable(_))
+        ));
+        assert!(matches!(
+            headers_of(r#"{1: 1}"#),
+            Err(RecordError::HeadersUnreadable(_))
+        ));
     }
 
     fn template(text: &str, lowercase: bool) -> Result<TopicTemplate, String> {
