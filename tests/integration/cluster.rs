@@ -172,7 +172,7 @@ async fn kill_leader_and_return(cluster: &Arc<Broker>, down_for: Duration) -> u3
 async fn kill_leader_of(cluster: &Arc<Broker>, topic: &'static str, down_for: Duration) -> u32 {
     let c = cluster.clone();
     tokio::task::spawn_blocking(move || {
-        let leader = c.leader_of(topic, 0).expect("partition 0 has a leader");
+        let leader = leader_within(&c, topic, Duration::from_secs(30));
         step!("killing leader {leader} of {topic}/0");
         c.kill_node(leader);
         let killed_at = Instant::now();
@@ -204,6 +204,23 @@ async fn kill_leader_of(cluster: &Arc<Broker>, topic: &'static str, down_for: Du
     })
     .await
     .unwrap()
+}
+
+/// The leader of `topic`/0, asked until the cluster answers: a metadata
+/// request to a node that has just rejoined can go unanswered on a busy
+/// machine.
+fn leader_within(c: &Broker, topic: &str, timeout: Duration) -> u32 {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(leader) = c.leader_of(topic, 0) {
+            return leader;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no leader of {topic}/0 reported within {timeout:?}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
 }
 
 /// The topic's `min.insync.replicas` and whether it is set on the topic.
@@ -369,9 +386,7 @@ async fn three_brokers_lose_their_leader_and_then_their_quorum_and_nothing_is_lo
         (get(http, "/readyz").await.0 == 200).then_some(())
     })
     .await;
-    let survivor = cluster
-        .leader_of(TOPIC, 0)
-        .expect("partition 0 has a leader before phase 2");
+    let survivor = leader_within(&cluster, TOPIC, Duration::from_secs(30));
     step!("phase 2: every broker but {survivor} goes down");
     let down: Vec<u32> = (1..=3).filter(|n| *n != survivor).collect();
     let held = confirmed_flush(&client, slot).await.unwrap();
