@@ -338,7 +338,7 @@ pub struct Producer {
     inner: Arc<BaseProducer<Reports>>,
     /// librdkafka's handles of the topics sent to (see
     /// [`crate::kafka::native`]).
-    topics: Topics,
+    topics: Topics<Reports>,
     /// The generation, and the lock that orders sends and purges.
     gate: Arc<Gate>,
     next_lane: AtomicU32,
@@ -393,8 +393,8 @@ impl Producer {
             let _ = inner.context().purger.set(purger);
         }
         Ok(Arc::new(Producer {
+            topics: Topics::new(inner.clone()),
             inner,
-            topics: Topics::default(),
             gate,
             next_lane: AtomicU32::new(0),
             stop,
@@ -468,7 +468,7 @@ impl Producer {
         if self.gate.generation.load(Ordering::SeqCst) != seen {
             return Err(Stale);
         }
-        let sent = self.topics.produce(self.inner.client(), record, ticket);
+        let sent = self.topics.produce(record, ticket);
         drop(gate);
         if sent.is_ok() {
             self.wake_poller();
@@ -503,8 +503,6 @@ impl Producer {
 impl Drop for Producer {
     fn drop(&mut self) {
         self.inner.purge(PurgeConfig::default().queue().inflight());
-        // Before the last reference to librdkafka's handle can go.
-        self.topics.clear();
         self.stop.store(true, Ordering::SeqCst);
         self.poller.unpark();
         if let Some(purger) = self.inner.context().purger.get() {

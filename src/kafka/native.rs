@@ -18,20 +18,20 @@
 //! opaque (the ticket, a number), and the same errors.
 //!
 //! **Lifetimes.** librdkafka wants every topic handle destroyed before its
-//! producer: the handles live in [`Topics`], which the owning producer
-//! empties in its `Drop` (before its reference to librdkafka's handle
-//! goes). The number of handles is bounded ([`MAX_TOPICS`]): a topic
-//! template that names a new topic per event sends the topics beyond the
-//! bound by name, as before, instead of keeping a handle for each.
+//! producer, and used with no other: [`Topics`] holds its producer, and
+//! destroys its handles when it is dropped, before that reference goes.
+//! The number of handles is bounded ([`MAX_TOPICS`]): a topic template
+//! that names a new topic per event sends the topics beyond the bound by
+//! name, as before, instead of keeping a handle for each.
 #![allow(unsafe_code)]
 
 use std::ffi::{c_void, CString};
 use std::ptr::NonNull;
-use std::sync::RwLock;
+use std::sync::{Arc, RwLock};
 
 use rdkafka::bindings as rdsys;
-use rdkafka::client::{Client, ClientContext};
 use rdkafka::error::{IsError, KafkaError, RDKafkaErrorCode};
+use rdkafka::producer::{BaseProducer, Producer as _, ProducerContext};
 
 use crate::kafka::FastMap;
 
@@ -66,32 +66,43 @@ unsafe impl Sync for TopicHandle {}
 impl Drop for TopicHandle {
     fn drop(&mut self) {
         // SAFETY: the handle came from rd_kafka_topic_new and is destroyed
-        // once, here; its producer still exists (see `Topics::clear`).
+        // once, here; its producer still exists (`Topics` holds it).
         unsafe { rdsys::rd_kafka_topic_destroy(self.0.as_ptr()) }
     }
 }
 
-/// The topic handles of one producer, by topic name.
-#[derive(Default)]
-pub struct Topics {
+/// The topic handles of one producer, by topic name. It holds the
+/// producer, so a handle can neither outlive its producer nor be used on
+/// another; handles are destroyed only when it is dropped (before its
+/// reference to the producer goes), never while it is shared.
+pub struct Topics<C: ProducerContext + 'static> {
     handles: RwLock<FastMap<Box<str>, TopicHandle>>,
+    producer: Arc<BaseProducer<C>>,
 }
 
-impl std::fmt::Debug for Topics {
+impl<C: ProducerContext + 'static> std::fmt::Debug for Topics<C> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let n = self.handles.read().map(|h| h.len()).unwrap_or(0);
-        f.debug_struct("Topics").field("handles", &n).finish()
+        f.debug_struct("Topics").field("handles", &self.len()).finish()
     }
 }
 
-impl Topics {
-    /// Destroys every handle. The owner calls it before librdkafka's
-    /// producer can be destroyed.
-    pub fn clear(&self) {
+impl<C: ProducerContext + 'static> Drop for Topics<C> {
+    fn drop(&mut self) {
+        // Every handle goes before the producer can (the field after).
         self.handles
-            .write()
+            .get_mut()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .clear();
+    }
+}
+
+impl<C: ProducerContext + 'static> Topics<C> {
+    /// No handle yet, for `producer`.
+    pub fn new(producer: Arc<BaseProducer<C>>) -> Topics<C> {
+        Topics {
+            handles: RwLock::default(),
+            producer,
+        }
     }
 
     /// Handles kept now.
@@ -103,42 +114,57 @@ impl Topics {
         self.len() == 0
     }
 
-    /// Enqueues `record` on the producer `client` with delivery opaque
-    /// `ticket`: through a kept handle of its topic, or by name when no
-    /// handle can be had (past [`MAX_TOPICS`], or a name librdkafka
-    /// refuses as a handle: it then refuses the send too, with its reason).
-    pub fn produce<C: ClientContext, H: AsRef<str>>(
-        &self,
-        client: &Client<C>,
-        record: &Outgoing<'_, H>,
-        ticket: usize,
-    ) -> Result<(), KafkaError> {
-        let rk = client.native_ptr();
-        let read = self
-            .handles
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(h) = read.get(record.topic) {
-            return produce(rk, Target::Handle(h.0), record, ticket);
-        }
-        drop(read);
-        let name = CString::new(record.topic)?;
+    /// The kept handle of `topic`, made if there is room. A handle stays
+    /// valid while `self` lives: none is removed before the drop.
+    fn handle(&self, topic: &str, name: &CString) -> Option<NonNull<rdsys::rd_kafka_topic_t>> {
         let mut write = self
             .handles
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if !write.contains_key(record.topic) && write.len() < MAX_TOPICS {
-            // SAFETY: rk is a live producer handle (borrowed), name a
-            // valid C string; a null configuration takes the producer's
-            // default topic configuration.
-            let made = unsafe { rdsys::rd_kafka_topic_new(rk, name.as_ptr(), std::ptr::null_mut()) };
-            if let Some(h) = NonNull::new(made) {
-                write.insert(record.topic.into(), TopicHandle(h));
-            }
+        if let Some(h) = write.get(topic) {
+            return Some(h.0);
         }
-        match write.get(record.topic) {
-            Some(h) => produce(rk, Target::Handle(h.0), record, ticket),
-            None => produce(rk, Target::Name(&name), record, ticket),
+        if write.len() >= MAX_TOPICS {
+            return None;
+        }
+        // SAFETY: the producer is alive (held), name a valid C string; a
+        // null configuration takes the producer's default topic
+        // configuration.
+        let made = unsafe { rdsys::rd_kafka_topic_new(self.rk(), name.as_ptr(), std::ptr::null_mut()) };
+        let h = NonNull::new(made)?;
+        write.insert(topic.into(), TopicHandle(h));
+        Some(h)
+    }
+
+    fn rk(&self) -> *mut rdsys::rd_kafka_t {
+        self.producer.client().native_ptr()
+    }
+
+    /// Enqueues `record` on the producer with delivery opaque `ticket`:
+    /// through a kept handle of its topic, or by name when no handle can
+    /// be had (past [`MAX_TOPICS`], or a name librdkafka refuses as a
+    /// handle: it then refuses the send too, with its reason). Only a new
+    /// topic takes the write lock, and no lock is held during the send.
+    pub fn produce<H: AsRef<str>>(&self, record: &Outgoing<'_, H>, ticket: usize) -> Result<(), KafkaError> {
+        let kept = {
+            let read = self
+                .handles
+                .read()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            match read.get(record.topic) {
+                Some(h) => Ok(h.0),
+                None => Err(read.len() >= MAX_TOPICS),
+            }
+        };
+        match kept {
+            Ok(h) => produce(self.rk(), Target::Handle(h), record, ticket),
+            Err(full) => {
+                let name = CString::new(record.topic)?;
+                match (!full).then(|| self.handle(record.topic, &name)).flatten() {
+                    Some(h) => produce(self.rk(), Target::Handle(h), record, ticket),
+                    None => produce(self.rk(), Target::Name(&name), record, ticket),
+                }
+            }
         }
     }
 }
