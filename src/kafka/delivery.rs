@@ -436,12 +436,6 @@ impl Producer {
         self.generation()
     }
 
-    /// librdkafka topic handles kept (tests of [`crate::kafka::native`]).
-    #[cfg(test)]
-    pub(crate) fn topic_handles(&self) -> usize {
-        self.topics.len()
-    }
-
     /// Whether failed deliveries purge this producer's queue.
     pub fn sharing(&self) -> Sharing {
         self.inner.context().sharing
