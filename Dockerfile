@@ -15,6 +15,8 @@ WORKDIR /src
 # crates, not librdkafka and the rest.
 COPY Cargo.toml Cargo.lock ./
 COPY sdk/Cargo.toml sdk/
+# librdkafka with outboxd's patch (vendor/rdkafka-sys/PATCHES.md).
+COPY vendor/ vendor/
 RUN mkdir -p src sdk/src \
  && echo 'fn main() {}' >src/main.rs && touch src/lib.rs sdk/src/lib.rs \
  && cargo build --release --locked --bin outboxd \

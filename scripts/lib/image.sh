@@ -11,7 +11,7 @@
 # come from the registries this machine reaches. buildah keeps every layer
 # (--layers): the apt layers are reused, and the cargo build runs again only
 # when the build context changes, which .dockerignore narrows to Cargo.toml,
-# Cargo.lock, src/, sdk/ and migrations/.
+# Cargo.lock, src/, sdk/, vendor/ (librdkafka) and migrations/.
 #
 # Checks: the build context holds no target/ or .git; `outboxd --help`; the
 # image runs as uid 10001; and, with a read-only root filesystem, every

@@ -16,6 +16,7 @@ mod fuzz;
 mod hardening;
 mod harness;
 mod kafka_rules;
+mod librdkafka;
 mod many_topics;
 mod operations;
 mod otel;

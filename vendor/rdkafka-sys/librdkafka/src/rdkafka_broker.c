@@ -3960,6 +3960,18 @@ static int rd_kafka_toppar_producer_serve(rd_kafka_broker_t *rkb,
                 /* Partition not registered in transaction yet */
                 max_requests = 0;
         } else if (max_requests > 0) {
+                /* outboxd patch: an idempotent partition with
+                 * RD_KAFKA_IDEMP_MAX_INFLIGHT messages in flight cannot
+                 * send before a response arrives, and a response wakes
+                 * this thread by itself. A wake-up asked for now would
+                 * only make the thread poll with a zero timeout, again
+                 * and again, until that response came (see
+                 * vendor/rdkafka-sys/PATCHES.md). */
+                const rd_bool_t at_inflight_bound =
+                    rd_kafka_is_idempotent(rkb->rkb_rk) &&
+                    rd_atomic32_get(&rktp->rktp_msgs_inflight) >=
+                        RD_KAFKA_IDEMP_MAX_INFLIGHT;
+
                 /* Move messages from locked partition produce queue
                  * to broker-local xmit queue. */
                 if ((move_cnt = rktp->rktp_msgq.rkmq_msg_cnt) > 0) {
@@ -3978,8 +3990,10 @@ static int rd_kafka_toppar_producer_serve(rd_kafka_broker_t *rkb,
                     /* Only update the broker thread wakeup time
                      * if connection is up and messages can actually be
                      * sent, otherwise the wakeup can't do much. */
-                    rkb->rkb_state == RD_KAFKA_BROKER_STATE_UP ? next_wakeup
-                                                               : NULL,
+                    rkb->rkb_state == RD_KAFKA_BROKER_STATE_UP &&
+                            !at_inflight_bound
+                        ? next_wakeup
+                        : NULL,
                     now, flushing ? 1 : rkb->rkb_rk->rk_conf.buffering_max_us,
                     /* Batch message count threshold */
                     rkb->rkb_rk->rk_conf.batch_num_messages,
