@@ -84,14 +84,14 @@ case "$tool" in
     perf record -F 999 ${PERF_CALL_GRAPH:+--call-graph $PERF_CALL_GRAPH} -o $out/perf.data \
       "$bin" run --config "$WORK/outboxd.toml" 2>"$WORK/outboxd.log" &
     rec=$!
-    until pid=$(pgrep -P "$rec" -x outboxd); do sleep 0.01; done
+    until pid=$(pgrep -P "$rec" -x "$(basename "$bin" | cut -c1-15)"); do sleep 0.01; done
     perf stat --per-thread -e task-clock,context-switches,cpu-migrations,syscalls:sys_enter_poll -p "$pid" -o $out/perf-stat.txt &
     stat=$! ;;
   heaptrack)
     rm -f $out/heaptrack.*
     heaptrack -o $out/heaptrack "$bin" run --config "$WORK/outboxd.toml" >"$WORK/heaptrack.log" 2>&1 &
     rec=$!
-    until pid=$(pgrep -P "$rec" -x outboxd); do sleep 0.01; done ;;
+    until pid=$(pgrep -P "$rec" -x "$(basename "$bin" | cut -c1-15)"); do sleep 0.01; done ;;
   rss)
     "$bin" run --config "$WORK/outboxd.toml" 2>"$WORK/outboxd.log" &
     pid=$! ;;
@@ -102,11 +102,13 @@ done
 took=$(echo "$(date +%s.%N) - $start" | bc)
 if [ "$tool" = perf ]; then
   cpu=$(awk '{print ($14 + $15) / 100}' "/proc/$pid/stat")
+  split=$(awk '{print "user " $14 / 100 "s, system " $15 / 100 "s"}' "/proc/$pid/stat")
   rss=$(awk '/^VmHWM/ {print $2 / 1024}' "/proc/$pid/status")
   kill -INT "$stat"; wait "$stat" 2>/dev/null || true
   kill -TERM "$pid"; wait "$rec" || true; pid=
 elif [ "$tool" = rss ]; then
   cpu=$(awk '{print ($14 + $15) / 100}' "/proc/$pid/stat")
+  split=$(awk '{print "user " $14 / 100 "s, system " $15 / 100 "s"}' "/proc/$pid/stat")
   rss=$(awk '/^VmHWM/ {print $2 / 1024}' "/proc/$pid/status")
   # Resident KiB per kind of mapping.
   awk '/^[0-9a-f]+-[0-9a-f]+ / { name = ($6 == "") ? "[anonymous]" : $6; sub(/.*\//, "", name) }
@@ -142,7 +144,7 @@ case "$tool" in
     head -n 40 $out/annotate.txt ;;
   perf)
     echo "outboxd peak RSS: ${rss} MiB"
-    echo "outboxd CPU: ${cpu}s ($(echo "$cpu * 100000 / $rows" | bc -l | cut -c1-5) core-s per 100k events)"
+    echo "outboxd CPU: ${cpu}s ($(echo "$cpu * 100000 / $rows" | bc -l | cut -c1-5) core-s per 100k events; $split)"
     perf report -i $out/perf.data --no-children --sort dso,symbol --stdio 2>/dev/null | grep -v '^$' >$out/report.txt || true
     perf report -i $out/perf.data --no-children --sort comm --stdio 2>/dev/null | grep -v '^#' | grep -v '^$' >$out/threads.txt || true
     sort -k2 -t'|' $out/perf-stat.txt >/dev/null 2>&1 || true
@@ -151,7 +153,7 @@ case "$tool" in
     cat $out/perf-stat.txt ;;
   rss)
     echo "outboxd peak RSS: ${rss} MiB"
-    echo "outboxd CPU: ${cpu}s ($(echo "$cpu * 100000 / $rows" | bc -l | cut -c1-5) core-s per 100k events)"
+    echo "outboxd CPU: ${cpu}s ($(echo "$cpu * 100000 / $rows" | bc -l | cut -c1-5) core-s per 100k events; $split)"
     echo "resident once drained:"; cat $out/rss.txt ;;
   heaptrack)
     echo "outboxd peak RSS: ${rss} MiB (under heaptrack)"
