@@ -3889,6 +3889,9 @@ static int rd_kafka_toppar_producer_serve(rd_kafka_broker_t *rkb,
         int inflight              = 0;
         uint64_t epoch_base_msgid = 0;
         rd_bool_t batch_ready     = rd_false;
+        /* outboxd patch: the wake-up not asked for at the in-flight
+         * bound (0: none withheld). */
+        rd_ts_t withheld_wakeup = 0;
 
         /* By limiting the number of not-yet-sent buffers (rkb_outbufs) we
          * provide a backpressure mechanism to the producer loop
@@ -3965,8 +3968,10 @@ static int rd_kafka_toppar_producer_serve(rd_kafka_broker_t *rkb,
                  * send before a response arrives, and a response wakes
                  * this thread by itself. A wake-up asked for now would
                  * only make the thread poll with a zero timeout, again
-                 * and again, until that response came (see
-                 * vendor/rdkafka-sys/PATCHES.md). */
+                 * and again, until that response came. A purge of the
+                 * partition's unsent requests below lowers the count
+                 * without a response: it asks for the wake-up withheld
+                 * here (see vendor/rdkafka-sys/PATCHES.md). */
                 const rd_bool_t at_inflight_bound =
                     rd_kafka_is_idempotent(rkb->rkb_rk) &&
                     rd_atomic32_get(&rktp->rktp_msgs_inflight) >=
@@ -3999,6 +4004,10 @@ static int rd_kafka_toppar_producer_serve(rd_kafka_broker_t *rkb,
                     rkb->rkb_rk->rk_conf.batch_num_messages,
                     /* Batch total size threshold */
                     rkb->rkb_rk->rk_conf.batch_size);
+                if (at_inflight_bound &&
+                    rkb->rkb_state == RD_KAFKA_BROKER_STATE_UP &&
+                    !RD_KAFKA_MSGQ_EMPTY(&rktp->rktp_xmit_msgq))
+                        withheld_wakeup = rktp->rktp_msgq.rkmq_wakeup.abstime;
         }
 
         rd_kafka_toppar_unlock(rktp);
@@ -4016,6 +4025,10 @@ static int rd_kafka_toppar_producer_serve(rd_kafka_broker_t *rkb,
                             rkb, &rkb->rkb_outbufs, RD_KAFKAP_Produce, rktp,
                             RD_KAFKA_RESP_ERR__RETRY);
                         did_purge = rd_true;
+                        /* outboxd patch: see withheld_wakeup. */
+                        if (withheld_wakeup)
+                                rd_kafka_set_next_wakeup(next_wakeup,
+                                                         withheld_wakeup);
 
                         if (rd_kafka_pid_valid(rktp->rktp_eos.pid))
                                 rd_rkb_dbg(
@@ -4058,6 +4071,10 @@ static int rd_kafka_toppar_producer_serve(rd_kafka_broker_t *rkb,
                                             rkb, &rkb->rkb_outbufs,
                                             RD_KAFKAP_Produce, rktp,
                                             RD_KAFKA_RESP_ERR__RETRY);
+                                /* outboxd patch: see withheld_wakeup. */
+                                if (withheld_wakeup)
+                                        rd_kafka_set_next_wakeup(
+                                            next_wakeup, withheld_wakeup);
 
                                 return 0;
                         }
