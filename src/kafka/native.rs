@@ -232,13 +232,24 @@ fn produce<H: AsRef<str>>(
     Err(KafkaError::MessageProduction(RDKafkaErrorCode::from(err)))
 }
 
-/// A new librdkafka header list holding `headers` (null for none).
+extern "C" {
+    /// `rd_kafka_headers_new` with room for `count` headers of `data`
+    /// bytes of names and values in the list's own allocation: the headers
+    /// added then cost no allocation each (librdkafka as patched here,
+    /// vendor/rdkafka-sys/PATCHES.md).
+    fn rd_kafka_headers_new_sized(count: usize, data: usize) -> *mut rdsys::rd_kafka_headers_t;
+}
+
+/// A new librdkafka header list holding `headers` (null for none), in
+/// two allocations (the list with its headers, and its array of
+/// pointers) where upstream makes one more per header.
 fn headers<H: AsRef<str>>(headers: &[(H, Vec<u8>)]) -> Result<*mut rdsys::rd_kafka_headers_t, KafkaError> {
     if headers.is_empty() {
         return Ok(std::ptr::null_mut());
     }
+    let data: usize = headers.iter().map(|(n, v)| n.as_ref().len() + v.len()).sum();
     // SAFETY: a new list, owned here until producev takes it.
-    let list = unsafe { rdsys::rd_kafka_headers_new(headers.len()) };
+    let list = unsafe { rd_kafka_headers_new_sized(headers.len(), data) };
     for (name, value) in headers {
         let name = name.as_ref();
         // SAFETY: name and value are valid for their lengths; librdkafka
@@ -269,7 +280,10 @@ mod tests {
     use rdkafka::error::{KafkaError, RDKafkaErrorCode};
     use rdkafka::producer::{BaseProducer, DefaultProducerContext, Producer as _};
 
-    use super::{Outgoing, Topics, MAX_TOPICS};
+    use rdkafka::bindings as rdsys;
+    use rdkafka::error::IsError;
+
+    use super::{headers as headers_list, Outgoing, Topics, MAX_TOPICS};
 
     /// Topic handles of a producer whose broker is never reached: records
     /// stay queued.
@@ -293,6 +307,90 @@ mod tests {
             headers: HEADERS,
             timestamp_ms: 0,
         }
+    }
+
+    /// Every header of `list`, in order, as librdkafka reads them back.
+    fn read_back(list: *const rdsys::rd_kafka_headers_t) -> Vec<(String, Option<Vec<u8>>)> {
+        let mut out = Vec::new();
+        for idx in 0.. {
+            let (mut name, mut value, mut size) = (std::ptr::null(), std::ptr::null(), 0usize);
+            // SAFETY: a valid list; librdkafka fills the out-pointers.
+            let err = unsafe { rdsys::rd_kafka_header_get_all(list, idx, &mut name, &mut value, &mut size) };
+            if err.is_error() {
+                break;
+            }
+            // SAFETY: librdkafka's NUL-terminated name, and value of `size` bytes (or null).
+            let name = unsafe { std::ffi::CStr::from_ptr(name) }
+                .to_str()
+                .unwrap()
+                .to_owned();
+            let value = (!value.is_null())
+                .then(|| unsafe { std::slice::from_raw_parts(value.cast::<u8>(), size) }.to_vec());
+            out.push((name, value));
+        }
+        out
+    }
+
+    #[test]
+    fn headers_in_the_lists_room_read_back_as_added_and_free_with_it() {
+        // Sizes that end on every alignment, empty names and values, and
+        // one far past the room.
+        let headers: Vec<(String, Vec<u8>)> = (0..12)
+            .map(|i| ("h".repeat(i), vec![b'a' + i as u8; (i * 7) % 17]))
+            .chain([(String::new(), Vec::new()), ("big".into(), vec![7; 5000])])
+            .collect();
+        let list = headers_list(&headers).unwrap();
+        let expect = |extra: &[(String, Option<Vec<u8>>)]| {
+            let mut e: Vec<_> = headers
+                .iter()
+                .map(|(n, v)| (n.clone(), Some(v.clone())))
+                .collect();
+            e.extend_from_slice(extra);
+            e
+        };
+        assert_eq!(read_back(list), expect(&[]));
+        // Headers added past the room are allocated on their own; a null
+        // value stays null.
+        let more = [
+            ("late".to_owned(), Some(vec![1u8; 300])),
+            ("null".to_owned(), None),
+        ];
+        for (name, value) in &more {
+            let (ptr, len) = value
+                .as_ref()
+                .map_or((std::ptr::null(), 0), |v| (v.as_ptr(), v.len()));
+            // SAFETY: a valid list, name and value.
+            let err = unsafe {
+                rdsys::rd_kafka_header_add(
+                    list,
+                    name.as_ptr().cast(),
+                    name.len() as isize,
+                    ptr.cast(),
+                    len as isize,
+                )
+            };
+            assert!(!err.is_error());
+        }
+        assert_eq!(read_back(list), expect(&more));
+        // A copy, and a removal from the room, read back and free alike.
+        // SAFETY: valid lists, each destroyed once below.
+        let copy = unsafe { rdsys::rd_kafka_headers_copy(list) };
+        let err = unsafe { rdsys::rd_kafka_header_remove(list, c"hhh".as_ptr()) };
+        assert!(!err.is_error());
+        let mut removed = expect(&more);
+        removed.retain(|(n, _)| n != "hhh");
+        assert_eq!(read_back(list), removed);
+        assert_eq!(read_back(copy), expect(&more));
+        unsafe {
+            rdsys::rd_kafka_headers_destroy(list);
+            rdsys::rd_kafka_headers_destroy(copy);
+        }
+        // One header exactly filling the room, and none.
+        let one = [("n".to_owned(), vec![9u8; 8])];
+        let list = headers_list(&one).unwrap();
+        assert_eq!(read_back(list), vec![("n".to_owned(), Some(vec![9u8; 8]))]);
+        unsafe { rdsys::rd_kafka_headers_destroy(list) };
+        assert!(headers_list::<String>(&[]).unwrap().is_null());
     }
 
     #[test]

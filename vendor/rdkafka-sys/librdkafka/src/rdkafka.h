@@ -1330,6 +1330,16 @@ typedef struct rd_kafka_vu_s {
 RD_EXPORT rd_kafka_headers_t *rd_kafka_headers_new(size_t initial_count);
 
 /**
+ * @brief outboxd patch: like rd_kafka_headers_new(), with room for
+ *        \p initial_count headers whose names and values take
+ *        \p data_size bytes in all in the list's own allocation, so
+ *        that adding them allocates nothing more than the list's array of
+ *        pointers. Headers beyond that room are allocated on their own.
+ */
+RD_EXPORT rd_kafka_headers_t *rd_kafka_headers_new_sized(size_t initial_count,
+                                                         size_t data_size);
+
+/**
  * @brief Destroy the headers list. The object and any returned value pointers
  *        are not usable after this call.
  */

@@ -31,7 +31,13 @@
 
 
 
-#define rd_kafka_header_destroy rd_free
+/* outboxd patch: a header placed in its list's room is freed with the
+ * list (rd_kafka_headers_destroy()), not on its own. */
+static void rd_kafka_header_destroy(void *ptr) {
+        rd_kafka_header_t *hdr = ptr;
+        if (!hdr->rkhdr_in_room)
+                rd_free(hdr);
+}
 
 void rd_kafka_headers_destroy(rd_kafka_headers_t *hdrs) {
         rd_list_destroy(&hdrs->rkhdrs_list);
@@ -44,7 +50,46 @@ rd_kafka_headers_t *rd_kafka_headers_new(size_t initial_count) {
         hdrs = rd_malloc(sizeof(*hdrs));
         rd_list_init(&hdrs->rkhdrs_list, (int)initial_count,
                      rd_kafka_header_destroy);
-        hdrs->rkhdrs_ser_size = 0;
+        hdrs->rkhdrs_ser_size  = 0;
+        hdrs->rkhdrs_room      = NULL; /* outboxd patch */
+        hdrs->rkhdrs_room_left = 0;
+
+        return hdrs;
+}
+
+/* outboxd patch: the bytes a header takes in a list's room, rounded up so
+ * that the next one is aligned. */
+static size_t rd_kafka_header_room_size(size_t name_size, size_t value_size) {
+        size_t size = offsetof(rd_kafka_header_t, rkhdr_name) + name_size + 1 +
+                      value_size + 1;
+        return RD_ROUNDUP(size, sizeof(void *));
+}
+
+/* outboxd patch: a list with room for initial_count headers whose names
+ * and values take data_size bytes in all, in the list's own allocation:
+ * adding them allocates nothing more (beyond the list's array of
+ * pointers). Headers beyond that room are allocated on their own, as by
+ * rd_kafka_headers_new(). */
+rd_kafka_headers_t *rd_kafka_headers_new_sized(size_t initial_count,
+                                               size_t data_size) {
+        rd_kafka_headers_t *hdrs;
+        size_t room = 0;
+
+        if (initial_count > 0)
+                room = initial_count *
+                           rd_kafka_header_room_size(0, 0) +
+                       RD_ROUNDUP(data_size, sizeof(void *)) +
+                       initial_count * sizeof(void *);
+
+        hdrs = rd_malloc(RD_ROUNDUP(sizeof(*hdrs), sizeof(void *)) + room);
+        rd_list_init(&hdrs->rkhdrs_list, (int)initial_count,
+                     rd_kafka_header_destroy);
+        hdrs->rkhdrs_ser_size  = 0;
+        hdrs->rkhdrs_room      = room > 0 ? (char *)hdrs +
+                                           RD_ROUNDUP(sizeof(*hdrs),
+                                                      sizeof(void *))
+                                         : NULL;
+        hdrs->rkhdrs_room_left = room;
 
         return hdrs;
 }
@@ -64,7 +109,9 @@ rd_kafka_headers_t *rd_kafka_headers_copy(const rd_kafka_headers_t *src) {
         dst = rd_malloc(sizeof(*dst));
         rd_list_init(&dst->rkhdrs_list, rd_list_cnt(&src->rkhdrs_list),
                      rd_kafka_header_destroy);
-        dst->rkhdrs_ser_size = 0; /* Updated by header_copy() */
+        dst->rkhdrs_ser_size  = 0; /* Updated by header_copy() */
+        dst->rkhdrs_room      = NULL; /* outboxd patch */
+        dst->rkhdrs_room_left = 0;
         rd_list_copy_to(&dst->rkhdrs_list, &src->rkhdrs_list,
                         rd_kafka_header_copy, dst);
 
@@ -90,7 +137,21 @@ rd_kafka_resp_err_t rd_kafka_header_add(rd_kafka_headers_t *hdrs,
         else if (!value)
                 value_size = 0;
 
-        hdr = rd_malloc(sizeof(*hdr) + name_size + 1 + value_size + 1);
+        /* outboxd patch: in the list's room while the header fits. */
+        if (hdrs->rkhdrs_room &&
+            rd_kafka_header_room_size(name_size, value_size) <=
+                hdrs->rkhdrs_room_left) {
+                size_t size =
+                    rd_kafka_header_room_size(name_size, value_size);
+                hdr = (rd_kafka_header_t *)hdrs->rkhdrs_room;
+                hdrs->rkhdrs_room += size;
+                hdrs->rkhdrs_room_left -= size;
+                hdr->rkhdr_in_room = 1;
+        } else {
+                hdr = rd_malloc(sizeof(*hdr) + name_size + 1 + value_size +
+                                1);
+                hdr->rkhdr_in_room = 0;
+        }
         hdr->rkhdr_name_size = name_size;
         memcpy((void *)hdr->rkhdr_name, name, name_size);
         hdr->rkhdr_name[name_size] = '\0';

@@ -38,6 +38,11 @@
 struct rd_kafka_headers_s {
         rd_list_t rkhdrs_list;  /**< List of (rd_kafka_header_t *) */
         size_t rkhdrs_ser_size; /**< Total serialized size of headers */
+        /* outboxd patch: room for headers in this list's own allocation
+         * (rd_kafka_headers_new_sized()): header_add() places a header
+         * here while it fits, instead of allocating it on its own. */
+        char *rkhdrs_room;       /**< Next free byte of the room, or NULL */
+        size_t rkhdrs_room_left; /**< Bytes left in the room */
 };
 
 
@@ -60,6 +65,8 @@ typedef struct rd_kafka_header_s {
                                   *   considered binary).
                                   *   Will be NULL for null values, else
                                   *   points to rkhdr_name+.. */
+        int rkhdr_in_room;       /**< outboxd patch: placed in its list's
+                                  *   room, freed with the list */
         char rkhdr_name[1];      /**< Header name (nul-terminated string).
                                   *   Followed by allocation for value+nul */
 } rd_kafka_header_t;
