@@ -597,6 +597,49 @@ rd_kafka_msgset_writer_write_msg_headers(rd_kafka_msgset_writer_t *msetw,
 
 
 
+/* outboxd patch: the most bytes of a record's fields before its value
+ * (its key and the value's length included), and of its header count and headers, that
+ * rd_kafka_msgset_writer_write_msg_v2() gathers on the stack to write with
+ * one rd_kafka_buf_write() each. Larger ones are written field by field,
+ * as upstream does. */
+#define RD_KAFKA_MSGSET_WRITER_GATHER_MAX 1024
+
+/**
+ * @brief outboxd patch: \p hdrs as rd_kafka_msgset_writer_write_msg_headers()
+ *        writes them, into \p dst of \p dstsize bytes.
+ * @returns the bytes written, or 0 if they do not fit.
+ */
+static size_t
+rd_kafka_msgset_writer_gather_msg_headers(char *dst,
+                                          size_t dstsize,
+                                          const rd_kafka_headers_t *hdrs) {
+        const rd_kafka_header_t *hdr;
+        size_t of = 0, sz;
+        int i;
+
+        RD_LIST_FOREACH(hdr, &hdrs->rkhdrs_list, i) {
+                sz = rd_uvarint_enc_i64(dst + of, dstsize - of,
+                                        (int64_t)hdr->rkhdr_name_size);
+                if (!sz || dstsize - of - sz < hdr->rkhdr_name_size)
+                        return 0;
+                of += sz;
+                memcpy(dst + of, hdr->rkhdr_name, hdr->rkhdr_name_size);
+                of += hdr->rkhdr_name_size;
+                sz = rd_uvarint_enc_i64(
+                    dst + of, dstsize - of,
+                    hdr->rkhdr_value ? (int64_t)hdr->rkhdr_value_size : -1);
+                if (!sz || dstsize - of - sz < hdr->rkhdr_value_size)
+                        return 0;
+                of += sz;
+                if (hdr->rkhdr_value_size > 0)
+                        memcpy(dst + of, hdr->rkhdr_value,
+                               hdr->rkhdr_value_size);
+                of += hdr->rkhdr_value_size;
+        }
+
+        return of;
+}
+
 /**
  * @brief Write message to messageset buffer with MsgVersion 0 or 1.
  * @returns the number of bytes written.
@@ -728,6 +771,58 @@ rd_kafka_msgset_writer_write_msg_v2(rd_kafka_msgset_writer_t *msetw,
         /* Length */
         sz_Length = rd_uvarint_enc_i64(varint_Length, sizeof(varint_Length),
                                        MessageSize);
+
+        /* outboxd patch: the same bytes, gathered on the stack and written
+         * with one call for the fields before the value (the key and the
+         * value's length included) and one for the header count and
+         * headers, while they are small (most records):
+         * each rd_kafka_buf_write() finds its segment and copies, and a
+         * record with six headers made 21 of them. */
+        if (sz_Length + 1 + sz_TimestampDelta + sz_OffsetDelta + sz_KeyLen +
+                    rkm->rkm_key_len + sz_ValueLen <=
+                RD_KAFKA_MSGSET_WRITER_GATHER_MAX &&
+            sz_HeaderCount + HeaderSize <= RD_KAFKA_MSGSET_WRITER_GATHER_MAX) {
+                char gather[RD_KAFKA_MSGSET_WRITER_GATHER_MAX];
+                size_t of = 0;
+
+                memcpy(gather + of, varint_Length, sz_Length);
+                of += sz_Length;
+                gather[of++] = 0; /* Attributes */
+                memcpy(gather + of, varint_TimestampDelta, sz_TimestampDelta);
+                of += sz_TimestampDelta;
+                memcpy(gather + of, varint_OffsetDelta, sz_OffsetDelta);
+                of += sz_OffsetDelta;
+                memcpy(gather + of, varint_KeyLen, sz_KeyLen);
+                of += sz_KeyLen;
+                if (rkm->rkm_key && rkm->rkm_key_len > 0) {
+                        memcpy(gather + of, rkm->rkm_key, rkm->rkm_key_len);
+                        of += rkm->rkm_key_len;
+                }
+                memcpy(gather + of, varint_ValueLen, sz_ValueLen);
+                of += sz_ValueLen;
+                rd_kafka_buf_write(rkbuf, gather, of);
+
+                /* Write or copy Value/payload */
+                if (rkm->rkm_payload)
+                        rd_kafka_msgset_writer_write_msg_payload(msetw, rkm,
+                                                                 free_cb);
+
+                /* HeaderCount, and the headers */
+                memcpy(gather, varint_HeaderCount, sz_HeaderCount);
+                of = sz_HeaderCount;
+                if (rkm->rkm_headers) {
+                        size_t hdrs_sz =
+                            rd_kafka_msgset_writer_gather_msg_headers(
+                                gather + of, sizeof(gather) - of,
+                                rkm->rkm_headers);
+                        rd_assert(hdrs_sz == HeaderSize);
+                        of += hdrs_sz;
+                }
+                rd_kafka_buf_write(rkbuf, gather, of);
+
+                return MessageSize + sz_Length;
+        }
+
         rd_kafka_buf_write(rkbuf, varint_Length, sz_Length);
         MessageSize += sz_Length;
 
