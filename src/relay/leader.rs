@@ -63,7 +63,12 @@ impl Lease {
     /// PostgreSQL cannot have ended the session, with a quarter of
     /// `leader_timeout` to spare.
     pub fn fresh(&self) -> bool {
-        !self.lost && self.renewed_at.elapsed() < self.timeout * 3 / 4
+        self.fresh_at(Instant::now())
+    }
+
+    /// [`Lease::fresh`] as of `now` (a clock read the caller already has).
+    pub fn fresh_at(&self, now: Instant) -> bool {
+        !self.lost && now.saturating_duration_since(self.renewed_at) < self.timeout * 3 / 4
     }
 
     pub fn lost(&self) -> bool {
@@ -166,7 +171,12 @@ impl LeaderElection {
 
     /// Whether the lease is held and fresh.
     pub fn still_held(&self) -> bool {
-        self.leading && self.lease.borrow().fresh()
+        self.still_held_at(Instant::now())
+    }
+
+    /// [`LeaderElection::still_held`] as of `now`.
+    pub fn still_held_at(&self, now: Instant) -> bool {
+        self.leading && self.lease.borrow().fresh_at(now)
     }
 
     /// A connection whose session PostgreSQL ends when this process stops

@@ -135,7 +135,10 @@ impl Relay {
             // Fencing: nothing is read (so nothing sent) unless the leader
             // lease is fresh; a leader that was stopped finds it stale
             // before anything else (see crate::relay::leader).
-            let leading = self.election.still_held();
+            // One clock read a round: the lease and the deadlines below
+            // are judged against it.
+            let now = Instant::now();
+            let leading = self.election.still_held_at(now);
             // A failed delivery waits for the rest of its transaction's
             // reports (see `Session::pending_failure`).
             if let Some((since, _)) = &s.pending_failure {
@@ -171,10 +174,8 @@ impl Relay {
                 && !lease.has_changed().unwrap_or(true)
                 && !s.guard.has_changed().unwrap_or(true)
                 && s.durability.commit_handle().is_none()
-                && {
-                    let now = Instant::now();
-                    now < status_due && commit_at.is_none_or(|at| at > now)
-                };
+                && now < status_due
+                && commit_at.is_none_or(|at| at > now);
             let ready = if quiet {
                 ready_now(s, stream, intake)?
             } else {
