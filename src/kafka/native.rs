@@ -334,7 +334,7 @@ mod tests {
     #[test]
     fn headers_in_the_lists_room_read_back_as_added_and_free_with_it() {
         // Sizes that end on every alignment, empty names and values, and
-        // one far past the room.
+        // one far larger than the rest (all counted in the room).
         let headers: Vec<(String, Vec<u8>)> = (0..12)
             .map(|i| ("h".repeat(i), vec![b'a' + i as u8; (i * 7) % 17]))
             .chain([(String::new(), Vec::new()), ("big".into(), vec![7; 5000])])
@@ -349,8 +349,8 @@ mod tests {
             e
         };
         assert_eq!(read_back(list), expect(&[]));
-        // Headers added past the room are allocated on their own; a null
-        // value stays null.
+        // Headers added past those counted (in what is left of the room,
+        // or allocated on their own); a null value stays null.
         let more = [
             ("late".to_owned(), Some(vec![1u8; 300])),
             ("null".to_owned(), None),
@@ -385,12 +385,81 @@ mod tests {
             rdsys::rd_kafka_headers_destroy(list);
             rdsys::rd_kafka_headers_destroy(copy);
         }
-        // One header exactly filling the room, and none.
+        // One header, and none.
         let one = [("n".to_owned(), vec![9u8; 8])];
         let list = headers_list(&one).unwrap();
         assert_eq!(read_back(list), vec![("n".to_owned(), Some(vec![9u8; 8]))]);
         unsafe { rdsys::rd_kafka_headers_destroy(list) };
         assert!(headers_list::<String>(&[]).unwrap().is_null());
+    }
+
+    /// Where librdkafka keeps header `idx`'s name.
+    fn name_at(list: *const rdsys::rd_kafka_headers_t, idx: usize) -> usize {
+        let (mut name, mut value, mut size) = (std::ptr::null(), std::ptr::null(), 0usize);
+        // SAFETY: a valid list holding header `idx`.
+        let err = unsafe { rdsys::rd_kafka_header_get_all(list, idx, &mut name, &mut value, &mut size) };
+        assert!(!err.is_error());
+        name as usize
+    }
+
+    #[test]
+    fn a_header_that_fits_the_room_is_placed_in_it_and_one_past_it_is_not() {
+        // On 64-bit, the list takes 64 bytes and a header 36 before its
+        // name, value and their two NULs, rounded up to 8: a room for one
+        // header of no data is 40 + 8 bytes of slack, so one of 10 bytes
+        // of name and value fills it exactly.
+        // SAFETY: a new list, destroyed below.
+        let list = unsafe { super::rd_kafka_headers_new_sized(1, 0) };
+        let add = |name: &str, value: &[u8]| {
+            // SAFETY: a valid list, name and value.
+            let err = unsafe {
+                rdsys::rd_kafka_header_add(
+                    list,
+                    name.as_ptr().cast(),
+                    name.len() as isize,
+                    value.as_ptr().cast(),
+                    value.len() as isize,
+                )
+            };
+            assert!(!err.is_error());
+        };
+        add("ab", b"12345678");
+        add("c", b"9");
+        let (start, end) = (list as usize, list as usize + 64 + 48);
+        let first = name_at(list, 0);
+        assert!(
+            (start + 64..end).contains(&first),
+            "the first header is in the list's room"
+        );
+        assert_eq!((first - start - 64) % 8, 36 % 8, "and aligned as its struct is");
+        let second = name_at(list, 1);
+        assert!(
+            !(start..end).contains(&second),
+            "the second is allocated on its own"
+        );
+        assert_eq!(
+            read_back(list),
+            vec![
+                ("ab".to_owned(), Some(b"12345678".to_vec())),
+                ("c".to_owned(), Some(b"9".to_vec()))
+            ]
+        );
+        // SAFETY: the list is ours; destroyed once.
+        unsafe { rdsys::rd_kafka_headers_destroy(list) };
+        // What `headers` asks for holds every header it adds.
+        let these: Vec<(String, Vec<u8>)> = (0..7).map(|i| (format!("n{i}"), vec![b'x'; i * 13])).collect();
+        let list = headers_list(&these).unwrap();
+        // The list, then 40 bytes a header, the data rounded up to 8
+        // (2 × 7 + 13 × 21 = 287 bytes), and 8 bytes of slack a header.
+        let (start, end) = (list as usize, list as usize + 64 + 7 * 40 + 288 + 7 * 8);
+        for i in 0..these.len() {
+            assert!(
+                (start + 64..end).contains(&name_at(list, i)),
+                "header {i} is in the list's room"
+            );
+        }
+        // SAFETY: as above.
+        unsafe { rdsys::rd_kafka_headers_destroy(list) };
     }
 
     #[test]

@@ -157,6 +157,11 @@ impl Relay {
             // PostgreSQL transactions, once nothing is in flight (see
             // `parking`'s "Handback").
             let handing_back = s.open.is_none() && self.handback_due();
+            // Only a round that isolates a transaction may wait in
+            // `end_isolation` (a producer swap: up to the commit timeout),
+            // which makes `now` stale: such a round takes the select,
+            // whose timers see the time that passed.
+            let may_wait = s.isolating;
             let intake = s.pending_failure.is_none()
                 && !handing_back
                 && leading
@@ -170,6 +175,7 @@ impl Relay {
             // one event, as long as nothing the select watches has
             // happened; every QUICK_ROUNDS rounds the select runs anyway.
             let quiet = quick < QUICK_ROUNDS
+                && !may_wait
                 && !shutdown.has_changed().unwrap_or(true)
                 && !lease.has_changed().unwrap_or(true)
                 && !s.guard.has_changed().unwrap_or(true)

@@ -128,6 +128,7 @@ fn records_of_every_shape_read_back_byte_for_byte() {
     use outboxd::kafka::native::{Outgoing, Topics};
     use rdkafka::message::{Header, OwnedHeaders};
 
+    const TIMESTAMP: i64 = 1_700_000_000_000;
     let brokers = broker().brokers.clone();
     let topic = format!("record-shapes-{}", uuid::Uuid::new_v4().simple());
     create_topics_sized(&brokers, std::slice::from_ref(&topic), 1, &[]);
@@ -152,10 +153,14 @@ fn records_of_every_shape_read_back_byte_for_byte() {
         ),
         (Some(b"k".to_vec()), None, Vec::new()),
         (Some(vec![b'k'; 2_000]), Some(vec![b'v'; 100]), headers(2, 10)),
-        // Keys about the bound: the fields before the value take the key
-        // and 9 to 12 bytes more.
-        (Some(vec![b'k'; 1_010]), Some(vec![b'v'; 10]), headers(1, 1)),
-        (Some(vec![b'k'; 1_020]), Some(vec![b'v'; 10]), headers(1, 1)),
+        // Keys at the bound: with every record's timestamp the batch's
+        // first (a delta of 0, 1 byte) and fewer than 64 records in a
+        // batch (an offset delta of 1 byte), the fields before a 10-byte
+        // value take the key and 8 bytes more (length 2, attributes 1,
+        // the deltas 2, key length 2, value length 1): exactly 1,024,
+        // then 1,025.
+        (Some(vec![b'k'; 1_016]), Some(vec![b'v'; 10]), headers(1, 1)),
+        (Some(vec![b'k'; 1_017]), Some(vec![b'v'; 10]), headers(1, 1)),
         (Some(b"big".to_vec()), Some(vec![b'v'; 70_000]), headers(3, 500)),
         (Some(b"edge".to_vec()), Some(vec![b'v'; 300]), headers_of(1_024)),
         (Some(b"edge+1".to_vec()), Some(vec![b'v'; 300]), headers_of(1_025)),
@@ -177,7 +182,7 @@ fn records_of_every_shape_read_back_byte_for_byte() {
             key: key.as_deref().unwrap_or_default(),
             value: value.as_deref(),
             headers: hdrs.as_slice(),
-            timestamp_ms: 1_700_000_000_000,
+            timestamp_ms: TIMESTAMP,
         };
         topics.produce(&record, 0).unwrap();
     }
@@ -193,7 +198,10 @@ fn records_of_every_shape_read_back_byte_for_byte() {
                 value: (!null).then_some(v.as_slice()),
             });
         }
-        let mut record = BaseRecord::<[u8], [u8]>::to(&topic).partition(0).headers(owned);
+        let mut record = BaseRecord::<[u8], [u8]>::to(&topic)
+            .partition(0)
+            .timestamp(TIMESTAMP)
+            .headers(owned);
         if let Some(k) = key {
             record = record.key(k.as_slice());
         }
@@ -209,9 +217,11 @@ fn records_of_every_shape_read_back_byte_for_byte() {
     for (i, (got, (key, value, hdrs))) in read.iter().zip(&expected).enumerate() {
         let what = format!("record {i} ({} header(s))", hdrs.len());
         match key {
-            // outboxd's path sends an empty key for none.
-            Some(k) => assert_eq!(&got.key_bytes, k, "{what}: key"),
-            None => assert!(got.key_bytes.is_empty(), "{what}: null key"),
+            Some(k) => {
+                assert!(!got.null_key, "{what}: not a null key");
+                assert_eq!(&got.key_bytes, k, "{what}: key");
+            }
+            None => assert!(got.null_key, "{what}: a null key"),
         }
         match value {
             Some(v) => {
@@ -221,5 +231,11 @@ fn records_of_every_shape_read_back_byte_for_byte() {
             None => assert!(got.null_value, "{what}: a null value"),
         }
         assert_eq!(&got.headers, hdrs, "{what}: headers");
+        let null: Vec<String> = if i == expected.len() - 1 {
+            vec!["null".into()]
+        } else {
+            Vec::new()
+        };
+        assert_eq!(got.null_headers, null, "{what}: null header values");
     }
 }

@@ -536,6 +536,11 @@ pub struct Consumed {
     pub value: Vec<u8>,
     /// The value is null (a tombstone), not merely empty.
     pub null_value: bool,
+    /// The key is null, not merely empty.
+    pub null_key: bool,
+    /// Null header values read as empty in `headers`; these are the
+    /// names of those that were null.
+    pub null_headers: Vec<String>,
     pub headers: Vec<(String, Vec<u8>)>,
     pub timestamp_ms: Option<i64>,
 }
@@ -711,6 +716,16 @@ fn read(
                 key_bytes: m.key().unwrap_or_default().to_vec(),
                 value: m.payload().unwrap_or_default().to_vec(),
                 null_value: m.payload().is_none(),
+                null_key: m.key().is_none(),
+                null_headers: m
+                    .headers()
+                    .map(|h| {
+                        h.iter()
+                            .filter(|h| h.value.is_none())
+                            .map(|h| h.key.to_owned())
+                            .collect()
+                    })
+                    .unwrap_or_default(),
                 headers: m
                     .headers()
                     .map(|h| {
