@@ -251,18 +251,8 @@ fn headers<H: AsRef<str>>(headers: &[(H, Vec<u8>)]) -> Result<*mut rdsys::rd_kaf
     // SAFETY: a new list, owned here until producev takes it.
     let list = unsafe { rd_kafka_headers_new_sized(headers.len(), data) };
     for (name, value) in headers {
-        let name = name.as_ref();
-        // SAFETY: name and value are valid for their lengths; librdkafka
-        // copies both.
-        let err = unsafe {
-            rdsys::rd_kafka_header_add(
-                list,
-                name.as_ptr().cast(),
-                name.len() as isize,
-                value.as_ptr().cast(),
-                value.len() as isize,
-            )
-        };
+        // SAFETY: the list is valid, ours until producev takes it.
+        let err = unsafe { add_header(list, name.as_ref(), Some(value)) };
         if err.is_error() {
             // SAFETY: the list is ours (not given to librdkafka yet).
             unsafe { rdsys::rd_kafka_headers_destroy(list) }
@@ -270,6 +260,30 @@ fn headers<H: AsRef<str>>(headers: &[(H, Vec<u8>)]) -> Result<*mut rdsys::rd_kaf
         }
     }
     Ok(list)
+}
+
+/// Adds a header to `list` (a null value for `None`); librdkafka copies
+/// name and value.
+///
+/// # Safety
+/// `list` is a valid header list that no other thread uses.
+unsafe fn add_header(
+    list: *mut rdsys::rd_kafka_headers_t,
+    name: &str,
+    value: Option<&[u8]>,
+) -> rdsys::rd_kafka_resp_err_t {
+    let (ptr, len) = value.map_or((std::ptr::null(), 0), |v| (v.as_ptr(), v.len()));
+    // SAFETY: name and value are valid for their lengths (a null value
+    // with length 0); the caller vouches for the list.
+    unsafe {
+        rdsys::rd_kafka_header_add(
+            list,
+            name.as_ptr().cast(),
+            name.len() as isize,
+            ptr.cast(),
+            len as isize,
+        )
+    }
 }
 
 #[cfg(test)]
@@ -356,19 +370,8 @@ mod tests {
             ("null".to_owned(), None),
         ];
         for (name, value) in &more {
-            let (ptr, len) = value
-                .as_ref()
-                .map_or((std::ptr::null(), 0), |v| (v.as_ptr(), v.len()));
-            // SAFETY: a valid list, name and value.
-            let err = unsafe {
-                rdsys::rd_kafka_header_add(
-                    list,
-                    name.as_ptr().cast(),
-                    name.len() as isize,
-                    ptr.cast(),
-                    len as isize,
-                )
-            };
+            // SAFETY: a valid list.
+            let err = unsafe { super::add_header(list, name, value.as_deref()) };
             assert!(!err.is_error());
         }
         assert_eq!(read_back(list), expect(&more));
@@ -411,16 +414,8 @@ mod tests {
         // SAFETY: a new list, destroyed below.
         let list = unsafe { super::rd_kafka_headers_new_sized(1, 0) };
         let add = |name: &str, value: &[u8]| {
-            // SAFETY: a valid list, name and value.
-            let err = unsafe {
-                rdsys::rd_kafka_header_add(
-                    list,
-                    name.as_ptr().cast(),
-                    name.len() as isize,
-                    value.as_ptr().cast(),
-                    value.len() as isize,
-                )
-            };
+            // SAFETY: a valid list.
+            let err = unsafe { super::add_header(list, name, Some(value)) };
             assert!(!err.is_error());
         };
         add("ab", b"12345678");
