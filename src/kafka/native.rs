@@ -323,16 +323,25 @@ mod tests {
         }
     }
 
+    /// Header `idx` of `list` as librdkafka keeps it: where its name and
+    /// value are, and the value's size; `None` past the last.
+    fn header_at(
+        list: *const rdsys::rd_kafka_headers_t,
+        idx: usize,
+    ) -> Option<(*const std::ffi::c_char, *const std::ffi::c_void, usize)> {
+        let (mut name, mut value, mut size) = (std::ptr::null(), std::ptr::null(), 0usize);
+        // SAFETY: a valid list; librdkafka fills the out-pointers.
+        let err = unsafe { rdsys::rd_kafka_header_get_all(list, idx, &mut name, &mut value, &mut size) };
+        (!err.is_error()).then_some((name, value, size))
+    }
+
     /// Every header of `list`, in order, as librdkafka reads them back.
     fn read_back(list: *const rdsys::rd_kafka_headers_t) -> Vec<(String, Option<Vec<u8>>)> {
         let mut out = Vec::new();
         for idx in 0.. {
-            let (mut name, mut value, mut size) = (std::ptr::null(), std::ptr::null(), 0usize);
-            // SAFETY: a valid list; librdkafka fills the out-pointers.
-            let err = unsafe { rdsys::rd_kafka_header_get_all(list, idx, &mut name, &mut value, &mut size) };
-            if err.is_error() {
+            let Some((name, value, size)) = header_at(list, idx) else {
                 break;
-            }
+            };
             // SAFETY: librdkafka's NUL-terminated name, and value of `size` bytes (or null).
             let name = unsafe { std::ffi::CStr::from_ptr(name) }
                 .to_str()
@@ -398,11 +407,7 @@ mod tests {
 
     /// Where librdkafka keeps header `idx`'s name.
     fn name_at(list: *const rdsys::rd_kafka_headers_t, idx: usize) -> usize {
-        let (mut name, mut value, mut size) = (std::ptr::null(), std::ptr::null(), 0usize);
-        // SAFETY: a valid list holding header `idx`.
-        let err = unsafe { rdsys::rd_kafka_header_get_all(list, idx, &mut name, &mut value, &mut size) };
-        assert!(!err.is_error());
-        name as usize
+        header_at(list, idx).expect("the header is in the list").0 as usize
     }
 
     #[test]
