@@ -61,6 +61,7 @@ mod replicas;
 mod scaling;
 mod sources;
 mod topics;
+mod warm;
 mod watch;
 
 use std::collections::HashMap;
@@ -70,8 +71,8 @@ use std::time::{Duration, Instant};
 use harness::broker::{create_topics_with, dedicated as dedicated_broker};
 use harness::postgres::{dedicated, PgServer};
 use measure::{
-    ack_histogram, commit_histogram, histogram_quantile, median, percentile, scrape, started_at, unix_now,
-    usage,
+    ack_histogram, commit_histogram, histogram_quantile, median, percentile, scrape, started_at, thread_cpu,
+    thread_cpu_delta, unix_now, usage,
 };
 use outboxd::Lsn;
 use relays::{Kind, Running, Setting};
@@ -320,6 +321,8 @@ struct Drain {
     /// The brokers' CPU from the relay's start to the drain's end: what
     /// the relay's requests cost on the Kafka side.
     broker_cpu_s: f64,
+    /// Of it, the broker's JIT compiler threads (`warm`).
+    broker_jit_s: f64,
 }
 
 impl Drain {
@@ -340,12 +343,17 @@ impl Drain {
         self.broker_cpu_s / (events as f64 / 100_000.0)
     }
 
+    fn broker_jit_per_100k(&self, events: usize) -> f64 {
+        self.broker_jit_s / (events as f64 / 100_000.0)
+    }
+
     fn json(&self, events: usize) -> Value {
         json!({"seconds": self.secs(), "seconds_to_confirmed": self.confirmed_s, "seconds_to_all_in_kafka": self.in_kafka_s,
                "events_in_kafka": self.in_kafka, "events_per_second": self.rate(events),
                "peak_rss_mib": self.rss_mib, "cpu_seconds": self.cpu_s,
                "cpu_seconds_per_100k_events": self.cpu_per_100k(events),
-               "broker_cpu_seconds_per_100k_events": self.broker_cpu_per_100k(events)})
+               "broker_cpu_seconds_per_100k_events": self.broker_cpu_per_100k(events),
+               "broker_jit_cpu_seconds_per_100k_events": self.broker_jit_per_100k(events)})
     }
 }
 
@@ -399,6 +407,8 @@ async fn drain_into(
     let before = in_topics();
     let broker_cpu = || -> f64 { s.broker_pids.iter().map(|&p| usage(p).1).sum() };
     let broker_cpu_before = broker_cpu();
+    let broker_jit_before = warm::compiler_and_total(&s.broker_pids).0;
+    let broker_threads_before: Vec<_> = s.broker_pids.iter().map(|&p| thread_cpu(p)).collect();
     // Debezium's start returns once its task streams, seconds into the
     // drain: start it beside the sampling.
     let mut starter = Some({
@@ -455,6 +465,14 @@ async fn drain_into(
     let start = started_at(pid);
     let (rss_mib, cpu_s) = usage(pid);
     let broker_cpu_s = broker_cpu() - broker_cpu_before;
+    let broker_jit_s = warm::compiler_and_total(&s.broker_pids).0 - broker_jit_before;
+    for (before, &p) in broker_threads_before.iter().zip(&s.broker_pids) {
+        eprintln!(
+            "bench: {} drain, the broker's threads: {}",
+            kind.name(),
+            thread_cpu_delta(before, &thread_cpu(p))
+        );
+    }
     tokio::task::block_in_place(|| running.stop());
     Drain {
         confirmed_s: at_confirmed.unwrap() - start,
@@ -463,6 +481,7 @@ async fn drain_into(
         rss_mib,
         cpu_s,
         broker_cpu_s,
+        broker_jit_s,
     }
 }
 
@@ -527,9 +546,6 @@ struct Latency {
     cpu_us_per_event: f64,
     steady_cpu_us_per_event: f64,
 }
-
-/// Most rounds of the broker's warm-up before the first drain.
-const WARM_UP_ROUNDS: usize = 8;
 
 /// The steady load whose CPU per event is reported on its own: a rate
 /// where a relay mostly waits, so what it spends per event is its
@@ -948,23 +964,18 @@ async fn main() {
 
     // The broker's first loads are slower (its JIT, its page cache): the
     // ceiling's producer warms it with the same records before anything
-    // is measured, round after round until two rounds in a row agree
-    // within 10% (at most WARM_UP_ROUNDS), so that the first drain meets
-    // a warm broker. One round was not enough: the drains made minutes
-    // later, in the scaling table, ran up to 45% faster on the same rows.
+    // is measured, round after round until the broker's JIT compiler has
+    // settled (`warm`), so that the first drain meets a warm broker. Each
+    // drain reports what the compiler still took.
     eprintln!("bench: warming the broker");
-    let mut warm_rates = Vec::new();
-    let warm = loop {
+    let (mut last_round, mut warm_rates) = (None, Vec::new());
+    warm::until_settled(&s.broker_pids, |_| {
         let round = ceiling::run(&s.brokers, "warm-up", n.min(200_000), &s.outboxd_kafka);
         eprintln!("bench: warm-up: {:.0} events/s", round.rate());
-        let steady = warm_rates
-            .last()
-            .is_some_and(|last: &f64| (round.rate() - last).abs() <= 0.1 * last);
         warm_rates.push(round.rate());
-        if steady || warm_rates.len() >= WARM_UP_ROUNDS {
-            break round;
-        }
-    };
+        last_round = Some(round);
+    });
+    let warm = last_round.expect("a warm-up round ran");
     // b, then a: pg_recvlogical before and after the relays, so neither
     // side gets the warmer cache; the faster run is the decoding limit.
     eprintln!("bench: pg_recvlogical (before)");

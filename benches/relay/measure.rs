@@ -53,6 +53,58 @@ pub fn usage(pid: u32) -> (f64, f64) {
     (hwm_kib / 1024.0, ticks / clk_tck())
 }
 
+/// CPU seconds of a process's threads by class: each thread's name with
+/// its digits and trailing separators dropped (`C2 CompilerThread0` and
+/// `C2 CompilerThread1` are one class), so a JVM's request handlers, its
+/// network threads, its JIT compilers and its garbage collector each show.
+pub fn thread_cpu(pid: u32) -> std::collections::BTreeMap<String, f64> {
+    let mut out = std::collections::BTreeMap::new();
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return out;
+    };
+    let tck = clk_tck();
+    for task in tasks.flatten() {
+        let Ok(stat) = std::fs::read_to_string(task.path().join("stat")) else {
+            continue;
+        };
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            continue;
+        };
+        let class: String = stat[open + 1..close]
+            .chars()
+            .filter(|c| !c.is_ascii_digit())
+            .collect::<String>()
+            .trim_end_matches(['-', '_', '#', ' '])
+            .to_owned();
+        let ticks: f64 = stat[close + 1..]
+            .split_whitespace()
+            .skip(11)
+            .take(2)
+            .filter_map(|f| f.parse::<f64>().ok())
+            .sum();
+        *out.entry(class).or_insert(0.0) += ticks / tck;
+    }
+    out
+}
+
+/// What each thread class spent between two readings of [`thread_cpu`],
+/// the largest first, as "class 0.12 s" items.
+pub fn thread_cpu_delta(
+    before: &std::collections::BTreeMap<String, f64>,
+    after: &std::collections::BTreeMap<String, f64>,
+) -> String {
+    let mut rows: Vec<(&String, f64)> = after
+        .iter()
+        .map(|(k, v)| (k, v - before.get(k).copied().unwrap_or(0.0)))
+        .filter(|(_, d)| *d >= 0.01)
+        .collect();
+    rows.sort_by(|a, b| b.1.total_cmp(&a.1));
+    rows.iter()
+        .map(|(k, d)| format!("{k} {d:.2} s"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// When a running process started, in Unix seconds (to the kernel's clock
 /// tick, 10 ms). Start-up is measured from here for every relay, so the
 /// launcher in front of it (a shell script for Kafka Connect) is not
