@@ -547,6 +547,9 @@ struct Latency {
     steady_cpu_us_per_event: f64,
 }
 
+/// Most rounds of the broker's warm-up before the first drain.
+const WARM_UP_ROUNDS: usize = 8;
+
 /// The steady load whose CPU per event is reported on its own: a rate
 /// where a relay mostly waits, so what it spends per event is its
 /// wake-ups, not its batching.
@@ -964,18 +967,27 @@ async fn main() {
 
     // The broker's first loads are slower (its JIT, its page cache): the
     // ceiling's producer warms it with the same records before anything
-    // is measured, round after round until the broker's JIT compiler has
-    // settled (`warm`), so that the first drain meets a warm broker. Each
-    // drain reports what the compiler still took.
+    // is measured, round after round until two rounds in a row agree
+    // within 10% (at most WARM_UP_ROUNDS), so that the first drain meets
+    // a warm broker. One round was not enough: the drains made minutes
+    // later, in the scaling table, ran up to 45% faster on the same rows.
+    // (Waiting for the broker's JIT compiler to settle, as the many-topics
+    // run does, did not end here: with one topic a round costs the broker
+    // 0.2–0.5 s, and the compiler's bursts of 0.1–0.3 s kept coming after
+    // 40 rounds. Each drain reports what the compiler took.)
     eprintln!("bench: warming the broker");
-    let (mut last_round, mut warm_rates) = (None, Vec::new());
-    warm::until_settled(&s.broker_pids, |_| {
+    let mut warm_rates = Vec::new();
+    let warm = loop {
         let round = ceiling::run(&s.brokers, "warm-up", n.min(200_000), &s.outboxd_kafka);
         eprintln!("bench: warm-up: {:.0} events/s", round.rate());
+        let steady = warm_rates
+            .last()
+            .is_some_and(|last: &f64| (round.rate() - last).abs() <= 0.1 * last);
         warm_rates.push(round.rate());
-        last_round = Some(round);
-    });
-    let warm = last_round.expect("a warm-up round ran");
+        if steady || warm_rates.len() >= WARM_UP_ROUNDS {
+            break round;
+        }
+    };
     // b, then a: pg_recvlogical before and after the relays, so neither
     // side gets the warmer cache; the faster run is the decoding limit.
     eprintln!("bench: pg_recvlogical (before)");
