@@ -71,8 +71,8 @@ use std::time::{Duration, Instant};
 use harness::broker::{create_topics_with, dedicated as dedicated_broker};
 use harness::postgres::{dedicated, PgServer};
 use measure::{
-    ack_histogram, commit_histogram, histogram_quantile, median, percentile, scrape, started_at, thread_cpu,
-    thread_cpu_delta, unix_now, usage,
+    ack_histogram, commit_histogram, histogram_quantile, median, percentile, scrape, started_at, unix_now,
+    usage,
 };
 use outboxd::Lsn;
 use relays::{Kind, Running, Setting};
@@ -323,6 +323,9 @@ struct Drain {
     broker_cpu_s: f64,
     /// Of it, the broker's JIT compiler threads (`warm`).
     broker_jit_s: f64,
+    /// A compiler thread exited during the drain: `broker_jit_s` is
+    /// counted short.
+    broker_jit_short: bool,
 }
 
 impl Drain {
@@ -343,6 +346,15 @@ impl Drain {
         self.broker_cpu_s / (events as f64 / 100_000.0)
     }
 
+    /// The broker's CPU over the drain, and its compiler's share.
+    fn broker_jit(&self) -> warm::Jit {
+        warm::Jit {
+            total_s: self.broker_cpu_s,
+            compiler_s: self.broker_jit_s,
+            short: self.broker_jit_short,
+        }
+    }
+
     fn broker_jit_per_100k(&self, events: usize) -> f64 {
         self.broker_jit_s / (events as f64 / 100_000.0)
     }
@@ -353,7 +365,8 @@ impl Drain {
                "peak_rss_mib": self.rss_mib, "cpu_seconds": self.cpu_s,
                "cpu_seconds_per_100k_events": self.cpu_per_100k(events),
                "broker_cpu_seconds_per_100k_events": self.broker_cpu_per_100k(events),
-               "broker_jit_cpu_seconds_per_100k_events": self.broker_jit_per_100k(events)})
+               "broker_jit_cpu_seconds_per_100k_events": self.broker_jit_per_100k(events),
+               "broker_jit_counted_short": self.broker_jit_short})
     }
 }
 
@@ -405,10 +418,7 @@ async fn drain_into(
     };
     // Read before the relay starts: its first records may land at once.
     let before = in_topics();
-    let broker_cpu = || -> f64 { s.broker_pids.iter().map(|&p| usage(p).1).sum() };
-    let broker_cpu_before = broker_cpu();
-    let broker_jit_before = warm::compiler_and_total(&s.broker_pids).0;
-    let broker_threads_before: Vec<_> = s.broker_pids.iter().map(|&p| thread_cpu(p)).collect();
+    let broker = warm::Meter::start(&s.broker_pids);
     // Debezium's start returns once its task streams, seconds into the
     // drain: start it beside the sampling.
     let mut starter = Some({
@@ -464,15 +474,12 @@ async fn drain_into(
     let pid = running.pid();
     let start = started_at(pid);
     let (rss_mib, cpu_s) = usage(pid);
-    let broker_cpu_s = broker_cpu() - broker_cpu_before;
-    let broker_jit_s = warm::compiler_and_total(&s.broker_pids).0 - broker_jit_before;
-    for (before, &p) in broker_threads_before.iter().zip(&s.broker_pids) {
-        eprintln!(
-            "bench: {} drain, the broker's threads: {}",
-            kind.name(),
-            thread_cpu_delta(before, &thread_cpu(p))
-        );
-    }
+    let (broker_jit, broker_threads) = broker.stop();
+    eprintln!(
+        "bench: {} drain, the broker's threads: {}",
+        kind.name(),
+        broker_threads.summary()
+    );
     tokio::task::block_in_place(|| running.stop());
     Drain {
         confirmed_s: at_confirmed.unwrap() - start,
@@ -480,8 +487,9 @@ async fn drain_into(
         in_kafka,
         rss_mib,
         cpu_s,
-        broker_cpu_s,
-        broker_jit_s,
+        broker_cpu_s: broker_jit.total_s,
+        broker_jit_s: broker_jit.compiler_s,
+        broker_jit_short: broker_jit.short,
     }
 }
 

@@ -53,56 +53,122 @@ pub fn usage(pid: u32) -> (f64, f64) {
     (hwm_kib / 1024.0, ticks / clk_tck())
 }
 
-/// CPU seconds of a process's threads by class: each thread's name with
+/// One reading of the threads of some processes: each thread's id, class
+/// and CPU seconds (`utime + stime`). The class is the thread's name with
 /// its digits and trailing separators dropped (`C2 CompilerThread0` and
 /// `C2 CompilerThread1` are one class), so a JVM's request handlers, its
 /// network threads, its JIT compilers and its garbage collector each show.
-pub fn thread_cpu(pid: u32) -> std::collections::BTreeMap<String, f64> {
+#[derive(Clone, Debug, Default)]
+pub struct Threads(std::collections::BTreeMap<(u32, u32), (String, f64)>);
+
+/// The threads of `pids` now (a process that is gone has none).
+pub fn threads(pids: &[u32]) -> Threads {
     let mut out = std::collections::BTreeMap::new();
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-        return out;
-    };
     let tck = clk_tck();
-    for task in tasks.flatten() {
-        let Ok(stat) = std::fs::read_to_string(task.path().join("stat")) else {
+    for &pid in pids {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
             continue;
         };
-        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
-            continue;
-        };
-        let class: String = stat[open + 1..close]
-            .chars()
-            .filter(|c| !c.is_ascii_digit())
-            .collect::<String>()
-            .trim_end_matches(['-', '_', '#', ' '])
-            .to_owned();
-        let ticks: f64 = stat[close + 1..]
-            .split_whitespace()
-            .skip(11)
-            .take(2)
-            .filter_map(|f| f.parse::<f64>().ok())
-            .sum();
-        *out.entry(class).or_insert(0.0) += ticks / tck;
+        for task in tasks.flatten() {
+            let Some(tid) = task.file_name().to_str().and_then(|t| t.parse::<u32>().ok()) else {
+                continue;
+            };
+            // A thread that exits while the directory is read has no stat.
+            let Ok(stat) = std::fs::read_to_string(task.path().join("stat")) else {
+                continue;
+            };
+            let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+                continue;
+            };
+            let class: String = stat[open + 1..close]
+                .chars()
+                .filter(|c| !c.is_ascii_digit())
+                .collect::<String>()
+                .trim_end_matches(['-', '_', '#', ' '])
+                .to_owned();
+            // After the name: state, then utime and stime at 11 and 12
+            // (fields 14 and 15 of proc(5)).
+            let ticks: f64 = stat[close + 1..]
+                .split_whitespace()
+                .skip(11)
+                .take(2)
+                .filter_map(|f| f.parse::<f64>().ok())
+                .sum();
+            out.insert((pid, tid), (class, ticks / tck));
+        }
     }
-    out
+    Threads(out)
 }
 
-/// What each thread class spent between two readings of [`thread_cpu`],
-/// the largest first, as "class 0.12 s" items.
-pub fn thread_cpu_delta(
-    before: &std::collections::BTreeMap<String, f64>,
-    after: &std::collections::BTreeMap<String, f64>,
-) -> String {
-    let mut rows: Vec<(&String, f64)> = after
-        .iter()
-        .map(|(k, v)| (k, v - before.get(k).copied().unwrap_or(0.0)))
-        .filter(|(_, d)| *d >= 0.01)
-        .collect();
-    rows.sort_by(|a, b| b.1.total_cmp(&a.1));
-    rows.iter()
-        .map(|(k, d)| format!("{k} {d:.2} s"))
-        .collect::<Vec<_>>()
-        .join(", ")
+/// What each thread class spent between two readings.
+#[derive(Clone, Debug, Default)]
+pub struct ThreadDelta {
+    /// CPU seconds by class, of the threads alive at the later reading.
+    pub by_class: std::collections::BTreeMap<String, f64>,
+    /// The classes of the threads that exited between the readings: their
+    /// CPU since the earlier one is not in `by_class` (the kernel keeps it
+    /// only in the process's total), so a class listed here is counted
+    /// short.
+    pub exited: Vec<String>,
+}
+
+impl Threads {
+    /// What the threads spent from this reading to `later`.
+    pub fn delta(&self, later: &Threads) -> ThreadDelta {
+        let mut by_class = std::collections::BTreeMap::new();
+        for (id, (class, secs)) in &later.0 {
+            let before = self.0.get(id).map_or(0.0, |(_, s)| *s);
+            *by_class.entry(class.clone()).or_insert(0.0) += secs - before;
+        }
+        let exited = self
+            .0
+            .iter()
+            .filter(|(id, _)| !later.0.contains_key(id))
+            .map(|(_, (class, _))| class.clone())
+            .collect();
+        ThreadDelta { by_class, exited }
+    }
+}
+
+impl ThreadDelta {
+    /// The CPU seconds of the classes `matching` picks.
+    pub fn of(&self, matching: impl Fn(&str) -> bool) -> f64 {
+        self.by_class
+            .iter()
+            .filter(|(class, _)| matching(class))
+            .map(|(_, s)| s)
+            .sum()
+    }
+
+    /// Whether a thread of a class `matching` picks exited between the
+    /// readings (so [`ThreadDelta::of`] counts it short).
+    pub fn lost(&self, matching: impl Fn(&str) -> bool) -> bool {
+        self.exited.iter().any(|class| matching(class))
+    }
+
+    /// The classes, the largest first, as "class 0.12 s" items, and those
+    /// with threads that exited.
+    pub fn summary(&self) -> String {
+        let mut rows: Vec<(&String, f64)> = self
+            .by_class
+            .iter()
+            .map(|(k, v)| (k, *v))
+            .filter(|(_, d)| *d >= 0.01)
+            .collect();
+        rows.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let mut out = rows
+            .iter()
+            .map(|(k, d)| format!("{k} {d:.2} s"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        if !self.exited.is_empty() {
+            out.push_str(&format!(
+                "; exited meanwhile, not counted since: {}",
+                self.exited.join(", ")
+            ));
+        }
+        out
+    }
 }
 
 /// When a running process started, in Unix seconds (to the kernel's clock
