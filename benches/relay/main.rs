@@ -71,8 +71,8 @@ use std::time::{Duration, Instant};
 use harness::broker::{create_topics_with, dedicated as dedicated_broker};
 use harness::postgres::{dedicated, PgServer};
 use measure::{
-    ack_histogram, commit_histogram, histogram_quantile, median, percentile, scrape, started_at, unix_now,
-    usage,
+    ack_histogram, broker_log_dirs, commit_histogram, histogram_quantile, median, percentile, scrape,
+    started_at, stored_batches, unix_now, usage,
 };
 use outboxd::Lsn;
 use relays::{Kind, Running, Setting};
@@ -326,6 +326,10 @@ struct Drain {
     /// A compiler thread exited during the drain: `broker_jit_s` is
     /// counted short.
     broker_jit_short: bool,
+    /// The record batches the broker stored for the drain, and their
+    /// records (its log segments, from the partitions' ends at the start).
+    stored_batches: u64,
+    stored_records: u64,
 }
 
 impl Drain {
@@ -366,7 +370,8 @@ impl Drain {
                "cpu_seconds_per_100k_events": self.cpu_per_100k(events),
                "broker_cpu_seconds_per_100k_events": self.broker_cpu_per_100k(events),
                "broker_jit_cpu_seconds_per_100k_events": self.broker_jit_per_100k(events),
-               "broker_jit_counted_short": self.broker_jit_short})
+               "broker_jit_counted_short": self.broker_jit_short,
+               "stored_batches": self.stored_batches, "stored_records": self.stored_records})
     }
 }
 
@@ -418,6 +423,13 @@ async fn drain_into(
     };
     // Read before the relay starts: its first records may land at once.
     let before = in_topics();
+    // Where each partition stood, to count the batches this drain stored.
+    let partitions_before: Vec<Vec<i64>> = tokio::task::block_in_place(|| {
+        topics
+            .iter()
+            .map(|t| watch::high_watermarks(&wm, t, PARTITIONS))
+            .collect()
+    });
     let broker = warm::Meter::start(&s.broker_pids);
     // Debezium's start returns once its task streams, seconds into the
     // drain: start it beside the sampling.
@@ -475,6 +487,19 @@ async fn drain_into(
     let start = started_at(pid);
     let (rss_mib, cpu_s) = usage(pid);
     let (broker_jit, broker_threads) = broker.stop();
+    // The batches the broker stored for this drain (what each of the
+    // relay's requests carried per partition).
+    let dirs: Vec<_> = s.broker_pids.iter().flat_map(|&p| broker_log_dirs(p)).collect();
+    let (batches, batched) = topics
+        .iter()
+        .zip(&partitions_before)
+        .map(|(t, from)| stored_batches(&dirs, t, from))
+        .fold((0, 0), |(b, r), (b2, r2)| (b + b2, r + r2));
+    eprintln!(
+        "bench: {} drain: {batches} stored batches, {:.0} records per batch",
+        kind.name(),
+        batched as f64 / batches.max(1) as f64
+    );
     eprintln!(
         "bench: {} drain, the broker's threads: {}",
         kind.name(),
@@ -490,6 +515,8 @@ async fn drain_into(
         broker_cpu_s: broker_jit.total_s,
         broker_jit_s: broker_jit.compiler_s,
         broker_jit_short: broker_jit.short,
+        stored_batches: batches,
+        stored_records: batched,
     }
 }
 

@@ -171,6 +171,60 @@ impl ThreadDelta {
     }
 }
 
+/// The log directories of the broker process `pid`: `log.dirs` (or
+/// `log.dir`) of the `server.properties` its command line names.
+pub fn broker_log_dirs(pid: u32) -> Vec<std::path::PathBuf> {
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    let Some(props) = cmdline
+        .split(|b| *b == 0)
+        .filter_map(|a| std::str::from_utf8(a).ok())
+        .find(|a| a.ends_with("server.properties"))
+    else {
+        return Vec::new();
+    };
+    let text = std::fs::read_to_string(props).unwrap_or_default();
+    text.lines()
+        .find_map(|l| l.strip_prefix("log.dirs=").or_else(|| l.strip_prefix("log.dir=")))
+        .map(|v| v.split(',').map(|d| std::path::PathBuf::from(d.trim())).collect())
+        .unwrap_or_default()
+}
+
+/// The record batches the broker stored in `topic`'s partitions at
+/// offsets from `from[p]` on (partition `p`), read from its log segments
+/// in `dirs`: (batches, records). A v2 batch starts with its base offset
+/// (8 bytes) and length (4, what follows the first 12 bytes); its record
+/// count sits at byte 57.
+pub fn stored_batches(dirs: &[std::path::PathBuf], topic: &str, from: &[i64]) -> (u64, u64) {
+    let (mut batches, mut records) = (0u64, 0u64);
+    for (p, &first) in from.iter().enumerate() {
+        for dir in dirs {
+            let Ok(files) = std::fs::read_dir(dir.join(format!("{topic}-{p}"))) else {
+                continue;
+            };
+            for file in files.flatten() {
+                if file.path().extension().is_none_or(|e| e != "log") {
+                    continue;
+                }
+                let data = std::fs::read(file.path()).unwrap_or_default();
+                let mut at = 0usize;
+                while at + 61 <= data.len() {
+                    let base = i64::from_be_bytes(data[at..at + 8].try_into().unwrap());
+                    let length = i32::from_be_bytes(data[at + 8..at + 12].try_into().unwrap());
+                    if length <= 0 {
+                        break;
+                    }
+                    if base >= first {
+                        batches += 1;
+                        records += u64::from(u32::from_be_bytes(data[at + 57..at + 61].try_into().unwrap()));
+                    }
+                    at += 12 + length as usize;
+                }
+            }
+        }
+    }
+    (batches, records)
+}
+
 /// When a running process started, in Unix seconds (to the kernel's clock
 /// tick, 10 ms). Start-up is measured from here for every relay, so the
 /// launcher in front of it (a shell script for Kafka Connect) is not
