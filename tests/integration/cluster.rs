@@ -31,6 +31,10 @@ const TOPIC: &str = "cluster.order";
 const WRITERS: usize = 4;
 const PER_TXN: usize = 10;
 const MAX_INFLIGHT: usize = 2_000;
+/// The events acknowledged during a publication-guard round, which a
+/// restart replays too: about 0.5 s of the writers' 2,000 events/s
+/// (docs/guarantees.md, "Duplicates are possible, and bounded").
+const GUARD_ROUND_EVENTS: usize = 1_000;
 
 /// One written transaction: its events and the WAL insert positions read
 /// just before it began and just after it committed. Its commit LSN lies
@@ -356,13 +360,17 @@ async fn three_brokers_lose_their_leader_and_then_their_quorum_and_nothing_is_lo
     let duplicates = records.len() - want.len();
     // Each session that ends (a delivery that outlasted message.timeout.ms,
     // which defaults to the leader lease, while a new leader was elected)
-    // replays what it had in flight: at most kafka.max_inflight each.
+    // replays what docs/guarantees.md bounds per restart: what it had in
+    // flight (kafka.max_inflight), the transaction being read, and what
+    // was acknowledged during the last publication-guard round. (With the
+    // in-flight part alone, a full run once counted 4,146 duplicates over
+    // one restart against 4,000.)
     let (_, metrics) = crate::operations::get(http, "/metrics").await;
     let restarts = crate::operations::metric(&metrics, "outboxd_reconnects_total").unwrap_or(0.0) as usize;
     step!("failover: {duplicates} duplicates over {restarts} session restarts");
     assert!(
-        duplicates <= (restarts + 1) * MAX_INFLIGHT,
-        "{duplicates} duplicates exceed the bound of kafka.max_inflight per session restart ({restarts} restarts)"
+        duplicates <= (restarts + 1) * (MAX_INFLIGHT + PER_TXN + GUARD_ROUND_EVENTS),
+        "{duplicates} duplicates exceed the documented bound per session restart ({restarts} restarts)"
     );
     assert_confirmed_never_passed_a_missing_event(&phase1_samples, &txns, &got);
     let last_after = txns.iter().map(|t| t.after).max().unwrap();
