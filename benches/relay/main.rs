@@ -318,14 +318,10 @@ struct Drain {
     in_kafka: i64,
     rss_mib: f64,
     cpu_s: f64,
-    /// The brokers' CPU from the relay's start to the drain's end: what
-    /// the relay's requests cost on the Kafka side.
-    broker_cpu_s: f64,
-    /// Of it, the broker's JIT compiler threads (`warm`).
-    broker_jit_s: f64,
-    /// A compiler thread exited during the drain: `broker_jit_s` is
-    /// counted short.
-    broker_jit_short: bool,
+    /// The brokers' CPU from the relay's start to the drain's end (what
+    /// the relay's requests cost on the Kafka side), and of it their JIT
+    /// compiler threads' (`warm`).
+    broker: warm::Jit,
     /// The record batches the broker stored for the drain, and their
     /// records (its log segments, from the partitions' ends at the start).
     stored_batches: u64,
@@ -347,20 +343,11 @@ impl Drain {
     }
 
     fn broker_cpu_per_100k(&self, events: usize) -> f64 {
-        self.broker_cpu_s / (events as f64 / 100_000.0)
-    }
-
-    /// The broker's CPU over the drain, and its compiler's share.
-    fn broker_jit(&self) -> warm::Jit {
-        warm::Jit {
-            total_s: self.broker_cpu_s,
-            compiler_s: self.broker_jit_s,
-            short: self.broker_jit_short,
-        }
+        self.broker.total_s / (events as f64 / 100_000.0)
     }
 
     fn broker_jit_per_100k(&self, events: usize) -> f64 {
-        self.broker_jit_s / (events as f64 / 100_000.0)
+        self.broker.compiler_s / (events as f64 / 100_000.0)
     }
 
     fn json(&self, events: usize) -> Value {
@@ -370,7 +357,7 @@ impl Drain {
                "cpu_seconds_per_100k_events": self.cpu_per_100k(events),
                "broker_cpu_seconds_per_100k_events": self.broker_cpu_per_100k(events),
                "broker_jit_cpu_seconds_per_100k_events": self.broker_jit_per_100k(events),
-               "broker_jit_counted_short": self.broker_jit_short,
+               "broker_jit_counted_short": self.broker.short,
                "stored_batches": self.stored_batches, "stored_records": self.stored_records})
     }
 }
@@ -422,14 +409,15 @@ async fn drain_into(
         })
     };
     // Read before the relay starts: its first records may land at once.
-    let before = in_topics();
-    // Where each partition stood, to count the batches this drain stored.
+    // Where each partition stood also bounds the batches this drain
+    // stored.
     let partitions_before: Vec<Vec<i64>> = tokio::task::block_in_place(|| {
         topics
             .iter()
             .map(|t| watch::high_watermarks(&wm, t, PARTITIONS))
             .collect()
     });
+    let before: i64 = partitions_before.iter().flatten().sum();
     let broker = warm::Meter::start(&s.broker_pids);
     // Debezium's start returns once its task streams, seconds into the
     // drain: start it beside the sampling.
@@ -512,9 +500,7 @@ async fn drain_into(
         in_kafka,
         rss_mib,
         cpu_s,
-        broker_cpu_s: broker_jit.total_s,
-        broker_jit_s: broker_jit.compiler_s,
-        broker_jit_short: broker_jit.short,
+        broker: broker_jit,
         stored_batches: batches,
         stored_records: batched,
     }

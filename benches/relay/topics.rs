@@ -228,7 +228,7 @@ pub async fn run(
         ] {
             let d = drain_into(client, s, Kind::Outboxd, slot, route, topics, target, n).await;
             drop_slot(client, slot).await;
-            let jit = d.broker_jit();
+            let jit = d.broker;
             eprintln!(
                 "bench: warm-up drain, {} topic(s): {:.0} events/s, the broker's JIT compiler {}",
                 topics.len(),
@@ -264,7 +264,7 @@ pub async fn run(
             d.broker_cpu_per_100k(n),
             format!(
                 "{}{:.2}",
-                if d.broker_jit_short { "≥ " } else { "" },
+                if d.broker.short { "≥ " } else { "" },
                 d.broker_jit_per_100k(n)
             ),
             d.rss_mib,
