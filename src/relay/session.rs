@@ -86,7 +86,14 @@ pub(super) struct HeardRefusal {
     source: rdkafka::error::KafkaError,
 }
 
-/// The record a broker refused, rebuilt from what librdkafka handed back.
+/// The record a broker refused, or a purge gave back unsent, rebuilt from
+/// what librdkafka handed back. The partition librdkafka assigned is kept:
+/// a record sent again after a purge must go where a `partition`
+/// placement sent it (and where the partitioner put it when it was sent),
+/// or it would land beside its aggregate's later events in another
+/// partition. A record still waiting for its topic's metadata has none
+/// (librdkafka's unassigned partition): the partitioner picks again, as
+/// it would have.
 pub(super) fn record_from_message(msg: &rdkafka::message::OwnedMessage) -> KafkaRecord {
     use rdkafka::message::{Headers, Message};
     KafkaRecord {
@@ -102,7 +109,7 @@ pub(super) fn record_from_message(msg: &rdkafka::message::OwnedMessage) -> Kafka
             })
             .unwrap_or_default(),
         timestamp_ms: msg.timestamp().to_millis().unwrap_or(0),
-        partition: None,
+        partition: Some(msg.partition()).filter(|p| *p >= 0),
     }
 }
 
