@@ -41,6 +41,13 @@ pub(super) struct InFlight {
     bytes: usize,
 }
 
+impl InFlight {
+    /// The LSN of the row it carries.
+    pub(super) fn lsn(&self) -> Lsn {
+        self.lsn
+    }
+}
+
 /// The session's records in flight and the reports not yet handled.
 pub(super) struct Deliveries {
     queue: ReportQueue,

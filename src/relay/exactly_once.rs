@@ -260,21 +260,33 @@ pub async fn reset_progress(
     write_plain(cfg, topic, slot, None, timeout).await
 }
 
+/// The settings of [`write_plain`]'s producer: one keyed record of a
+/// compacted topic, `acks = all`, and not idempotent. librdkafka's
+/// idempotent producer asks for its producer id only at its next timer
+/// round once a broker is up, about half a second after start, and a slot
+/// the register does not know waits for this write before it is streamed.
+/// A retry without idempotence can only store the same record twice, which
+/// compaction and every reader (the latest record of the key) take as one;
+/// the next write to the key starts only once this one is answered.
+/// `enable.gapless.guarantee` needs idempotence, so it is turned off here
+/// too whatever `kafka.options` says (it guards a stream of records, and
+/// this producer sends one).
+pub(crate) fn plain_writer_config(cfg: &KafkaConfig, timeout: Duration) -> rdkafka::ClientConfig {
+    let mut config = crate::kafka::sink::client_config(cfg);
+    config
+        .set("client.id", "outboxd-progress-writer")
+        .set("acks", "all")
+        .set("enable.idempotence", "false")
+        .set("enable.gapless.guarantee", "false")
+        .set("message.timeout.ms", timeout.as_millis().max(1).to_string());
+    config
+}
+
 /// Writes one record (`None`: a tombstone) outside any transaction, and
-/// waits until Kafka acknowledged it.
-///
-/// A producer of its own, for one keyed record of a compacted topic, so
-/// not idempotent: librdkafka's idempotent producer asks for its producer
-/// id only at its next timer round once a broker is up, about half a
-/// second after start, and a slot the register does not know waits for
-/// this write before it is streamed. A retry without idempotence can only
-/// store the same record twice, which compaction and every reader (the
-/// latest record of the key) take as one; a later write to the key starts
-/// only once this one is answered. The connection to the partition's
-/// leader is made at once (no sparse connections, about 50 ms less), and
-/// the producer is dropped on a blocking thread after the answer: tearing
-/// down librdkafka's threads takes about 90 ms that the caller need not
-/// wait for.
+/// waits until Kafka acknowledged it (on a producer of its own, see
+/// [`plain_writer_config`]), then drops the producer on a blocking thread:
+/// tearing down librdkafka's threads takes about 90 ms that the caller
+/// need not wait for.
 pub async fn write_plain(
     cfg: &KafkaConfig,
     topic: &str,
@@ -283,15 +295,7 @@ pub async fn write_plain(
     timeout: Duration,
 ) -> Result<(), ProgressError> {
     use rdkafka::producer::{FutureProducer, FutureRecord};
-    let mut config = crate::kafka::sink::client_config(cfg);
-    config
-        .set("client.id", "outboxd-progress-writer")
-        .set("acks", "all")
-        .set("enable.idempotence", "false")
-        .set("message.timeout.ms", timeout.as_millis().max(1).to_string());
-    if !cfg.options.contains_key("enable.sparse.connections") {
-        config.set("enable.sparse.connections", "false");
-    }
+    let config = plain_writer_config(cfg, timeout);
     let producer: FutureProducer = config.create()?;
     let mut record = FutureRecord::<str, [u8]>::to(topic).key(key);
     if let Some(v) = &value {
@@ -1165,5 +1169,21 @@ mod tests {
             Some("read_committed"),
             "never overridden"
         );
+    }
+
+    /// The register's writer is made with `kafka.options` a user may set
+    /// for the relay's producers: `enable.gapless.guarantee` (which the
+    /// docs suggest) needs idempotence, which the writer turns off, and
+    /// librdkafka would refuse the pair (found by review: every register
+    /// write then failed, and with it the detection of a lost slot).
+    #[test]
+    fn the_register_writer_is_made_with_the_gapless_guarantee_asked_for() {
+        let text = "brokers = \"127.0.0.1:9\"\n[options]\n\"enable.gapless.guarantee\" = \"true\"\n\"enable.idempotence\" = \"true\"\n\"acks\" = \"1\"\n";
+        let cfg: KafkaConfig = toml::from_str(text).unwrap();
+        let config = plain_writer_config(&cfg, Duration::from_secs(1));
+        assert_eq!(config.get("enable.idempotence"), Some("false"));
+        assert_eq!(config.get("acks"), Some("all"), "never overridden");
+        let made: Result<rdkafka::producer::BaseProducer, _> = config.create();
+        assert!(made.is_ok(), "{:?}", made.err());
     }
 }
