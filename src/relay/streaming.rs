@@ -672,14 +672,16 @@ impl Relay {
                         stale = true;
                         break;
                     }
-                    // librdkafka refused the record it gave back (its
-                    // partition is gone: the topic was made again with
-                    // fewer, or a placement's partition never existed and
-                    // the record waited for the topic's metadata). The
+                    // librdkafka refused the record it gave back for good
+                    // (its partition is gone: the topic was made again
+                    // with fewer, or a placement's partition never existed
+                    // and the record waited for the topic's metadata). The
                     // next session sends the rows from the slot one per
                     // batch, where a bad row is set aside by
                     // routing.on_poison.
-                    Err(KafkaSinkError::Produce { topic, source }) => {
+                    Err(KafkaSinkError::Produce { topic, source })
+                        if matches!(Refusal::of(&source), Refusal::Record { .. }) =>
+                    {
                         return Err(RelayError::BatchRefused {
                             lsn: entry.lsn(),
                             topic,
